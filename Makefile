@@ -1,0 +1,28 @@
+# Two commands do everything on a fresh machine with Python 3.11+:
+#   make run    set up .venv and train the default experiment (lm.tiny) on this machine's CPU
+#   make test   set up .venv and run the test suite (what CI runs)
+PYTHON ?= python3
+VENV ?= .venv
+JOB_DIR ?= /tmp/shardax/lm.tiny
+EXP ?= lm.tiny
+export JAX_PLATFORMS ?= cpu
+export TF_CPP_MIN_LOG_LEVEL ?= 3
+
+.PHONY: setup run test test-slow
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q --upgrade pip
+	$(VENV)/bin/pip install -q -e '.[test]' -c constraints.txt
+	touch $@
+
+run: setup
+	$(VENV)/bin/shardax --exp=$(EXP) --job_dir=$(JOB_DIR)
+
+test: setup
+	JAX_COMPILATION_CACHE_DIR=$${JAX_COMPILATION_CACHE_DIR:-$(HOME)/.cache/shardax/jax_cache} \
+	  $(VENV)/bin/python -m pytest -n 2 -q --durations=15
+
+test-slow: setup
+	$(VENV)/bin/python -m pytest -q -m slow

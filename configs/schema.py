@@ -1,0 +1,196 @@
+"""The experiment schema: small typed dataclasses, composed (never inherited).
+
+An experiment is a `fdl.Config(Experiment, ...)` tree. Command-line `--set a.b=v`
+edits that tree; `fdl.build` then creates these dataclasses, and each
+`__post_init__` checks its own fields so a mistake is reported by field name,
+with the fix, before anything is compiled. Checks that need two sections at
+once (e.g. global batch vs. the data-parallel degree) live in `Experiment`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from shardax.sharding.mesh import MeshConfig
+
+
+class ConfigError(ValueError):
+  """A config value that cannot work; the message names the field and the fix."""
+
+
+def _require(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class PipelineConfig:
+  """Pipeline parallelism over the layer stack (stages=1 means no pipeline)."""
+  stages: int = 1
+  microbatches: int = 1
+  circular_repeats: int = 1
+
+  def __post_init__(self):
+    for f in ("stages", "microbatches", "circular_repeats"):
+      _require(getattr(self, f) >= 1, f"model.pipeline.{f}={getattr(self, f)} must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class TransformerConfig:
+  """A decoder-only Transformer language model."""
+  vocab_size: int = 256
+  num_layers: int = 4
+  d_model: int = 256
+  num_heads: int = 4
+  num_kv_heads: int | None = None     # None = num_heads (multi-head); fewer = grouped-query
+  head_dim: int | None = None         # None = d_model // num_heads
+  d_ff: int = 1024
+  max_len: int = 256
+  norm: str = "rms"                   # "rms" | "layer"
+  tied_embedding: bool = True
+  rope_theta: float = 10_000.0
+  activation: str = "silu"            # gate activation of the gated MLP
+  dtype: str = "float32"              # compute dtype: "float32" | "bfloat16"
+  param_dtype: str = "float32"
+  scan_layers: bool = True
+  remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch"
+  attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention)
+  pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+
+  def __post_init__(self):
+    _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
+    _require(self.d_model % self.num_heads == 0 or self.head_dim is not None,
+             f"model.num_heads={self.num_heads} does not divide model.d_model={self.d_model}; "
+             f"pick num_heads dividing d_model or set model.head_dim explicitly")
+    kv = self.kv_heads
+    _require(kv >= 1 and self.num_heads % kv == 0,
+             f"model.num_kv_heads={kv} must divide model.num_heads={self.num_heads} "
+             f"(grouped-query attention shares each kv head across num_heads/num_kv_heads heads)")
+    _require(self.norm in ("rms", "layer"), f"model.norm={self.norm!r}: use 'rms' or 'layer'")
+    _require(self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
+    _require(self.param_dtype in ("float32", "bfloat16"),
+             f"model.param_dtype={self.param_dtype!r}: use 'float32' or 'bfloat16'")
+    _require(self.remat in ("none", "full", "dots", "dots_no_batch"),
+             f"model.remat={self.remat!r}: use 'none', 'full', 'dots' or 'dots_no_batch'")
+    _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
+    p = self.pipeline
+    if p.stages > 1:
+      per = p.stages * p.circular_repeats
+      _require(self.num_layers % per == 0,
+               f"model.num_layers={self.num_layers} is not divisible by pipeline stages x "
+               f"circular_repeats = {p.stages} x {p.circular_repeats} = {per}")
+
+  @property
+  def kv_heads(self) -> int:
+    return self.num_kv_heads or self.num_heads
+
+  @property
+  def dim_per_head(self) -> int:
+    return self.head_dim or self.d_model // self.num_heads
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where batches come from.
+
+  source: "stdlib"    byte-level text of the Python standard library's sources
+                      (prepared once into ArrayRecord under `data_dir`);
+          "tfds:NAME" any tfds dataset already prepared under `data_dir`, field `text_key`;
+          "synthetic" random tokens (for benchmarks and dry runs).
+  """
+  source: str = "stdlib"
+  data_dir: str = "~/.cache/shardax/datasets"
+  text_key: str = "text"
+  seq_len: int = 256
+  validation_fraction: float = 0.05
+  seed: int = 0
+  worker_count: int = 0
+
+  def __post_init__(self):
+    _require(self.source in ("stdlib", "synthetic") or self.source.startswith("tfds:"),
+             f"data.source={self.source!r}: use 'stdlib', 'synthetic' or 'tfds:NAME'")
+    _require(self.seq_len >= 2, f"data.seq_len={self.seq_len} must be >= 2")
+    _require(0.0 < self.validation_fraction < 1.0,
+             f"data.validation_fraction={self.validation_fraction} must be in (0, 1)")
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  """AdamW with linear warmup and cosine decay, global-norm clipping."""
+  learning_rate: float = 1e-3
+  warmup_steps: int = 100
+  decay_steps: int | None = None      # None = train.steps
+  end_learning_rate_fraction: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  weight_decay: float = 0.1
+  clip_norm: float | None = 1.0
+
+  def __post_init__(self):
+    _require(self.learning_rate > 0, f"optimizer.learning_rate={self.learning_rate} must be > 0")
+    _require(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  steps: int = 1000
+  global_batch: int = 32              # sequences per optimizer step, over all devices
+  microbatches: int = 1               # gradient accumulation: global_batch split into this many
+  eval_every: int = 100
+  eval_batches: int = 4
+  log_every: int = 10
+  seed: int = 0
+  nonfinite: str = "skip"             # what a non-finite loss/grad does: "skip" the update | "stop"
+  profile_steps: tuple[int, ...] = ()  # (first, last) step of a jax profiler trace; () = off
+
+  def __post_init__(self):
+    _require(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
+    _require(self.global_batch >= 1, f"train.global_batch={self.global_batch} must be >= 1")
+    _require(self.microbatches >= 1 and self.global_batch % self.microbatches == 0,
+             f"train.microbatches={self.microbatches} must divide train.global_batch={self.global_batch}")
+    _require(self.nonfinite in ("skip", "stop"), f"train.nonfinite={self.nonfinite!r}: use 'skip' or 'stop'")
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every: int = 200                    # save every N steps (and at the end, and on SIGTERM)
+  keep: int = 3                       # keep the last N ...
+  keep_every: int | None = None       # ... plus every K-th step forever
+  async_save: bool = True
+  enabled: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+  """How logical axis names map to mesh axes.
+
+  preset: a name from `shardax.sharding.rules.PRESETS` ("dp", "fsdp", "tp", "2d", ...);
+  rules:  an explicit ordered list of (logical name, mesh axis | tuple of axes | None),
+          which, when given, replaces the preset.
+  """
+  preset: str = "dp"
+  rules: tuple[tuple[str, Any], ...] | None = None
+  allow_uneven: bool = False          # let the compiler pad dims a mesh axis does not divide
+
+
+@dataclasses.dataclass(frozen=True)
+class Experiment:
+  name: str = ""
+  description: str = ""
+  model: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+  data: DataConfig = dataclasses.field(default_factory=DataConfig)
+  mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+  sharding: ShardingConfig = dataclasses.field(default_factory=ShardingConfig)
+  optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+  train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
+  checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+  def __post_init__(self):
+    _require(self.data.seq_len <= self.model.max_len,
+             f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}; "
+             f"raise model.max_len or lower data.seq_len")
+    _require(self.data.source == "synthetic" or self.model.vocab_size >= 256,
+             f"model.vocab_size={self.model.vocab_size} is below 256, the byte vocabulary of "
+             f"data.source={self.data.source!r}")

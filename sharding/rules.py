@@ -1,0 +1,133 @@
+"""Logical axis names -> mesh axes.
+
+Model code names the dims of params and activations logically (`batch`, `embed`,
+`mlp`, `heads`, ...). An experiment picks rules: an ordered list of
+(logical name, mesh axis | tuple of mesh axes | None). For each dim of a tensor,
+in order, the first rule for its name whose mesh axes are still unused by the
+tensor's earlier dims wins; None means "replicated, stop looking". That one
+ordering trick is what lets one rule list say "weights [data, model],
+activations [data, None, model]": `embed` goes to `data` in a weight
+(embed, mlp), but in an activation (batch, length, embed) `batch` took `data`
+first, so `embed` falls through to its next rule, `model`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import math
+from typing import Any, Iterator, Sequence
+
+from jax.sharding import PartitionSpec
+
+Rule = tuple[str, Any]  # (logical name, None | "axis" | ("axis", "axis", ...))
+Rules = tuple[Rule, ...]
+
+_MEGATRON = (("mlp", "model"), ("heads", "model"), ("kv_heads", "model"), ("vocab", "model"))
+
+PRESETS: dict[str, Rules] = {
+    # Batch split over `data`; weights replicated; one gradient all-reduce per step.
+    "dp": (("batch", "data"),),
+    # ZeRO-3 / weight-update sharding: weights and optimizer state also split over `data`
+    # (on their `embed` dim, which nearly every weight has); all-gather before use,
+    # reduce-scatter of gradients.
+    "fsdp": (("batch", "data"), ("embed", "data")),
+    # Megatron tensor parallelism: hidden, heads and vocab split over `model`.
+    "tp": (("batch", "data"),) + _MEGATRON,
+    # The GSPMD paper's 2D recipe: weights [data, model], activations [data, None, model].
+    "2d": (("batch", "data"), ("embed", "data"), ("embed", "model")) + _MEGATRON,
+    # Three axes: plain data parallel over `data`, FSDP over `fsdp`, Megatron over `model`.
+    "dp_fsdp_tp": (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _MEGATRON,
+}
+
+# (rules, allow_uneven) in force for `shard()`; set by `use_rules`.
+_current: contextvars.ContextVar[tuple[Rules | None, bool]] = contextvars.ContextVar(
+    "shardax_rules", default=(None, False))
+
+
+def resolve(preset: str | None = None, rules: Sequence[Rule] | None = None) -> Rules:
+  """The rule list an experiment asked for: explicit rules win over the preset."""
+  if rules is not None:
+    return normalize(rules)
+  if preset not in PRESETS:
+    raise ValueError(f"unknown sharding preset {preset!r}; choose one of {sorted(PRESETS)} "
+                     f"or give sharding.rules explicitly")
+  return PRESETS[preset]
+
+
+def normalize(rules: Sequence[Rule]) -> Rules:
+  out = []
+  for rule in rules:
+    if len(rule) != 2 or not isinstance(rule[0], str):
+      raise ValueError(f"sharding rule {rule!r} must be (logical_name, mesh_axis | (axes...) | None)")
+    name, axes = rule
+    if isinstance(axes, list):
+      axes = tuple(axes)
+    out.append((name, axes))
+  return tuple(out)
+
+
+@contextlib.contextmanager
+def use_rules(rules: Rules | None, allow_uneven: bool = False) -> Iterator[Rules | None]:
+  """Make `rules` the ones `shard()` uses inside this block (e.g. while tracing a step)."""
+  token = _current.set((None if rules is None else normalize(rules), allow_uneven))
+  try:
+    yield _current.get()[0]
+  finally:
+    _current.reset(token)
+
+
+def current_rules() -> Rules | None:
+  return _current.get()[0]
+
+
+def allow_uneven() -> bool:
+  return _current.get()[1]
+
+
+def _axes_tuple(axes) -> tuple[str, ...]:
+  if axes is None:
+    return ()
+  return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules,
+                    mesh_shape: dict[str, int] | None = None,
+                    shape: Sequence[int] | None = None, name: str = "tensor",
+                    allow_uneven: bool = False) -> PartitionSpec:
+  """PartitionSpec for a tensor whose dims are named `logical_axes`.
+
+  With `mesh_shape` (axis name -> size) the rules are checked against the mesh; with
+  `shape` too, every split dim must be divisible by its mesh axes unless `allow_uneven`.
+  """
+  if shape is not None and len(shape) != len(logical_axes):
+    raise ValueError(f"{name}: logical axes {tuple(logical_axes)} name {len(logical_axes)} dims "
+                     f"but the shape {tuple(shape)} has {len(shape)}")
+  used: set[str] = set()
+  spec = []
+  for dim, logical in enumerate(logical_axes):
+    chosen: tuple[str, ...] = ()
+    for rule_name, rule_axes in rules:
+      if rule_name != logical:
+        continue
+      axes = _axes_tuple(rule_axes)
+      if mesh_shape is not None:
+        for a in axes:
+          if a not in mesh_shape:
+            raise ValueError(f"sharding rule ({rule_name!r}, {rule_axes!r}) names mesh axis {a!r}, "
+                             f"but the mesh has axes {tuple(mesh_shape)}; add it to mesh.axes "
+                             f"or change the rule")
+      if used.intersection(axes):
+        continue
+      chosen = axes
+      break
+    if chosen and shape is not None and mesh_shape is not None:
+      parts = math.prod(mesh_shape[a] for a in chosen)
+      if shape[dim] % parts and not allow_uneven:
+        raise ValueError(
+            f"{name}: dim {dim} ({logical!r}) has size {shape[dim]}, which mesh axes {chosen} "
+            f"(total size {parts}) do not divide; change the model size, the mesh, or the rule "
+            f"for {logical!r} (or --set sharding.allow_uneven=True to let the compiler pad)")
+    used.update(chosen)
+    spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
+  return PartitionSpec(*spec)
