@@ -25,11 +25,14 @@ _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f
                 "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
-_OP = re.compile(r"^\s*(?:ROOT\s+)?%?(\S+)\s*=\s*(.*?)\s("
-                 + "|".join(COLLECTIVE_KINDS) + r")(-start)?\((.*)$")
+_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
+_OPERAND = re.compile(r"%([\w.\-]+)")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_META = re.compile(r'(op_name|source_file)="([^"]*)"|source_line=(\d+)')
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_OP_NAME = re.compile(r'op_name="([^"]*)"')
+_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
+_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 
 
 def _bytes(text: str) -> int:
@@ -50,6 +53,64 @@ def _operands(rest: str) -> str:
   return rest
 
 
+def _group_size(attrs: str, kind: str) -> int:
+  if g := _GROUPS_MESH.search(attrs):
+    sizes = dict((k.strip("'"), int(v)) for k, v in (kv.split("=") for kv in g.group(1).split(",")))
+    return math.prod(sizes[a.strip().strip("'")] for a in g.group(2).split(",") if a.strip())
+  if g := _GROUPS_IOTA.search(attrs):
+    return int(g.group(1).split(",")[-1])
+  if g := _GROUPS_LIST.search(attrs):
+    return len([t for t in g.group(1).split(",") if t])
+  return 2 if kind == "collective-permute" else 0
+
+
+def _stack_frames(hlo_text: str) -> dict[int, str]:
+  """stack_frame_id -> "file:line" of the innermost frame outside jax/flax/optax.
+
+  Compiled HLO keeps source locations in tables at its top (FileNames, FileLocations,
+  StackFrames); an op's metadata names only its innermost frame.
+  """
+  tables: dict[str, dict[int, str]] = {}
+  current = None
+  for line in hlo_text.splitlines():
+    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+      current = tables.setdefault(line, {})
+      continue
+    if current is None:
+      continue
+    head, _, body = line.partition(" ")
+    if not head.isdigit():
+      if line.startswith("HloModule") or line.startswith("%") or not line.strip():
+        current = None if not line.strip() else current
+      continue
+    current[int(head)] = body
+  files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
+  locs, frames = tables.get("FileLocations", {}), tables.get("StackFrames", {})
+
+  def field(body: str, name: str) -> int:
+    m = re.search(name + r"=(\d+)", body)
+    return int(m.group(1)) if m else 0
+
+  def where(frame: int) -> str:
+    best, seen = "", set()
+    while frame in frames and frame not in seen:
+      seen.add(frame)
+      loc = locs.get(field(frames[frame], "file_location_id"), "")
+      path = files.get(field(loc, "file_name_id"), "")
+      here = f"{path}:{field(loc, 'line')}" if path else ""
+      if here and not best:
+        best = here
+      if path and "site-packages" not in path:
+        return here
+      parent = field(frames[frame], "parent_frame_id")
+      if parent == frame:
+        break
+      frame = parent
+    return best
+
+  return {fid: where(fid) for fid in frames}
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
   name: str
@@ -62,32 +123,32 @@ class Collective:
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in compiled HLO text."""
-  found = []
+  result_bytes: dict[str, int] = {}
+  parsed = []
   for line in hlo_text.splitlines():
-    m = _OP.match(line)
+    m = _INSTR.match(line)
     if not m:
       continue
-    name, result, kind, is_start, rest = m.groups()
+    name, result, op, rest = m.groups()
+    result_bytes[name] = _bytes(result)
+    kind = op.removesuffix("-start")
+    if kind in COLLECTIVE_KINDS:
+      parsed.append((name, kind, op.endswith("-start"), result, rest))
+  frames = _stack_frames(hlo_text) if parsed else {}
+  found = []
+  for name, kind, is_start, result, rest in parsed:
     operands = _operands(rest)
-    result_b, operand_b = _bytes(result), _bytes(operands)
+    operand_b = _bytes(operands) or sum(result_bytes.get(o, 0) for o in _OPERAND.findall(operands))
+    result_b = result_bytes[name]
     if is_start:  # async start returns (operands..., results..., context): keep the results
       result_b = max(result_b - operand_b, 0)
     nbytes = operand_b if kind == "reduce-scatter" else max(result_b, operand_b)
-    group = 0
-    if g := _GROUPS_IOTA.search(rest):
-      group = int(g.group(1).split(",")[-1])
-    elif g := _GROUPS_LIST.search(rest):
-      group = len([t for t in g.group(1).split(",") if t])
-    elif kind == "collective-permute":
-      group = 2
-    meta = {"op_name": "", "source_file": "", "source_line": ""}
-    for key, val, line_no in _META.findall(rest):
-      if key:
-        meta[key] = val
-      else:
-        meta["source_line"] = line_no
-    source = f"{meta['source_file']}:{meta['source_line']}" if meta["source_file"] else ""
-    found.append(Collective(name, kind, nbytes, group, meta["op_name"], source))
+    op_name = m.group(1) if (m := _OP_NAME.search(rest)) else ""
+    if m := _SOURCE.search(rest):
+      source = f"{m.group(1)}:{m.group(2)}"
+    else:
+      source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
+    found.append(Collective(name, kind, nbytes, _group_size(rest, kind), op_name, source))
   return found
 
 

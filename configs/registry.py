@@ -1,0 +1,153 @@
+"""The experiment registry, command-line overrides, and the resolved config on disk.
+
+An experiment is a function, registered under a dotted name, that returns a
+`fdl.Config(Experiment, ...)`. Overrides edit that config tree by path before it
+is built, so a typo in a path fails with fiddle's list of valid names instead of
+being silently ignored (Praxis's UPPER_CASE attributes were).
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import difflib
+import json
+from typing import Any, Callable, Sequence
+
+import fiddle as fdl
+
+from shardax.configs.schema import ConfigError, Experiment
+
+_REGISTRY: dict[str, tuple[Callable[[], fdl.Config], str]] = {}
+
+
+def config_tree(cls: type, **values: Any) -> fdl.Config:
+  """`fdl.Config(cls)` with every dataclass-valued field expanded into its own Config.
+
+  fiddle cannot read defaults that come from a `default_factory`; expanding them
+  makes `cfg.model.num_layers = 8` work on a fresh tree and keeps every default visible.
+  """
+  cfg = fdl.Config(cls)
+  for f in dataclasses.fields(cls):
+    factory = f.default_factory
+    if factory is not dataclasses.MISSING and dataclasses.is_dataclass(factory):
+      setattr(cfg, f.name, config_tree(factory))
+  for name, value in values.items():
+    setattr(cfg, name, value)
+  return cfg
+
+
+def experiment(**values: Any) -> fdl.Config:
+  """A full experiment config tree with defaults; the starting point of every experiment."""
+  return config_tree(Experiment, **values)
+
+
+def register(name: str, description: str = "") -> Callable:
+  """Decorator: `@register("lm.tiny", "...")` on a function returning an experiment config."""
+  def wrap(fn: Callable[[], fdl.Config]) -> Callable[[], fdl.Config]:
+    if name in _REGISTRY:
+      raise ValueError(f"experiment {name!r} is registered twice")
+    _REGISTRY[name] = (fn, description or ((fn.__doc__ or "").strip().splitlines() or [""])[0])
+    return fn
+  return wrap
+
+
+def names() -> dict[str, str]:
+  """Registered experiment name -> one-line description, sorted by name."""
+  _load_experiments()
+  return {n: _REGISTRY[n][1] for n in sorted(_REGISTRY)}
+
+
+def get(name: str) -> fdl.Config:
+  """The named experiment's config tree (unbuilt, so overrides can still edit it)."""
+  _load_experiments()
+  if name not in _REGISTRY:
+    close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigError(f"unknown experiment {name!r}{hint} (shardax --mode=list shows them all)")
+  fn, desc = _REGISTRY[name]
+  cfg = fn()
+  if not cfg.name:
+    cfg.name = name
+  if not cfg.description:
+    cfg.description = desc
+  return cfg
+
+
+def _load_experiments() -> None:
+  import shardax.experiments  # noqa: F401  (registers on import)
+
+
+def parse_value(text: str) -> Any:
+  """A Python literal (`8`, `1e-3`, `(2, 4)`, `2,4`, `None`, `'x'`); anything else is a string."""
+  try:
+    return ast.literal_eval(text)
+  except (ValueError, SyntaxError):
+    return text
+
+
+def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
+  """Apply `PATH=VALUE` strings (e.g. `train.steps=10`, `mesh.ici=2,4`) in order."""
+  for item in overrides:
+    if "=" not in item:
+      raise ConfigError(f"--set {item!r}: expected PATH=VALUE, e.g. --set train.steps=10")
+    path, text = item.split("=", 1)
+    *parents, leaf = path.strip().split(".")
+    node = cfg
+    for i, part in enumerate(parents):
+      node = _child(node, part, ".".join(parents[:i + 1]))
+    if not isinstance(node, fdl.Buildable):
+      raise ConfigError(f"--set {item!r}: {'.'.join(parents)} is a value, not a config section")
+    _check_name(node, leaf, path)
+    setattr(node, leaf, parse_value(text.strip()))
+  return cfg
+
+
+def _valid_names(node: fdl.Buildable) -> list[str]:
+  return sorted(node.__signature_info__.parameters)
+
+
+def _check_name(node: fdl.Buildable, name: str, path: str) -> None:
+  valid = _valid_names(node)
+  if name not in valid:
+    close = difflib.get_close_matches(name, valid, n=1)
+    hint = f" (did you mean {path.rsplit('.', 1)[0] + '.' if '.' in path else ''}{close[0]}?)" if close else ""
+    raise ConfigError(f"--set {path}: unknown field {name!r}{hint}; valid names here: {', '.join(valid)}")
+
+
+def _child(node: Any, part: str, path: str) -> Any:
+  if not isinstance(node, fdl.Buildable):
+    raise ConfigError(f"--set {path}: cannot descend into a plain value")
+  _check_name(node, part, path)
+  return getattr(node, part)
+
+
+def build(cfg: fdl.Config) -> Experiment:
+  """Build the dataclasses; their checks raise ConfigError naming the field and the fix."""
+  try:
+    return fdl.build(cfg)
+  except ConfigError as e:  # drop fiddle's added context notes: our message says it all
+    raise ConfigError(e.args[0]) from None
+  except Exception as e:  # fiddle wraps errors raised in __post_init__
+    cause = e
+    while cause.__cause__ is not None or cause.__context__ is not None:
+      nxt = cause.__cause__ or cause.__context__
+      if isinstance(nxt, (ConfigError, ValueError)):
+        raise nxt from None
+      cause = nxt
+    raise
+
+
+def to_text(exp: Experiment) -> str:
+  """One `path = value` line per field: the readable resolved config."""
+  def flat(d: dict, prefix: str = ""):
+    for k, v in d.items():
+      if isinstance(v, dict):
+        yield from flat(v, f"{prefix}{k}.")
+      else:
+        yield f"{prefix}{k} = {v!r}"
+  return "\n".join(flat(dataclasses.asdict(exp))) + "\n"
+
+
+def to_json(exp: Experiment) -> str:
+  return json.dumps(dataclasses.asdict(exp), indent=2, sort_keys=True, default=str)

@@ -1,0 +1,122 @@
+"""The command line: `shardax --exp=NAME --job_dir=DIR [--mode=...] [--set PATH=VALUE ...]`.
+
+Modes: train (default), eval, decode, explain, list. Every mistake a user can
+make here (an unknown experiment, a mistyped --set path, a mesh that does not
+match the devices) ends in one line naming the problem and the fix, before
+anything in the job dir is written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def _keep_off_absent_tpu() -> None:
+  """With libtpu installed but no TPU attached, jax would try (and loudly fail) to use it."""
+  if "JAX_PLATFORMS" in os.environ:
+    return
+  import importlib.util
+  has_tpu = any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0")) or "TPU_NAME" in os.environ
+  if importlib.util.find_spec("libtpu") is not None and not has_tpu:
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
+
+_keep_off_absent_tpu()
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+
+from absl import app, flags, logging  # noqa: E402
+
+MODES = ("train", "eval", "decode", "explain", "list")
+
+flags.DEFINE_string("exp", None, "Registered experiment name (see --mode=list).")
+flags.DEFINE_string("job_dir", None, "Directory for config, checkpoints, metrics and reports.")
+flags.DEFINE_enum("mode", "train", MODES, "What to do.")
+flags.DEFINE_multi_string("set", [], "Config override PATH=VALUE (repeatable), e.g. train.steps=10.")
+flags.DEFINE_string("prompt", "def ", "decode: text to continue.")
+flags.DEFINE_integer("max_new_tokens", 200, "decode: how many tokens to sample.")
+flags.DEFINE_float("temperature", 0.0, "decode: 0 = greedy, else softmax temperature.")
+FLAGS = flags.FLAGS
+
+
+class UserError(Exception):
+  """A mistake in the command line or config: reported in one line, exit status 2."""
+
+
+def resolve_experiment(name: str, overrides: list[str]):
+  from shardax import configs
+  cfg = configs.get(name)
+  configs.apply_overrides(cfg, overrides)
+  return configs.build(cfg)
+
+
+def _set_cpu_devices(exp) -> None:
+  import jax
+  n = exp.mesh.num_cpu_devices
+  if n:
+    try:
+      jax.config.update("jax_num_cpu_devices", int(n))
+    except RuntimeError as e:
+      raise UserError(f"mesh.num_cpu_devices={n} must be set before jax starts ({e})") from None
+
+
+def write_config(exp, job_dir: str) -> None:
+  from shardax.configs import registry
+  os.makedirs(job_dir, exist_ok=True)
+  with open(os.path.join(job_dir, "config.txt"), "w") as f:
+    f.write(registry.to_text(exp))
+  with open(os.path.join(job_dir, "config.json"), "w") as f:
+    f.write(registry.to_json(exp))
+
+
+def run_mode(mode: str, exp, job_dir: str) -> None:
+  if mode == "train":
+    from shardax.trainer import loop
+    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
+    evals = summary["eval_losses"]
+    if evals:
+      first, last = next(iter(evals.items())), list(evals.items())[-1]
+      print(f"done: steps {summary['start_step']} -> {summary['final_step']} in "
+            f"{summary['seconds']:.0f}s; eval_loss {first[1]:.4f} (step {first[0]}) -> "
+            f"{last[1]:.4f} (step {last[0]})", flush=True)
+  elif mode == "eval":
+    from shardax.trainer import loop
+    print(f"eval_loss {loop.evaluate(exp, job_dir):.4f}", flush=True)
+  elif mode == "decode":
+    from shardax.trainer import decode
+    text = decode.from_job_dir(exp, job_dir, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature)
+    print(text, flush=True)
+  elif mode == "explain":
+    from shardax.trainer import explain
+    print(explain.explain(exp, job_dir), flush=True)
+
+
+def main(argv) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides go in --set PATH=VALUE")
+  from shardax import configs
+  if FLAGS.mode == "list":
+    for name, desc in configs.names().items():
+      print(f"{name:<28} {desc}")
+    return
+  try:
+    if not FLAGS.exp:
+      raise UserError("--exp is required (shardax --mode=list shows the experiments)")
+    if not FLAGS.job_dir:
+      raise UserError("--job_dir is required: the directory for checkpoints and metrics")
+    exp = resolve_experiment(FLAGS.exp, FLAGS.set)
+    _set_cpu_devices(exp)
+    run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
+  except (UserError, configs.ConfigError, ValueError, FileNotFoundError) as e:
+    logging.debug("error", exc_info=True)
+    print(f"shardax: error: {e}", file=sys.stderr, flush=True)
+    sys.exit(2)
+
+
+def run() -> None:
+  """Console-script entry point."""
+  app.run(main)
+
+
+if __name__ == "__main__":
+  run()

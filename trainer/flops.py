@@ -1,0 +1,31 @@
+"""Model FLOPs per step: the one formula benchmarks, metrics and dry runs share.
+
+Training a dense Transformer costs 6 FLOPs per matmul parameter per token
+(2 forward, 4 backward) plus attention's two score matmuls (QK^T and AV), which
+grow with sequence length and have no parameters: per layer and token
+2 x 2 x seq_len x (heads x head_dim) forward, x3 with backward, halved for a
+causal mask because half the scores are never needed. The output head counts as
+a matmul (d_model x vocab) even when tied to the embedding; the embedding lookup
+itself is a gather and counts nothing. This is the convention of the PaLM paper
+(appendix B) and MaxText, so MFU figures compare.
+"""
+
+from __future__ import annotations
+
+from shardax.configs.schema import TransformerConfig
+
+
+def matmul_params(cfg: TransformerConfig) -> int:
+  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+  attn = d * h * dh + 2 * d * kv * dh + h * dh * d
+  mlp = 3 * d * cfg.d_ff
+  return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def per_token(cfg: TransformerConfig, seq_len: int) -> float:
+  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / 2
+  return 6 * matmul_params(cfg) + attention
+
+
+def per_step(cfg: TransformerConfig, global_batch: int, seq_len: int) -> float:
+  return per_token(cfg, seq_len) * global_batch * seq_len

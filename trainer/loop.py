@@ -1,0 +1,157 @@
+"""The training loop: resume, step, log, evaluate, checkpoint, stop cleanly.
+
+The loop never waits on the device inside a step: per-step metrics stay on
+device and are fetched together at each log point, which is also where a
+non-finite step (already kept out of the weights in-graph) is noticed.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Callable
+
+import jax
+import numpy as np
+from absl import logging
+
+from shardax.configs.schema import Experiment
+from shardax.sharding import make_mesh, use_rules
+from shardax.trainer import checkpoint as ckpt_lib
+from shardax.trainer import flops, inputs
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+from shardax.trainer.metrics import MetricsWriter
+
+
+class NonFiniteError(RuntimeError):
+  pass
+
+
+def _eval_batches(setup) -> list[dict]:
+  """The same first validation batches at every eval, so eval losses compare."""
+  exp = setup.exp
+  return inputs.eval_batches(exp.data, exp.train.global_batch, exp.train.eval_batches,
+                             setup.batch_sharding, vocab_size=exp.model.vocab_size)
+
+
+def _eval(eval_step, params, batches) -> float:
+  return float(np.mean(jax.device_get([eval_step(params, b) for b in batches])))
+
+
+def restore_or_init(setup, checkpointer, data_iter=None):
+  """The latest complete checkpoint in the job dir, else a fresh sharded init."""
+  if checkpointer is not None and checkpointer.latest_step() is not None:
+    state, data_state = checkpointer.restore(setup.abstract)
+    if data_iter is not None and data_state is not None:
+      data_iter.set_state(data_state)
+    logging.info("resumed from step %d", int(state["step"]))
+    return state
+  return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))
+
+
+def restore_latest(exp: Experiment, job_dir: str):
+  """(setup, state) of the latest checkpoint in `job_dir`, on the experiment's mesh."""
+  mesh = make_mesh(exp.mesh)
+  with jax.set_mesh(mesh):
+    setup = state_lib.create(exp, mesh)
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
+  try:
+    if checkpointer.latest_step() is None:
+      raise FileNotFoundError(f"no checkpoint in {job_dir}/checkpoints; train first (--mode=train)")
+    state, _ = checkpointer.restore(setup.abstract)
+  finally:
+    checkpointer.close()
+  return setup, state
+
+
+def evaluate(exp: Experiment, job_dir: str) -> float:
+  """Validation loss of the latest checkpoint in `job_dir`."""
+  setup, state = restore_latest(exp, job_dir)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+    return _eval(step_lib.eval_step_fn(setup), state["params"], _eval_batches(setup))
+
+
+def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
+  """Train `exp` in `job_dir` (resuming from its checkpoints); returns a summary.
+
+  `on_ready` runs once the state is built or restored, i.e. once the config is known
+  to fit this job dir: the CLI writes the resolved config there, and not before.
+  """
+  mesh = make_mesh(exp.mesh)
+  with jax.set_mesh(mesh):
+    setup = state_lib.create(exp, mesh)
+  with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+    checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
+                    if exp.checkpoint.enabled else None)
+    train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
+                                seed=exp.data.seed, vocab_size=exp.model.vocab_size)
+    state = restore_or_init(setup, checkpointer, train_iter)
+    if on_ready is not None:
+      on_ready()
+    eval_batches = None
+    train_step = step_lib.train_step_fn(setup)
+    eval_step = step_lib.eval_step_fn(setup)
+    writer = MetricsWriter(job_dir, exp.train.steps)
+    tokens_per_step = exp.train.global_batch * exp.data.seq_len
+    flops_per_device = flops.per_step(exp.model, exp.train.global_batch, exp.data.seq_len) / mesh.size
+    start = int(state["step"])
+    logging.info("training %s: %s params, steps %d -> %d on mesh %s",
+                 exp.name, f"{state_lib.count_params(setup):,}", start, exp.train.steps, dict(mesh.shape))
+    summary: dict[str, Any] = {"start_step": start, "losses": {}, "eval_losses": {}, "skipped_steps": []}
+    pending: list[tuple[int, dict]] = []
+    t0 = time.perf_counter()
+    step = start
+    try:
+      while step < exp.train.steps:
+        state, metrics = train_step(state, next(train_iter))
+        step += 1
+        pending.append((step, metrics))
+        last = step == exp.train.steps
+        if step % exp.train.log_every == 0 or last or (checkpointer and checkpointer.should_save(step)):
+          _log(writer, pending, exp, summary, tokens_per_step, flops_per_device)
+          pending = []
+        if step % exp.train.eval_every == 0 or last:
+          eval_batches = eval_batches or _eval_batches(setup)
+          eval_loss = _eval(eval_step, state["params"], eval_batches)
+          summary["eval_losses"][step] = eval_loss
+          writer.write(step, {"eval_loss": eval_loss})
+          print(f"step {step:>6}/{exp.train.steps} | eval_loss {eval_loss:.4f}", flush=True)
+          writer.reset_clock()
+        if checkpointer is not None and (checkpointer.should_save(step) or last):
+          checkpointer.save(step, state, train_iter.get_state(), force=last or checkpointer.preempted())
+          writer.reset_clock()
+          if checkpointer.preempted():
+            logging.warning("preempted: saved step %d, exiting", step)
+            summary["preempted"] = True
+            break
+    finally:
+      if checkpointer is not None:
+        checkpointer.wait()
+        checkpointer.close()
+      writer.close()
+    summary.update(final_step=step, seconds=time.perf_counter() - t0, state=state)
+    return summary
+
+
+def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device) -> None:
+  fetched = jax.device_get([m for _, m in pending])
+  for (step, _), m in zip(pending, fetched):
+    summary["losses"][step] = float(m["loss"])
+    if not m["finite"]:
+      summary["skipped_steps"].append(step)
+      logging.warning("step %d: non-finite loss %s / grad norm %s; update skipped",
+                      step, m["loss"], m["grad_norm"])
+      if exp.train.nonfinite == "stop":
+        raise NonFiniteError(
+            f"step {step}: loss {m['loss']} or grad norm {m['grad_norm']} is not finite "
+            f"(train.nonfinite='stop'); the last checkpoint before it is intact. Lower "
+            f"optimizer.learning_rate or set --set train.nonfinite=skip to skip such steps")
+  step, last = pending[-1][0], fetched[-1]
+  rates = writer.progress(step, float(last["loss"]), tokens_per_step)
+  scalars = {"loss": last["loss"], "learning_rate": last["learning_rate"], "grad_norm": last["grad_norm"],
+             "skipped_steps": len(summary["skipped_steps"])}
+  if rates:
+    scalars["tokens_per_s"] = rates["tokens_per_s"]
+    scalars["tflops_per_device"] = rates["steps_per_s"] * flops_per_device / 1e12
+  writer.write(step, scalars)

@@ -1,0 +1,97 @@
+"""Train state, born sharded.
+
+The model is first built abstractly (`nnx.eval_shape`: shapes and the
+`logical_axes` each param carries, no memory). From those names and the
+experiment's rules come the shardings of params and optimizer state; a jitted
+init with those out_shardings then creates every array directly on its devices,
+so no process ever holds the full model.
+
+The state is a plain pytree: {"step": int32[], "params": {...}, "opt_state": optax state}.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from shardax.configs.schema import Experiment, TransformerConfig
+from shardax.sharding import params as params_lib
+from shardax.sharding import rules as rules_lib
+from shardax.trainer import optimizer
+
+
+def build_model(cfg: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
+  from shardax.layers import TransformerLM
+  return TransformerLM(cfg, rngs=rngs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+  """Everything derived once from an experiment and a mesh."""
+  exp: Experiment
+  mesh: Mesh
+  rules: rules_lib.Rules
+  graphdef: nnx.GraphDef
+  tx: optax.GradientTransformation
+  abstract: Any          # state tree of ShapeDtypeStruct, each with its sharding
+  shardings: Any         # state tree of NamedSharding
+  param_axes: Any        # params tree of logical-axes tuples
+  batch_sharding: NamedSharding
+
+  def model(self, params) -> nnx.Module:
+    """The model with `params` plugged in (inside jit: a traced, stateless view)."""
+    return nnx.merge(self.graphdef, params)
+
+  @property
+  def replicated(self) -> NamedSharding:
+    return NamedSharding(self.mesh, PartitionSpec())
+
+
+def _abstract_params(cfg: TransformerConfig):
+  model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+  if jax.tree.leaves(rest):
+    raise TypeError(f"model holds non-parameter state {rest}; the trainer only carries nnx.Param")
+  return graphdef, nnx.to_pure_dict(params), params_lib.logical_axes_of(params)
+
+
+def create(exp: Experiment, mesh: Mesh) -> Setup:
+  rules = rules_lib.resolve(exp.sharding.preset, exp.sharding.rules)
+  graphdef, params_abs, axes = _abstract_params(exp.model)
+  param_sh = params_lib.param_shardings(params_abs, axes, rules, mesh, exp.sharding.allow_uneven)
+  tx = optimizer.make(exp.optimizer, exp.train.steps)
+  opt_abs = jax.eval_shape(tx.init, params_abs)
+  replicated = NamedSharding(mesh, PartitionSpec())
+  # Optimizer moments are sharded exactly like the params they track.
+  opt_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, opt_abs, param_sh,
+                                            transform_non_params=lambda _: replicated)
+  shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
+  abstract_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abs, "opt_state": opt_abs}
+  abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                          abstract_tree, shardings)
+  batch_spec = rules_lib.logical_to_spec(("batch", "length"), rules, dict(mesh.shape),
+                                         (exp.train.global_batch, exp.data.seq_len), name="batch")
+  return Setup(exp, mesh, rules, graphdef, tx, abstract, shardings, axes,
+               NamedSharding(mesh, batch_spec))
+
+
+def init_fn(setup: Setup) -> Callable[[jax.Array], Any]:
+  """A jitted `key -> state` whose outputs are created already sharded."""
+  cfg, tx = setup.exp.model, setup.tx
+
+  def init(key):
+    model = build_model(cfg, nnx.Rngs(params=key))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    return {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": tx.init(params)}
+
+  return jax.jit(init, out_shardings=setup.shardings)
+
+
+def count_params(setup: Setup) -> int:
+  return sum(int(x.size) for x in jax.tree.leaves(setup.abstract["params"]))

@@ -1,0 +1,100 @@
+"""The jitted train and eval steps.
+
+One optimizer update per call. With `train.microbatches = M > 1` the global
+batch is cut into M microbatches whose gradients are summed under `lax.scan`
+(activation memory of one microbatch, the update of the whole batch). The
+cut takes every M-th row, so each microbatch keeps the batch dim's data
+sharding and no example moves between devices.
+
+A non-finite loss or gradient never reaches the weights: the update is
+replaced by the old state in-graph (no host sync per step), the step is
+counted in `nonfinite_steps`, and the loop applies the configured policy.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from shardax.sharding import shard
+from shardax.trainer.state import Setup
+
+
+def loss_fn(setup: Setup) -> Callable[[Any, dict], jax.Array]:
+  """Mean next-token cross entropy (float32 logits) of a batch under `params`."""
+  def loss(params, batch):
+    logits = setup.model(params)(batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return jnp.mean(ce)
+  return loss
+
+
+def _microbatches(batch: dict, m: int) -> dict:
+  def split(x):
+    b = x.shape[0]
+    x = x.reshape((b // m, m) + x.shape[1:]).swapaxes(0, 1)  # [M, B/M, ...], row i*M+j -> (j, i)
+    return shard(x, (None, "batch") + (None,) * (x.ndim - 2))
+  return jax.tree.map(split, batch)
+
+
+def grads_and_loss(setup: Setup, params, batch: dict):
+  loss = loss_fn(setup)
+  m = setup.exp.train.microbatches
+  if m == 1:
+    return jax.value_and_grad(loss)(params, batch)
+
+  def body(acc, mb):
+    l, g = jax.value_and_grad(loss)(params, mb)
+    return jax.tree.map(jnp.add, acc, (l, g)), None
+
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
+  (total, grads), _ = jax.lax.scan(body, zeros, _microbatches(batch, m))
+  return total / m, jax.tree.map(lambda g: g / m, grads)
+
+
+def train_step_fn(setup: Setup) -> Callable:
+  """A jitted `(state, batch) -> (state, metrics)`; the state is donated."""
+  sched = setup.exp.optimizer
+  from shardax.trainer.optimizer import schedule
+  lr = schedule(sched, setup.exp.train.steps)
+
+  def step(state, batch):
+    loss, grads = grads_and_loss(setup, state["params"], batch)
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
+    params = optax.apply_updates(state["params"], updates)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = {"step": state["step"] + 1,
+                 "params": keep(params, state["params"]),
+                 "opt_state": keep(opt_state, state["opt_state"])}
+    metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state["step"]),
+               "finite": finite}
+    return new_state, metrics
+
+  return jax.jit(step, in_shardings=(setup.shardings, setup.batch_sharding),
+                 out_shardings=(setup.shardings, setup.replicated), donate_argnums=0)
+
+
+def eval_step_fn(setup: Setup) -> Callable:
+  """A jitted `(params, batch) -> mean loss`."""
+  return jax.jit(loss_fn(setup), in_shardings=(setup.shardings["params"], setup.batch_sharding),
+                 out_shardings=setup.replicated)
+
+
+def abstract_batch(setup: Setup) -> dict:
+  exp = setup.exp
+  shape = jax.ShapeDtypeStruct((exp.train.global_batch, exp.data.seq_len), jnp.int32,
+                               sharding=setup.batch_sharding)
+  return {"inputs": shape, "targets": shape}
+
+
+def compile_train_step(setup: Setup):
+  """The compiled train step from abstract shapes only: nothing is allocated.
+
+  Call under the experiment's mesh and rules (`jax.set_mesh`, `use_rules`).
+  """
+  return train_step_fn(setup).lower(setup.abstract, abstract_batch(setup)).compile()
