@@ -33,6 +33,10 @@ _GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
+_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
+_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 
 
 def _bytes(text: str) -> int:
@@ -111,32 +115,58 @@ def _stack_frames(hlo_text: str) -> dict[int, str]:
   return {fid: where(fid) for fid in frames}
 
 
+def _executions(calls: dict[str, list[tuple[str, int]]], entry: str) -> dict[str, int]:
+  """How often each computation runs per call of `entry` (loop bodies x trip count)."""
+  runs: dict[str, int] = collections.defaultdict(int)
+
+  def visit(comp: str, times: int, depth: int = 0) -> None:
+    runs[comp] += times
+    if depth < 64:
+      for callee, factor in calls.get(comp, ()):
+        visit(callee, times * factor, depth + 1)
+
+  visit(entry, 1)
+  return runs
+
+
 @dataclasses.dataclass(frozen=True)
 class Collective:
   name: str
   kind: str
-  bytes: int
+  bytes: int          # per execution
   group_size: int
   op_name: str = ""
   source: str = ""
+  executions: int = 1  # per call of the program: > 1 inside a loop (e.g. scanned layers)
 
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in compiled HLO text."""
   result_bytes: dict[str, int] = {}
-  parsed = []
+  calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
+  parsed, comp, entry = [], "", ""
   for line in hlo_text.splitlines():
+    if c := _COMPUTATION.match(line):
+      comp = c.group(1)
+      entry = comp if line.startswith("ENTRY") else entry
+      continue
     m = _INSTR.match(line)
     if not m:
       continue
     name, result, op, rest = m.groups()
     result_bytes[name] = _bytes(result)
+    trip = int(t.group(1)) if op == "while" and (t := _TRIP.search(rest)) else 1
+    for role, callee in _CALLEE.findall(rest):
+      calls[comp].append((callee, trip if role in ("body", "condition") else 1))
+    if b := _BRANCHES.search(rest):
+      calls[comp].extend((x.strip().lstrip("%"), 1) for x in b.group(1).split(","))
     kind = op.removesuffix("-start")
     if kind in COLLECTIVE_KINDS:
-      parsed.append((name, kind, op.endswith("-start"), result, rest))
+      parsed.append((name, kind, op.endswith("-start"), comp, rest))
   frames = _stack_frames(hlo_text) if parsed else {}
+  runs = _executions(calls, entry) if entry else {}
   found = []
-  for name, kind, is_start, result, rest in parsed:
+  for name, kind, is_start, comp, rest in parsed:
     operands = _operands(rest)
     operand_b = _bytes(operands) or sum(result_bytes.get(o, 0) for o in _OPERAND.findall(operands))
     result_b = result_bytes[name]
@@ -148,16 +178,17 @@ def collectives(hlo_text: str) -> list[Collective]:
       source = f"{m.group(1)}:{m.group(2)}"
     else:
       source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
-    found.append(Collective(name, kind, nbytes, _group_size(rest, kind), op_name, source))
+    found.append(Collective(name, kind, nbytes, _group_size(rest, kind), op_name, source,
+                            runs.get(comp, 1) if entry else 1))
   return found
 
 
 def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:
-  """{kind: {"count": n, "bytes": b}} for each collective kind present."""
+  """{kind: {"count": n, "bytes": b}} per call of the program, loops unrolled."""
   summary: dict[str, dict[str, int]] = collections.defaultdict(lambda: {"count": 0, "bytes": 0})
   for c in collectives(hlo_text):
-    summary[c.kind]["count"] += 1
-    summary[c.kind]["bytes"] += c.bytes
+    summary[c.kind]["count"] += c.executions
+    summary[c.kind]["bytes"] += c.bytes * c.executions
   return dict(summary)
 
 

@@ -1,0 +1,107 @@
+"""Causal self-attention: multi-head and grouped-query, rotary positions.
+
+Shapes (Praxis-style letters): b batch, l/q query length, s key length, n query heads,
+k kv heads, g = n // k query heads per kv head, d head dim (logical name 'kv').
+
+Grouped-query attention reshapes the n query heads into (k, g) and contracts each
+group against its own kv head, so k/v are never repeated in memory; with k = n it is
+ordinary multi-head attention. Query head h uses kv head h // g, the same grouping
+`jax.nn.dot_product_attention` uses, so the two paths below agree:
+
+  'xla'    explicit einsums, float32 logits and softmax, causal mask by index;
+  'fused'  `jax.nn.dot_product_attention(..., is_causal=True)`, which XLA/cuDNN may
+           lower to a flash-attention kernel.
+
+Positions only rotate q and k (RoPE); the causal mask is by sequence index, so a
+shifted `positions` (e.g. a decode offset) changes nothing but the rotation.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.layers.linear import DenseGeneral
+from shardax.sharding import shard
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> jax.Array:
+  """Rotary embedding (rotate-half form) of x[b, l, heads, d] at positions[b, l].
+
+  Pair (x_i, x_{i+d/2}) is rotated by angle pos * theta^(-2i/d); a dot product of two
+  rotated vectors then depends on their positions only through the difference.
+  Computed in float32 (angles of large positions need the mantissa), cast back.
+  """
+  d = x.shape[-1]
+  if d % 2:
+    raise ValueError(f"RoPE needs an even head dim, got {d}")
+  inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  angle = positions.astype(jnp.float32)[..., None] * inv_freq     # [b, l, d/2]
+  sin = jnp.sin(angle)[..., None, :]                                # [b, l, 1, d/2]
+  cos = jnp.cos(angle)[..., None, :]
+  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+  out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+  return out.astype(x.dtype)
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]."""
+  b, l, n, d = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, l, kv, n // kv, d)
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * jnp.float32(d ** -0.5)
+  causal = jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool))
+  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+  return out.reshape(b, l, n, d)
+
+
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+  """Causal GQA via jax.nn.dot_product_attention (same layout and grouping)."""
+  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+_ATTENTION_IMPLS = {"xla": xla_attention, "fused": fused_attention}
+
+
+class Attention(nnx.Module):
+  """x[b, l, embed] -> x[b, l, embed]: project, rotate, attend causally, project back."""
+
+  def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
+               rope_theta: float = 10_000.0, implementation: str = "xla",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    if num_heads % num_kv_heads:
+      raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
+    if implementation not in _ATTENTION_IMPLS:
+      raise ValueError(f"attention={implementation!r}: use one of {sorted(_ATTENTION_IMPLS)}")
+    self.rope_theta = rope_theta
+    self.implementation = implementation
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.query = DenseGeneral(d_model, (num_heads, head_dim), in_axes=("embed",),
+                              out_axes=("heads", "kv"), **kw)
+    self.key = DenseGeneral(d_model, (num_kv_heads, head_dim), in_axes=("embed",),
+                            out_axes=("kv_heads", "kv"), **kw)
+    self.value = DenseGeneral(d_model, (num_kv_heads, head_dim), in_axes=("embed",),
+                              out_axes=("kv_heads", "kv"), **kw)
+    self.out = DenseGeneral((num_heads, head_dim), d_model, in_axes=("heads", "kv"),
+                            out_axes=("embed",), **kw)
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    if positions is None:
+      positions = default_positions(x.shape[0], x.shape[1])
+    q = shard(apply_rope(self.query(x), positions, self.rope_theta),
+              ("batch", "length", "heads", "kv"))
+    k = shard(apply_rope(self.key(x), positions, self.rope_theta),
+              ("batch", "length", "kv_heads", "kv"))
+    v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
+    o = _ATTENTION_IMPLS[self.implementation](q, k, v)
+    o = shard(o, ("batch", "length", "heads", "kv"))
+    return self.out(o)
+
+
+def default_positions(batch: int, length: int) -> jax.Array:
+  """int32[batch, length] = 0 .. length-1 on every row."""
+  return jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))

@@ -1,0 +1,41 @@
+"""Token embedding, usable in reverse (`attend`) as a tied output head.
+
+Scale convention (as in Praxis `scale_sqrt_depth`): the table is initialized with
+std 1/sqrt(embed) and looked-up rows are multiplied by sqrt(embed). Lookups then
+have unit RMS (what a pre-norm residual stream expects) while `attend`, a dot of a
+unit-RMS normalized vector with rows of std 1/sqrt(embed), yields logits of order 1
+at init. One table serves both ends without a separate scale for each.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class Embed(nnx.Module):
+  """`embedding[vocab, embed]`; `__call__` looks tokens up, `attend` scores vocab rows."""
+
+  def __init__(self, num_embeddings: int, features: int, *,
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.features = features
+    self.dtype = dtype
+    init = nnx.initializers.normal(stddev=1.0 / math.sqrt(features))
+    self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype),
+                               logical_axes=("vocab", "embed"))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """int[...]  ->  dtype[..., embed], rows scaled by sqrt(embed)."""
+    if not jnp.issubdtype(tokens.dtype, jnp.integer):
+      raise ValueError(f"Embed expects integer token ids, got {tokens.dtype}")
+    table = self.embedding[...].astype(self.dtype)
+    return jnp.take(table, tokens, axis=0) * jnp.asarray(math.sqrt(self.features), self.dtype)
+
+  def attend(self, x: jax.Array) -> jax.Array:
+    """x[..., embed] -> float32 logits[..., vocab] (operands in dtype, accumulation in f32)."""
+    table = self.embedding[...].astype(self.dtype)
+    return jnp.einsum("...d,vd->...v", x.astype(self.dtype), table,
+                      preferred_element_type=jnp.float32)

@@ -1,0 +1,155 @@
+"""Pre-norm Transformer block, the (scanned) layer stack, and the decoder-only LM.
+
+Scanned layers: the L blocks are created at once by `nnx.vmap` over the constructor,
+so every parameter gets a leading dim of size L (logical name 'layers'), and they are
+applied by `jax.lax.scan`. XLA then compiles one block instead of L (compile time
+flat in depth) and the 'layers' dim can be sharded like any other. The scan body is
+`apply_layers`, a pure function of (graphdef, stacked state, x): the pipeline wrapper
+runs a stage by calling it on a slice of the stacked state.
+
+Rematerialization wraps one block in `jax.checkpoint` with the named policy:
+  'none'           save everything for the backward pass (fastest, most memory)
+  'full'           save only the block's input; recompute the block in the backward pass
+  'dots'           save matmul outputs, recompute the cheap elementwise ops
+  'dots_no_batch'  save only matmuls without batch dims (the weight projections,
+                   not the attention q.k / p.v products)
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from shardax.configs.schema import TransformerConfig
+from shardax.layers.attention import Attention, default_positions
+from shardax.layers.embedding import Embed
+from shardax.layers.linear import DenseGeneral
+from shardax.layers.mlp import GatedMLP
+from shardax.layers.norm import make_norm
+from shardax.sharding import shard
+
+RESIDUAL = ("batch", "length", "embed")
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class Block(nnx.Module):
+  """x + attn(norm(x)), then x + mlp(norm(x))."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    self.attn_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
+                          rope_theta=cfg.rope_theta, implementation=cfg.attention,
+                          dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    self.mlp = GatedMLP(cfg.d_model, cfg.d_ff, activation=cfg.activation,
+                        dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    x = shard(x, RESIDUAL)
+    x = shard(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
+    return shard(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+
+def stacked_blocks(cfg: TransformerConfig, num: int, *, rngs: nnx.Rngs) -> Block:
+  """One Block whose params have a leading dim `num`, logical name 'layers' prepended.
+
+  Each layer gets its own init key (split_rngs); nnx.vmap does not know our
+  `logical_axes` metadata, so the leading name is added here.
+  """
+  @nnx.split_rngs(splits=num)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(r: nnx.Rngs) -> Block:
+    return Block(cfg, rngs=r)
+
+  blocks = make(rngs)
+  for _, node in nnx.iter_graph(blocks):
+    if isinstance(node, nnx.Variable) and hasattr(node, "logical_axes"):
+      node.set_metadata(logical_axes=("layers",) + tuple(node.logical_axes))
+  return blocks
+
+
+def block_fn(graphdef: nnx.GraphDef, remat: str = "none", *, prevent_cse: bool = True):
+  """(block_state, x, positions) -> x for one block, checkpointed per `remat`.
+
+  prevent_cse=False is right inside scan (the loop already stops XLA from merging
+  the recomputation into the forward pass) and saves needless barriers.
+  """
+  def apply(state: nnx.State, x: jax.Array, positions: jax.Array) -> jax.Array:
+    return nnx.merge(graphdef, state)(x, positions)
+  if remat == "none":
+    return apply
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat={remat!r}: use 'none' or one of {sorted(REMAT_POLICIES)}")
+  return jax.checkpoint(apply, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def apply_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
+                 positions: jax.Array | None = None, *, remat: str = "none") -> jax.Array:
+  """Runs the blocks in `stacked_state` (leading dim = layers) over x in order.
+
+  `graphdef, stacked_state = nnx.split(stacked_blocks(...))`; any slice of the
+  leading dim (`jax.tree.map(lambda a: a[i:j], stacked_state)`) is a valid stage.
+  """
+  if positions is None:
+    positions = default_positions(x.shape[0], x.shape[1])
+  body = block_fn(graphdef, remat, prevent_cse=False)
+
+  def step(carry, layer_state):
+    return body(layer_state, carry, positions), None
+
+  x, _ = jax.lax.scan(step, x, stacked_state)
+  return x
+
+
+class LayerStack(nnx.Module):
+  """cfg.num_layers blocks: stacked + scanned if cfg.scan_layers, else a Python list."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.scan_layers = cfg.scan_layers
+    self.remat = cfg.remat
+    if cfg.scan_layers:
+      self.blocks = stacked_blocks(cfg, cfg.num_layers, rngs=rngs)
+    else:
+      self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
+
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    if positions is None:
+      positions = default_positions(x.shape[0], x.shape[1])
+    if self.scan_layers:
+      graphdef, state = nnx.split(self.blocks)
+      return apply_layers(graphdef, state, x, positions, remat=self.remat)
+    for block in self.blocks:
+      graphdef, state = nnx.split(block)
+      x = block_fn(graphdef, self.remat)(state, x, positions)
+    return x
+
+
+class TransformerLM(nnx.Module):
+  """tokens int32[b, l] -> logits float32[b, l, vocab]: embed, blocks, norm, head."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.layers = LayerStack(cfg, rngs=rngs)
+    self.final_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    self.head = None if cfg.tied_embedding else DenseGeneral(
+        cfg.d_model, cfg.vocab_size, in_axes=("embed",), out_axes=("vocab",),
+        dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    x = shard(self.embed(tokens), RESIDUAL)
+    x = self.layers(x, positions)
+    x = self.final_norm(x)
+    if self.head is None:
+      logits = self.embed.attend(x)
+    else:
+      logits = self.head(x, out_dtype=jnp.float32)
+    return shard(logits, ("batch", "length", "vocab"))
