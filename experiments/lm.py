@@ -7,9 +7,9 @@ from shardax.configs import experiment, register
 def tiny():
   cfg = experiment()
   cfg.model.num_layers = 4
-  cfg.model.d_model = 256
+  cfg.model.d_model = 192
   cfg.model.num_heads = 4
-  cfg.model.d_ff = 768
+  cfg.model.d_ff = 512
   cfg.model.max_len = 128
   cfg.data.seq_len = 128
   cfg.train.steps = 300

@@ -16,6 +16,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -75,10 +76,22 @@ def create(exp: Experiment, mesh: Mesh) -> Setup:
   abstract_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abs, "opt_state": opt_abs}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_tree, shardings)
-  batch_spec = rules_lib.logical_to_spec(("batch", "length"), rules, dict(mesh.shape),
-                                         (exp.train.global_batch, exp.data.seq_len), name="batch")
+  batch_spec = _batch_spec(exp, rules, mesh)
   return Setup(exp, mesh, rules, graphdef, tx, abstract, shardings, axes,
                NamedSharding(mesh, batch_spec))
+
+
+def _batch_spec(exp: Experiment, rules, mesh: Mesh) -> PartitionSpec:
+  spec = rules_lib.logical_to_spec(("batch", "length"), rules, dict(mesh.shape))
+  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+  degree = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+  per_micro = exp.train.global_batch // exp.train.microbatches
+  if per_micro % degree:
+    raise ValueError(
+        f"train.global_batch={exp.train.global_batch} (over train.microbatches="
+        f"{exp.train.microbatches}) is not divisible by the data-parallel degree {degree} "
+        f"(batch split over mesh axes {axes} of mesh {dict(mesh.shape)}); use a multiple of {degree}")
+  return spec
 
 
 def init_fn(setup: Setup) -> Callable[[jax.Array], Any]:

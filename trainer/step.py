@@ -7,8 +7,8 @@ cut takes every M-th row, so each microbatch keeps the batch dim's data
 sharding and no example moves between devices.
 
 A non-finite loss or gradient never reaches the weights: the update is
-replaced by the old state in-graph (no host sync per step), the step is
-counted in `nonfinite_steps`, and the loop applies the configured policy.
+replaced by the old state in-graph (no host sync per step), the step reports
+`finite=False`, and the loop applies the configured policy.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import optax
 
 from shardax.sharding import shard
+from shardax.trainer import optimizer
 from shardax.trainer.state import Setup
 
 
@@ -57,13 +58,11 @@ def grads_and_loss(setup: Setup, params, batch: dict):
 
 def train_step_fn(setup: Setup) -> Callable:
   """A jitted `(state, batch) -> (state, metrics)`; the state is donated."""
-  sched = setup.exp.optimizer
-  from shardax.trainer.optimizer import schedule
-  lr = schedule(sched, setup.exp.train.steps)
+  lr = optimizer.schedule(setup.exp.optimizer, setup.exp.train.steps)
 
   def step(state, batch):
     loss, grads = grads_and_loss(setup, state["params"], batch)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
