@@ -81,6 +81,24 @@ class TransformerConfig:
                f"model.num_layers={self.num_layers} is not divisible by pipeline stages x "
                f"circular_repeats = {p.stages} x {p.circular_repeats} = {per}")
 
+  def make(self, rngs):
+    """The model this config describes (the trainer calls this, abstractly and for real)."""
+    from shardax.layers import TransformerLM
+    return TransformerLM(self, rngs=rngs)
+
+  def batch_fields(self, data: DataConfig) -> dict[str, tuple[tuple[int, ...], str, tuple[str, ...]]]:
+    """Per-example shape, dtype and logical axes (batch first) of each batch field."""
+    tokens = ((data.seq_len,), "int32", ("batch", "length"))
+    return {"inputs": tokens, "targets": tokens}
+
+  def tokens_per_example(self, data: DataConfig) -> int:
+    return data.seq_len
+
+  def flops_per_example(self, data: DataConfig) -> float:
+    """Model FLOPs (forward + backward) of one training example; see trainer/flops.py."""
+    from shardax.trainer import flops
+    return flops.per_token(self, data.seq_len) * data.seq_len
+
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads

@@ -12,7 +12,7 @@ def tiny():
   cfg.model.d_ff = 512
   cfg.model.max_len = 128
   cfg.data.seq_len = 128
-  cfg.train.steps = 300
+  cfg.train.steps = 250
   cfg.train.global_batch = 32
   cfg.train.eval_every = 50
   cfg.train.eval_batches = 8

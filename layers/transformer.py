@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import optax
 from flax import nnx
 
 from shardax.configs.schema import TransformerConfig
@@ -153,3 +154,9 @@ class TransformerLM(nnx.Module):
     else:
       logits = self.head(x, out_dtype=jnp.float32)
     return shard(logits, ("batch", "length", "vocab"))
+
+  def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
+    """Mean next-token cross entropy over {'inputs', 'targets'}, in float32."""
+    logits = self(batch["inputs"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
+    return jnp.mean(ce), {}

@@ -30,7 +30,7 @@ def test_overrides_parse_literals():
     (["train.stpes=3"], r"unknown field 'stpes' \(did you mean train.steps\?\); valid names here: .*global_batch"),
     (["modle.d_model=3"], r"unknown field 'modle'.*valid names here: .*model"),
     (["train.steps"], "expected PATH=VALUE"),
-    (["model.num_heads=7"], "model.num_heads=7 does not divide model.d_model=256"),
+    (["model.num_heads=7"], "model.num_heads=7 does not divide model.d_model=192"),
     (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
     (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_len=128"),
     (["train.microbatches=5"], "train.microbatches=5 must divide train.global_batch=32"),

@@ -41,7 +41,7 @@ def setup_for(exp, devices=None):
 
 
 def loss_and_grads(setup, params, batch):
-  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b),
+  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
                in_shardings=(setup.shardings["params"], setup.batch_sharding),
                out_shardings=(setup.replicated, setup.shardings["params"]))
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
@@ -118,8 +118,7 @@ def test_sharded_params_take_a_device_share(preset):
   setup = setup_for(experiment(preset, ici, axes))
   fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[0],
                in_shardings=(setup.shardings["params"], setup.batch_sharding))
-  batch = {k: jax.ShapeDtypeStruct((8, 16), jnp.int32, sharding=setup.batch_sharding)
-           for k in ("inputs", "targets")}
+  batch = step_lib.abstract_batch(setup)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     compiled = fn.lower(setup.abstract["params"], batch).compile()
   args = report.memory(compiled)["argument_bytes"] - 2 * 8 * 16 * 4 // 8

@@ -201,7 +201,8 @@ class Batches(grain.DatasetIterator):
       raise ValueError(f"split={split!r}: use one of {SPLITS}")
     self.cfg, self.split, self.global_batch, self.sharding = cfg, split, global_batch, sharding
     self.seed = cfg.seed if seed is None else seed
-    self.rows = process_rows(global_batch, cfg.seq_len, sharding, process_index, process_count)
+    row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
+    self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
     source = window_source(cfg, split, vocab_size)
     ds = local_dataset(source, split, global_batch, self.seed, self.rows)
     iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
@@ -217,8 +218,9 @@ class Batches(grain.DatasetIterator):
     local = next(self.grain_iterator)
     if self.sharding is None:
       return {k: jnp.asarray(v) for k, v in local.items()}
-    shape = (self.global_batch, self.cfg.seq_len)
-    return {k: jax.make_array_from_process_local_data(self.sharding, v, shape)
+    # One sharding for every field, or a dict of them (fields split differently).
+    shard_of = self.sharding.get if isinstance(self.sharding, dict) else lambda _: self.sharding
+    return {k: jax.make_array_from_process_local_data(shard_of(k), v, (self.global_batch,) + v.shape[1:])
             for k, v in local.items()}
 
   def _identity(self) -> dict[str, Any]:

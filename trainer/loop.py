@@ -17,8 +17,8 @@ from absl import logging
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, use_rules
-from shardax.trainer import checkpoint as ckpt_lib
-from shardax.trainer import flops, inputs
+from shardax.trainer import checkpoint as ckpt_lib  # noqa
+from shardax.trainer import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 from shardax.trainer.metrics import MetricsWriter
@@ -93,8 +93,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     train_step = step_lib.train_step_fn(setup)
     eval_step = step_lib.eval_step_fn(setup)
     writer = MetricsWriter(job_dir, exp.train.steps)
-    tokens_per_step = exp.train.global_batch * exp.data.seq_len
-    flops_per_device = flops.per_step(exp.model, exp.train.global_batch, exp.data.seq_len) / mesh.size
+    tokens_per_step = exp.train.global_batch * exp.model.tokens_per_example(exp.data)
+    flops_per_device = exp.train.global_batch * exp.model.flops_per_example(exp.data) / mesh.size
     start = int(state["step"])
     logging.info("training %s: %s params, steps %d -> %d on mesh %s",
                  exp.name, f"{state_lib.count_params(setup):,}", start, exp.train.steps, dict(mesh.shape))
@@ -102,6 +102,11 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
     step = start
+    if start == 0:  # the untrained model's eval loss: the baseline the run improves on
+      eval_batches = _eval_batches(setup)
+      summary["eval_losses"][0] = _eval(eval_step, state["params"], eval_batches)
+      writer.write(0, {"eval_loss": summary["eval_losses"][0]})
+      print(f"step {0:>6}/{exp.train.steps} | eval_loss {summary['eval_losses'][0]:.4f}", flush=True)
     try:
       while step < exp.train.steps:
         state, metrics = train_step(state, next(train_iter))

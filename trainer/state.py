@@ -21,15 +21,15 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax.configs.schema import Experiment, TransformerConfig
+from shardax.configs.schema import Experiment
 from shardax.sharding import params as params_lib
 from shardax.sharding import rules as rules_lib
 from shardax.trainer import optimizer
 
 
-def build_model(cfg: TransformerConfig, rngs: nnx.Rngs) -> nnx.Module:
-  from shardax.layers import TransformerLM
-  return TransformerLM(cfg, rngs=rngs)
+def build_model(cfg: Any, rngs: nnx.Rngs) -> nnx.Module:
+  """Any model config with `make(rngs)`, `batch_fields(data)`; the model has `loss_and_metrics`."""
+  return cfg.make(rngs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,7 +43,7 @@ class Setup:
   abstract: Any          # state tree of ShapeDtypeStruct, each with its sharding
   shardings: Any         # state tree of NamedSharding
   param_axes: Any        # params tree of logical-axes tuples
-  batch_sharding: NamedSharding
+  batch_sharding: dict[str, NamedSharding]   # per batch field
 
   def model(self, params) -> nnx.Module:
     """The model with `params` plugged in (inside jit: a traced, stateless view)."""
@@ -76,22 +76,26 @@ def create(exp: Experiment, mesh: Mesh) -> Setup:
   abstract_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abs, "opt_state": opt_abs}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_tree, shardings)
-  batch_spec = _batch_spec(exp, rules, mesh)
   return Setup(exp, mesh, rules, graphdef, tx, abstract, shardings, axes,
-               NamedSharding(mesh, batch_spec))
+               _batch_shardings(exp, rules, mesh))
 
 
-def _batch_spec(exp: Experiment, rules, mesh: Mesh) -> PartitionSpec:
-  spec = rules_lib.logical_to_spec(("batch", "length"), rules, dict(mesh.shape))
-  axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
-  degree = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
-  per_micro = exp.train.global_batch // exp.train.microbatches
-  if per_micro % degree:
-    raise ValueError(
-        f"train.global_batch={exp.train.global_batch} (over train.microbatches="
-        f"{exp.train.microbatches}) is not divisible by the data-parallel degree {degree} "
-        f"(batch split over mesh axes {axes} of mesh {dict(mesh.shape)}); use a multiple of {degree}")
-  return spec
+def _batch_shardings(exp: Experiment, rules, mesh: Mesh) -> dict[str, NamedSharding]:
+  out = {}
+  for key, (shape, _, logical) in exp.model.batch_fields(exp.data).items():
+    spec = rules_lib.logical_to_spec(logical, rules, dict(mesh.shape))
+    axes = spec[0] if isinstance(spec[0], tuple) else (spec[0],) if spec[0] else ()
+    degree = int(np.prod([mesh.shape[a] for a in axes])) if axes else 1
+    per_micro = exp.train.global_batch // exp.train.microbatches
+    if per_micro % degree:
+      raise ValueError(
+          f"train.global_batch={exp.train.global_batch} (over train.microbatches="
+          f"{exp.train.microbatches}) is not divisible by the data-parallel degree {degree} "
+          f"(batch split over mesh axes {axes} of mesh {dict(mesh.shape)}); use a multiple of {degree}")
+    rules_lib.logical_to_spec(logical, rules, dict(mesh.shape), (per_micro,) + tuple(shape),
+                              name=f"batch field {key!r}", allow_uneven=exp.sharding.allow_uneven)
+    out[key] = NamedSharding(mesh, spec)
+  return out
 
 
 def init_fn(setup: Setup) -> Callable[[jax.Array], Any]:

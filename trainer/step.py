@@ -24,12 +24,10 @@ from shardax.trainer import optimizer
 from shardax.trainer.state import Setup
 
 
-def loss_fn(setup: Setup) -> Callable[[Any, dict], jax.Array]:
-  """Mean next-token cross entropy (float32 logits) of a batch under `params`."""
+def loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:
+  """`(params, batch) -> (loss, metrics)`: the model's own training objective."""
   def loss(params, batch):
-    logits = setup.model(params)(batch["inputs"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-    return jnp.mean(ce)
+    return setup.model(params).loss_and_metrics(batch)
   return loss
 
 
@@ -42,18 +40,23 @@ def _microbatches(batch: dict, m: int) -> dict:
 
 
 def grads_and_loss(setup: Setup, params, batch: dict):
-  loss = loss_fn(setup)
+  """(loss, grads, metrics), averaged over the microbatches."""
+  grad_fn = jax.value_and_grad(loss_fn(setup), has_aux=True)
   m = setup.exp.train.microbatches
   if m == 1:
-    return jax.value_and_grad(loss)(params, batch)
+    (loss, metrics), grads = grad_fn(params, batch)
+    return loss, grads, metrics
 
   def body(acc, mb):
-    l, g = jax.value_and_grad(loss)(params, mb)
-    return jax.tree.map(jnp.add, acc, (l, g)), None
+    (l, metrics), g = grad_fn(params, mb)
+    return jax.tree.map(jnp.add, acc, (l, g, metrics)), None
 
-  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params))
-  (total, grads), _ = jax.lax.scan(body, zeros, _microbatches(batch, m))
-  return total / m, jax.tree.map(lambda g: g / m, grads)
+  shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], _microbatches(batch, m)))
+  (_, metrics_shape), _ = shapes
+  zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
+           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
+  (total, grads, metrics), _ = jax.lax.scan(body, zeros, _microbatches(batch, m))
+  return total / m, jax.tree.map(lambda g: g / m, grads), jax.tree.map(lambda x: x / m, metrics)
 
 
 def train_step_fn(setup: Setup) -> Callable:
@@ -61,7 +64,7 @@ def train_step_fn(setup: Setup) -> Callable:
   lr = optimizer.schedule(setup.exp.optimizer, setup.exp.train.steps)
 
   def step(state, batch):
-    loss, grads = grads_and_loss(setup, state["params"], batch)
+    loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
@@ -71,7 +74,7 @@ def train_step_fn(setup: Setup) -> Callable:
                  "params": keep(params, state["params"]),
                  "opt_state": keep(opt_state, state["opt_state"])}
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state["step"]),
-               "finite": finite}
+               "finite": finite, **model_metrics}
     return new_state, metrics
 
   return jax.jit(step, in_shardings=(setup.shardings, setup.batch_sharding),
@@ -80,15 +83,16 @@ def train_step_fn(setup: Setup) -> Callable:
 
 def eval_step_fn(setup: Setup) -> Callable:
   """A jitted `(params, batch) -> mean loss`."""
-  return jax.jit(loss_fn(setup), in_shardings=(setup.shardings["params"], setup.batch_sharding),
+  return jax.jit(lambda p, b: loss_fn(setup)(p, b)[0],
+                 in_shardings=(setup.shardings["params"], setup.batch_sharding),
                  out_shardings=setup.replicated)
 
 
 def abstract_batch(setup: Setup) -> dict:
   exp = setup.exp
-  shape = jax.ShapeDtypeStruct((exp.train.global_batch, exp.data.seq_len), jnp.int32,
-                               sharding=setup.batch_sharding)
-  return {"inputs": shape, "targets": shape}
+  return {k: jax.ShapeDtypeStruct((exp.train.global_batch,) + tuple(shape), jnp.dtype(dtype),
+                                  sharding=setup.batch_sharding[k])
+          for k, (shape, dtype, _) in exp.model.batch_fields(exp.data).items()}
 
 
 def compile_train_step(setup: Setup):
