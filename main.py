@@ -1,6 +1,6 @@
 """The command line: `shardax --exp=NAME --job_dir=DIR [--mode=...] [--set PATH=VALUE ...]`.
 
-Modes: train (default), eval, decode, explain, list. Every mistake a user can
+Modes: train (default), eval, decode, explain, benchmark, dry_run, list. Every mistake a user can
 make here (an unknown experiment, a mistyped --set path, a mesh that does not
 match the devices) ends in one line naming the problem and the fix, before
 anything in the job dir is written.
@@ -27,7 +27,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
 from absl import app, flags, logging  # noqa: E402
 
-MODES = ("train", "eval", "decode", "explain", "list")
+MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "list")
 
 flags.DEFINE_string("exp", None, "Registered experiment name (see --mode=list).")
 flags.DEFINE_string("job_dir", None, "Directory for config, checkpoints, metrics and reports.")
@@ -36,6 +36,9 @@ flags.DEFINE_multi_string("set", [], "Config override PATH=VALUE (repeatable), e
 flags.DEFINE_string("prompt", "def ", "decode: text to continue.")
 flags.DEFINE_integer("max_new_tokens", 200, "decode: how many tokens to sample.")
 flags.DEFINE_float("temperature", 0.0, "decode: 0 = greedy, else softmax temperature.")
+flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
+flags.DEFINE_integer("num_processes", None, "Multi-process: how many processes in the job.")
+flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0..num_processes-1.")
 FLAGS = flags.FLAGS
 
 
@@ -62,6 +65,9 @@ def _set_cpu_devices(exp) -> None:
 
 def write_config(exp, job_dir: str) -> None:
   from shardax.configs import registry
+  from shardax.trainer import distributed
+  if not distributed.is_primary():
+    return
   os.makedirs(job_dir, exist_ok=True)
   with open(os.path.join(job_dir, "config.txt"), "w") as f:
     f.write(registry.to_text(exp))
@@ -86,9 +92,30 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer import decode
     text = decode.from_job_dir(exp, job_dir, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature)
     print(text, flush=True)
+  elif mode == "benchmark":  # throughput; with train.target_eval_loss set: time to train
+    write_config(exp, job_dir)
+    if exp.train.target_eval_loss is None:
+      from shardax.trainer import benchmark
+      print(benchmark.format_table(benchmark.run(exp, job_dir)), flush=True)
+    else:
+      from shardax.trainer import mlperf
+      r = mlperf.time_to_train(exp, job_dir)
+      print(f"time_to_train {r['time_to_train_s']:.1f} s: eval_loss {r['final_eval_loss']:.4f} "
+            f"{'reached' if r['reached'] else 'did NOT reach'} target {r['target_eval_loss']} "
+            f"after {r['steps']} steps ({r['samples']} samples)", flush=True)
   elif mode == "explain":
     from shardax.trainer import explain
     print(explain.explain(exp, job_dir), flush=True)
+  elif mode == "dry_run":
+    from shardax.trainer import dry_run
+    write_config(exp, job_dir)
+    result = dry_run.dry_run(exp, job_dir)
+    print(dry_run.format_report(result), flush=True)
+    if result["fits"] is False:
+      print(f"shardax: {exp.name} does not fit on {result['topology'] or 'these devices'}: "
+            f"{result['bytes_per_device']['total'] or 0:,} bytes per device needed, "
+            f"{result['hbm_bytes_per_device']:,} available; {result['hint']}", file=sys.stderr, flush=True)
+      sys.exit(1)
 
 
 def main(argv) -> None:
@@ -105,12 +132,22 @@ def main(argv) -> None:
     if not FLAGS.job_dir:
       raise UserError("--job_dir is required: the directory for checkpoints and metrics")
     exp = resolve_experiment(FLAGS.exp, FLAGS.set)
+    if exp.mesh.topology and FLAGS.mode not in ("dry_run", "explain"):
+      raise UserError(f"mesh.topology={exp.mesh.topology!r} describes TPUs that are not here; "
+                      f"use it with --mode=dry_run or --mode=explain")
     _set_cpu_devices(exp)
+    from shardax.trainer import distributed
+    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
-  except (UserError, configs.ConfigError, ValueError, FileNotFoundError) as e:
+  except (UserError, configs.ConfigError, ValueError, FileNotFoundError, _checkpoint_error()) as e:
     logging.debug("error", exc_info=True)
     print(f"shardax: error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
+
+
+def _checkpoint_error() -> type:
+  from shardax.trainer.checkpoint import CheckpointError
+  return CheckpointError
 
 
 def run() -> None:

@@ -82,10 +82,11 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
   with jax.set_mesh(mesh):
     setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-    checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
-                    if exp.checkpoint.enabled else None)
+    # Data first: a missing dataset must fail before anything is created in the job dir.
     train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
                                 seed=exp.data.seed, vocab_size=exp.model.vocab_size)
+    checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
+                    if exp.checkpoint.enabled else None)
     state = restore_or_init(setup, checkpointer, train_iter)
     if on_ready is not None:
       on_ready()
@@ -102,6 +103,9 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
     step = start
+    # train.profile_steps=(first, last): a jax profiler trace of those steps in job_dir/profile
+    first, last = exp.train.profile_steps or (0, 0)
+    tracing = False
     if start == 0:  # the untrained model's eval loss: the baseline the run improves on
       eval_batches = _eval_batches(setup)
       summary["eval_losses"][0] = _eval(eval_step, state["params"], eval_batches)
@@ -109,8 +113,15 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       print(f"step {0:>6}/{exp.train.steps} | eval_loss {summary['eval_losses'][0]:.4f}", flush=True)
     try:
       while step < exp.train.steps:
+        if step + 1 == first:
+          jax.profiler.start_trace(os.path.join(job_dir, "profile"))
+          tracing = True
         state, metrics = train_step(state, next(train_iter))
         step += 1
+        if tracing and step >= last:
+          jax.block_until_ready(state)
+          jax.profiler.stop_trace()
+          tracing = False
         pending.append((step, metrics))
         last = step == exp.train.steps
         if step % exp.train.log_every == 0 or last or (checkpointer and checkpointer.should_save(step)):
@@ -131,6 +142,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
             summary["preempted"] = True
             break
     finally:
+      if tracing:
+        jax.profiler.stop_trace()
       if checkpointer is not None:
         checkpointer.wait()
         checkpointer.close()
@@ -156,6 +169,7 @@ def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device) -> No
   rates = writer.progress(step, float(last["loss"]), tokens_per_step)
   scalars = {"loss": last["loss"], "learning_rate": last["learning_rate"], "grad_norm": last["grad_norm"],
              "skipped_steps": len(summary["skipped_steps"])}
+  scalars.update({k: v for k, v in last.items() if k not in scalars and k != "finite" and np.ndim(v) == 0})
   if rates:
     scalars["tokens_per_s"] = rates["tokens_per_s"]
     scalars["tflops_per_device"] = rates["steps_per_s"] * flops_per_device / 1e12
