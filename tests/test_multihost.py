@@ -1,0 +1,67 @@
+"""Two real processes on localhost, 4 simulated CPU devices each, one (2, 4) mesh over both.
+
+jax.distributed joins them; the batch's data axis spans the processes, each loads only
+its rows, and XLA's collectives (gloo on CPU) cross the process boundary. The run must
+match a one-process, 8-device run, and checkpoints must move between the two layouts.
+"""
+
+import shutil
+
+import numpy as np
+import pytest
+
+import clitools as cli
+
+MESH = ["mesh.ici=(2, 4)", "sharding.preset='2d'"]
+
+
+def two_processes(job, data_dir, *sets, tmp_path):
+  port = cli.free_port()
+  procs = [cli.start(cli.command(job, data_dir, *MESH, "mesh.num_cpu_devices=4", *sets,
+                                 extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                        f"--process_id={i}"]),
+                     devices=4, log=tmp_path / f"proc{i}.log") for i in range(2)]
+  codes = [p.wait(timeout=300) for p in procs]
+  logs = [open(tmp_path / f"proc{i}.log").read() for i in range(2)]
+  assert codes == [0, 0], "\n".join(l[-2000:] for l in logs)
+  return logs
+
+
+def one_process(job, data_dir, *sets):
+  out = cli.run(cli.command(job, data_dir, *MESH, "mesh.num_cpu_devices=8", *sets), devices=8)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+  data_dir = tmp_path_factory.mktemp("data")
+  multi, single = tmp_path_factory.mktemp("multi"), tmp_path_factory.mktemp("single")
+  logs = two_processes(multi, data_dir, "train.steps=6", "checkpoint.every=3",
+                       tmp_path=tmp_path_factory.mktemp("logs"))
+  one_process(single, data_dir, "train.steps=6", "checkpoint.every=3")
+  return data_dir, multi, single, logs
+
+
+def test_two_processes_match_one_process(runs):
+  _, multi, single, logs = runs
+  assert "process 1 of 2" in logs[1] or "process 1 of 2" in logs[0]
+  a, b = cli.losses(multi), cli.losses(single)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
+  assert cli.checkpoint_steps(multi) == cli.checkpoint_steps(single) == [3, 6]
+
+
+def test_checkpoints_move_between_one_and_two_processes(runs, tmp_path):
+  data_dir, multi, single, _ = runs
+  # Two-process checkpoint, resumed by one process ...
+  a = tmp_path / "a"
+  shutil.copytree(multi, a)
+  out = one_process(a, data_dir, "train.steps=8", "checkpoint.every=3")
+  assert "resumed from step 6" in out.stderr
+  # ... and one-process checkpoint, resumed by two processes: the same steps 7 and 8.
+  b = tmp_path / "b"
+  shutil.copytree(single, b)
+  two_processes(b, data_dir, "train.steps=8", "checkpoint.every=3", tmp_path=tmp_path)
+  la, lb = cli.losses(a), cli.losses(b)
+  np.testing.assert_allclose([la[7], la[8]], [lb[7], lb[8]], rtol=1e-5)
