@@ -14,6 +14,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 from absl import logging
+from clu import metrics as clu_metrics
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, use_rules
@@ -36,7 +37,12 @@ def _eval_batches(setup) -> list[dict]:
 
 
 def _eval(eval_step, params, batches) -> float:
-  return float(np.mean(jax.device_get([eval_step(params, b) for b in batches])))
+  """Mean eval loss over `batches`, aggregated with clu metrics (one host sync at the end)."""
+  total = None
+  for batch in batches:
+    m = clu_metrics.Average.from_model_output(eval_step(params, batch))
+    total = m if total is None else total.merge(m)
+  return float(total.compute())
 
 
 def restore_or_init(setup, checkpointer, data_iter=None):
