@@ -83,3 +83,21 @@ def test_checkpoint_from_2x4_restores_on_other_meshes(full_run, data_dir, ici):
     np.testing.assert_array_equal(a, b)
   leaf = jax.tree.leaves(state["params"])[0]
   assert leaf.sharding.mesh.devices.size == len(devices)
+
+
+def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
+  from shardax.trainer import corpus, decode
+  job, summary = full_run
+  exp = small_experiment(data_dir)
+  setup, state = loop.restore_latest(exp, job)
+  prompt = corpus.encode("import os\n")
+  with jax.set_mesh(setup.mesh):
+    new = decode.sample(setup, state["params"], prompt, 5, temperature=0.0)
+    # Greedy: each new id is the argmax of a full forward pass over prompt + earlier ids.
+    ids = list(prompt)
+    for tok in new:
+      logits = setup.model(state["params"])(np.asarray([ids], np.int32))
+      assert tok == int(np.argmax(logits[0, -1]))
+      ids.append(tok)
+  text = decode.from_job_dir(exp, job, "import os\n", 5, 0.0)
+  assert text == "import os\n" + corpus.decode(new)
