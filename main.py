@@ -114,7 +114,7 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     if result["fits"] is False:
       print(f"shardax: {exp.name} does not fit on {result['topology'] or 'these devices'}: "
             f"{result['bytes_per_device']['total'] or 0:,} bytes per device needed, "
-            f"{result['hbm_bytes_per_device']:,} available; {result['hint']}", file=sys.stderr, flush=True)
+            f"{result['hbm_bytes_per_device']:,} available. {result['hint']}", file=sys.stderr, flush=True)
       sys.exit(1)
 
 

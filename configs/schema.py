@@ -34,6 +34,14 @@ class PipelineConfig:
   def __post_init__(self):
     for f in ("stages", "microbatches", "circular_repeats"):
       _require(getattr(self, f) >= 1, f"model.pipeline.{f}={getattr(self, f)} must be >= 1")
+    _require(self.stages > 1 or (self.microbatches == 1 and self.circular_repeats == 1),
+             f"model.pipeline.microbatches={self.microbatches} / circular_repeats="
+             f"{self.circular_repeats} do nothing without a pipeline (stages=1); set "
+             f"model.pipeline.stages > 1, or use train.microbatches for gradient accumulation")
+    _require(self.circular_repeats == 1 or self.microbatches >= self.stages,
+             f"model.pipeline.microbatches={self.microbatches} < stages={self.stages}: the circular "
+             f"schedule (circular_repeats={self.circular_repeats}) needs microbatches >= stages; "
+             f"raise microbatches or set circular_repeats=1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +116,10 @@ class TransformerConfig:
     return self.head_dim or self.d_model // self.num_heads
 
 
+# Image sources: name -> (spatial rank, multiple every size must be); see trainer/images.py.
+IMAGE_SOURCES = {"shapes3d": (3, 1), "digits": (2, 8)}
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
   """Where batches come from.
@@ -115,7 +127,11 @@ class DataConfig:
   source: "stdlib"    byte-level text of the Python standard library's sources
                       (prepared once into ArrayRecord under `data_dir`);
           "tfds:NAME" any tfds dataset already prepared under `data_dir`, field `text_key`;
-          "synthetic" random tokens (for benchmarks and dry runs).
+          "synthetic" random tokens (for benchmarks and dry runs);
+          "shapes3d"  generated volumes of spheres and cubes with per-voxel labels;
+          "digits"    scikit-learn's bundled 8x8 handwritten digits, upsampled
+                      (image sources: trainer/images.py).
+  image_size: spatial shape of image sources, (D, H, W) or (H, W); () = the source's default.
   """
   source: str = "stdlib"
   data_dir: str = "~/.cache/shardax/datasets"
@@ -124,10 +140,19 @@ class DataConfig:
   validation_fraction: float = 0.05
   seed: int = 0
   worker_count: int = 0
+  image_size: tuple[int, ...] = ()
 
   def __post_init__(self):
-    _require(self.source in ("stdlib", "synthetic") or self.source.startswith("tfds:"),
-             f"data.source={self.source!r}: use 'stdlib', 'synthetic' or 'tfds:NAME'")
+    _require(self.source in ("stdlib", "synthetic") + tuple(IMAGE_SOURCES)
+             or self.source.startswith("tfds:"),
+             f"data.source={self.source!r}: use 'stdlib', 'synthetic', 'tfds:NAME' or an image "
+             f"source {tuple(IMAGE_SOURCES)}")
+    if self.source in IMAGE_SOURCES:
+      rank, multiple = IMAGE_SOURCES[self.source]
+      size = tuple(self.image_size)
+      _require(size == () or (len(size) == rank and all(s >= 2 and s % multiple == 0 for s in size)),
+               f"data.image_size={size!r}: data.source={self.source!r} needs {rank} sizes, each a "
+               f"multiple of {multiple} and >= 2 (or () for the default)")
     _require(self.seq_len >= 2, f"data.seq_len={self.seq_len} must be >= 2")
     _require(0.0 < self.validation_fraction < 1.0,
              f"data.validation_fraction={self.validation_fraction} must be in (0, 1)")
@@ -162,6 +187,9 @@ class TrainConfig:
   seed: int = 0
   nonfinite: str = "skip"             # what a non-finite loss/grad does: "skip" the update | "stop"
   profile_steps: tuple[int, ...] = ()  # (first, last) step of a jax profiler trace; () = off
+  benchmark_steps: int = 20           # --mode=benchmark: timed steps ...
+  benchmark_warmup: int = 2           # ... after this many untimed ones
+  target_eval_loss: float | None = None  # --mode=benchmark: train until eval loss <= this (time to train)
 
   def __post_init__(self):
     _require(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
@@ -169,6 +197,14 @@ class TrainConfig:
     _require(self.microbatches >= 1 and self.global_batch % self.microbatches == 0,
              f"train.microbatches={self.microbatches} must divide train.global_batch={self.global_batch}")
     _require(self.nonfinite in ("skip", "stop"), f"train.nonfinite={self.nonfinite!r}: use 'skip' or 'stop'")
+    _require(isinstance(self.profile_steps, (tuple, list)) and len(self.profile_steps) in (0, 2)
+             and all(s >= 1 for s in self.profile_steps)
+             and tuple(self.profile_steps) == tuple(sorted(self.profile_steps)),
+             f"train.profile_steps={self.profile_steps}: use (first, last) steps >= 1, or () for off")
+    _require(self.benchmark_steps >= 1, f"train.benchmark_steps={self.benchmark_steps} must be >= 1")
+    _require(self.benchmark_warmup >= 0, f"train.benchmark_warmup={self.benchmark_warmup} must be >= 0")
+    _require(self.target_eval_loss is None or self.target_eval_loss > 0,
+             f"train.target_eval_loss={self.target_eval_loss} must be > 0 (or None: no time-to-train run)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,9 +242,13 @@ class Experiment:
   checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
 
   def __post_init__(self):
-    _require(self.data.seq_len <= self.model.max_len,
-             f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}; "
-             f"raise model.max_len or lower data.seq_len")
-    _require(self.data.source == "synthetic" or self.model.vocab_size >= 256,
-             f"model.vocab_size={self.model.vocab_size} is below 256, the byte vocabulary of "
-             f"data.source={self.data.source!r}")
+    # Checks between sections; they apply to language models (configs with these fields).
+    if hasattr(self.model, "max_len"):
+      _require(self.data.seq_len <= self.model.max_len,
+               f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}; "
+               f"raise model.max_len or lower data.seq_len")
+    if hasattr(self.model, "vocab_size") and (self.data.source in ("stdlib",) or
+                                             self.data.source.startswith("tfds:")):
+      _require(self.model.vocab_size >= 256,
+               f"model.vocab_size={self.model.vocab_size} is below 256, the byte vocabulary of "
+               f"data.source={self.data.source!r}")

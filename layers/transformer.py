@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from shardax import pipeline
 from shardax.configs.schema import TransformerConfig
 from shardax.layers.attention import Attention, default_positions
 from shardax.layers.embedding import Embed
@@ -110,12 +111,18 @@ def apply_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
 
 
 class LayerStack(nnx.Module):
-  """cfg.num_layers blocks: stacked + scanned if cfg.scan_layers, else a Python list."""
+  """cfg.num_layers blocks: stacked + scanned if cfg.scan_layers, else a Python list;
+  with cfg.pipeline.stages > 1, stacked in the stage layout and run by `shardax.pipeline`."""
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.scan_layers = cfg.scan_layers
     self.remat = cfg.remat
-    if cfg.scan_layers:
+    p = cfg.pipeline
+    self.schedule = pipeline.Schedule(p.stages, p.microbatches, p.circular_repeats) if p.stages > 1 else None
+    if self.schedule is not None:  # params [S, (R,) L/(S*R), ...], logical 'stage' first
+      self.blocks = pipeline.restack_module(stacked_blocks(cfg, cfg.num_layers, rngs=rngs),
+                                            p.stages, p.circular_repeats)
+    elif cfg.scan_layers:
       self.blocks = stacked_blocks(cfg, cfg.num_layers, rngs=rngs)
     else:
       self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
@@ -123,6 +130,10 @@ class LayerStack(nnx.Module):
   def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
+    if self.schedule is not None:
+      graphdef, state = nnx.split(self.blocks)
+      stage = lambda w, h, pos: apply_layers(graphdef, w, h, pos, remat=self.remat)
+      return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL)
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)
       return apply_layers(graphdef, state, x, positions, remat=self.remat)

@@ -66,7 +66,15 @@ def resolve_shape(shape: Sequence[int], num: int, what: str) -> tuple[int, ...]:
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
-  """Build the mesh, in a topology-aware device order where jax offers one."""
+  """Build the mesh, in a topology-aware device order where jax offers one.
+
+  Without `devices`: the TPU devices of `cfg.topology` when set (for AOT dry runs;
+  see sharding/topology.py), else this process's devices.
+  """
+  if devices is None and cfg.topology:
+    from shardax.sharding import topology
+    slices = math.prod(cfg.dcn) if cfg.dcn and -1 not in cfg.dcn else 1
+    devices = topology.devices(cfg.topology, slices)
   devices = list(jax.devices() if devices is None else devices)
   n = len(devices)
   axis_types = (AxisType.Auto,) * len(cfg.axes)

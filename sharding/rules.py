@@ -38,7 +38,23 @@ PRESETS: dict[str, Rules] = {
     "2d": (("batch", "data"), ("embed", "data"), ("embed", "model")) + _MEGATRON,
     # Three axes: plain data parallel over `data`, FSDP over `fsdp`, Megatron over `model`.
     "dp_fsdp_tp": (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _MEGATRON,
+    # GShard expert parallelism: experts split over the same `data` axis as the batch, so
+    # moving tokens from group-split to expert-split (and back) is an all-to-all.
+    "expert": (("batch", "data"), ("expert", "data")),
+    # Experts on their own `expert` axis: the batch is split over both axes, so tokens
+    # all-to-all within an expert group; tensors whose `expert` dim took that axis keep
+    # the batch on `data` alone (the second batch rule).
+    "expert_axis": (("batch", ("data", "expert")), ("batch", "data"), ("expert", "expert")),
+    # Spatial partitioning (GSPMD paper's 3D U-Net): image rows over `spatial`; each conv
+    # exchanges k//2 border rows with its neighbours (collective-permute, the halo).
+    "spatial": (("batch", "data"), ("height", "spatial")),
+    # ... rows over `spatial` and columns over `spatial_w`: 2D tiles, halos along both.
+    "spatial_hw": (("batch", "data"), ("height", "spatial"), ("width", "spatial_w")),
 }
+
+# Pipeline parallelism (shardax.pipeline): the stage-stacked weights' and the stage
+# buffer's leading `stage` dim on the `stage` mesh axis, combined with the modes above.
+PRESETS.update({f"pp_{name}": (("stage", "stage"),) + PRESETS[name] for name in ("dp", "tp", "2d")})
 
 # (rules, allow_uneven) in force for `shard()`; set by `use_rules`.
 _current: contextvars.ContextVar[tuple[Rules | None, bool]] = contextvars.ContextVar(

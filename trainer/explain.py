@@ -1,48 +1,118 @@
-"""`--mode=explain`: where every parameter lives and what the train step communicates.
+"""`--mode=explain`: where every parameter and activation lives, and what the step communicates.
 
 Compiles the real train step from abstract shapes (nothing allocated) on the
-experiment's mesh and reads the compiled program: per-parameter placement,
-per-device memory, FLOPs, and each collective with the model source line that
-caused it (HLO metadata).
+experiment's mesh (a TPU topology too, with `mesh.topology`) and reads the compiled
+program: per-parameter placement, per-device memory, FLOPs, and each collective
+with the model source line that caused it (HLO metadata). Activation shardings
+come from tracing the forward pass: every `shard(x, logical_axes)` the model makes
+is a sharding constraint in the jaxpr, with its shape, spec and source line, so
+the model code needs no hook.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
+import math
 import os
 
 import jax
+import numpy as np
 
+import shardax
 from shardax.configs.schema import Experiment
-from shardax.sharding import make_mesh, report, use_rules
-from shardax.trainer import state as state_lib
+from shardax.sharding import report, use_rules
+from shardax.trainer import dry_run
 from shardax.trainer import step as step_lib
+
+_PACKAGE = os.path.dirname(os.path.abspath(shardax.__file__))
+_SHARDING = os.path.join(_PACKAGE, "sharding")
+
+
+@dataclasses.dataclass(frozen=True)
+class Activation:
+  source: str                # file:line of the model code that annotated it
+  shape: tuple[int, ...]     # global shape
+  dtype: str
+  spec: str                  # its PartitionSpec over the mesh
+  bytes_per_device: int
+  count: int                 # how often the forward pass hits this annotation (per trace)
+
+
+def _source(eqn) -> str:
+  """The innermost frame in shardax outside sharding/ (the layer that called shard())."""
+  tb = eqn.source_info.traceback
+  for frame in (tb.frames if tb is not None else ()):
+    path = os.path.abspath(frame.file_name)
+    if (path.startswith(_PACKAGE + os.sep) and not path.startswith(_SHARDING + os.sep)
+        and "site-packages" not in path):
+      return f"{os.path.relpath(path, _PACKAGE)}:{frame.line_num}"
+  return "-"
+
+
+def _constraints(jaxpr):
+  """Every sharding_constraint eqn in a jaxpr and the jaxprs nested in it (scan, remat, ...)."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "sharding_constraint":
+      yield eqn
+    for value in eqn.params.values():
+      for sub in value if isinstance(value, (tuple, list)) else (value,):
+        inner = getattr(sub, "jaxpr", sub)
+        if hasattr(inner, "eqns"):
+          yield from _constraints(inner)
+
+
+def activation_table(setup) -> list[Activation]:
+  """Shardings of the forward pass's annotated activations, one row per distinct annotation."""
+  batch = step_lib.abstract_batch(setup)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
+    closed = jax.make_jaxpr(step_lib.loss_fn(setup))(setup.abstract["params"], batch)
+  counts: dict[tuple, int] = collections.Counter()
+  for eqn in _constraints(closed.jaxpr):
+    aval, sharding = eqn.invars[0].aval, eqn.params["sharding"]
+    local = sharding.shard_shape(aval.shape)
+    key = (_source(eqn), tuple(aval.shape), str(aval.dtype), str(sharding.spec),
+           math.prod(local) * np.dtype(aval.dtype).itemsize)
+    counts[key] += 1
+  return [Activation(*key, count=n) for key, n in counts.items()]
+
+
+def format_activations(rows: list[Activation]) -> str:
+  header = ("activation (source)", "shape", "dtype", "spec", "bytes/device", "x")
+  body = [(r.source, str(r.shape), r.dtype, r.spec, f"{r.bytes_per_device:,}", str(r.count)) for r in rows]
+  widths = [max(len(x[i]) for x in [header] + body) for i in range(len(header))]
+  fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+  return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in body])
 
 
 def explain(exp: Experiment, job_dir: str | None = None) -> str:
-  mesh = make_mesh(exp.mesh)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
-  with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-    compiled = step_lib.compile_train_step(setup)
+  mesh, setup = dry_run.prepare(exp)
+  compiled = dry_run.compile_step(setup)
+  activations = activation_table(setup)
   rows = report.param_table(setup.abstract["params"], setup.shardings["params"], setup.param_axes)
-  hlo = compiled.as_text()
+  hlo = dry_run.with_trip_counts(compiled.as_text())
   summary = report.collective_summary(hlo)
   memory = report.memory(compiled)
   lines = [f"experiment {exp.name}: mesh {dict(mesh.shape)}, rules {list(setup.rules)}", "",
            report.format_param_table(rows), "",
-           f"batch sharding: {setup.batch_sharding.spec}",
+           format_activations(activations), "",
+           "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
            report.format_collectives(summary), ""]
   for c in report.collectives(hlo):
-    lines.append(f"  {c.kind:<20} {c.bytes:>12,} B  group {c.group_size:<3} {c.source or '-'}  {c.op_name}")
+    lines.append(f"  {c.kind:<20} {c.bytes:>12,} B x{c.executions:<4} group {c.group_size:<3} "
+                 f"{c.source or '-'}  {c.op_name}")
   text = "\n".join(lines)
   if job_dir:
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "explain.txt"), "w") as f:
       f.write(text + "\n")
     with open(os.path.join(job_dir, "explain.json"), "w") as f:
-      json.dump({"params": [r.__dict__ for r in rows], "memory": memory, "collectives": summary,
+      json.dump({"params": [r.__dict__ for r in rows],
+                 "activations": [dataclasses.asdict(a) for a in activations],
+                 "memory": memory, "collectives": summary,
+                 "collective_ops": [dataclasses.asdict(c) for c in report.collectives(hlo)],
                  "flops_per_device": report.flops(compiled)}, f, indent=2, default=str)
   return text

@@ -29,3 +29,22 @@ def per_token(cfg: TransformerConfig, seq_len: int) -> float:
 
 def per_step(cfg: TransformerConfig, global_batch: int, seq_len: int) -> float:
   return per_token(cfg, seq_len) * global_batch * seq_len
+
+
+def moe_per_token(cfg, seq_len: int) -> float:
+  """Training FLOPs per token of a `configs.moe.MoELMConfig` (top-2 GShard MoE LM).
+
+  Counts the matmuls a token actually activates: attention and the head as above, the
+  dense FFN of the non-MoE layers, and in each MoE layer the router (d_model x E) plus
+  the FFNs of its 2 chosen experts. Not counted: the experts it did not choose, and
+  the dispatch/combine einsums (data movement written as matmuls, not model compute;
+  about 4 x S x E x C x d_model per group and layer forward, which the compiler's own
+  FLOP count does include). Dropped tokens and skipped second experts are counted as if
+  processed, so the figure does not depend on the routing.
+  """
+  t, m = cfg.transformer, cfg.moe
+  n_moe = t.num_layers // m.every
+  d = t.d_model
+  swap = n_moe * (d * m.num_experts + 2 * 3 * d * m.d_ff - 3 * d * t.d_ff)
+  attention = 12 * t.num_layers * seq_len * t.num_heads * t.dim_per_head / 2
+  return 6 * (matmul_params(t) + swap) + attention

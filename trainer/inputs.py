@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.configs.schema import DataConfig
+from shardax.configs.schema import IMAGE_SOURCES, DataConfig
 from shardax.trainer import corpus
 from shardax.trainer.corpus import (BYTE_VOCAB, SEPARATOR_ID, MissingDatasetError,  # noqa: F401
                                     decode, encode)
@@ -202,15 +202,21 @@ class Batches(grain.DatasetIterator):
     self.cfg, self.split, self.global_batch, self.sharding = cfg, split, global_batch, sharding
     self.seed = cfg.seed if seed is None else seed
     row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
-    self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
-    source = window_source(cfg, split, vocab_size)
-    ds = local_dataset(source, split, global_batch, self.seed, self.rows)
+    if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/images.py
+      from shardax.trainer import images
+      ds, num_examples, self.rows = images.local_dataset(
+          cfg, split, global_batch, self.seed, row_sharding, process_index, process_count)
+    else:
+      self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
+      source = window_source(cfg, split, vocab_size)
+      ds = local_dataset(source, split, global_batch, self.seed, self.rows)
+      num_examples = len(source)
     iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
     if cfg.worker_count > 0:
       if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags; outside
         flags.FLAGS.mark_as_parsed()   # app.run (tests, notebooks) use their defaults
       iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-    self.num_windows = len(source)
+    self.num_windows = num_examples
     self.grain_iterator = iter(iter_ds)
     super().__init__(self.grain_iterator)
 

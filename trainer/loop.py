@@ -33,7 +33,7 @@ def _eval_batches(setup) -> list[dict]:
   """The same first validation batches at every eval, so eval losses compare."""
   exp = setup.exp
   return inputs.eval_batches(exp.data, exp.train.global_batch, exp.train.eval_batches,
-                             setup.batch_sharding, vocab_size=exp.model.vocab_size)
+                             setup.batch_sharding, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
 
 
 def _eval(eval_step, params, batches) -> float:
@@ -90,7 +90,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     # Data first: a missing dataset must fail before anything is created in the job dir.
     train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
-                                seed=exp.data.seed, vocab_size=exp.model.vocab_size)
+                                seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
                     if exp.checkpoint.enabled else None)
     state = restore_or_init(setup, checkpointer, train_iter)

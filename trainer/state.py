@@ -92,8 +92,9 @@ def _batch_shardings(exp: Experiment, rules, mesh: Mesh) -> dict[str, NamedShard
           f"train.global_batch={exp.train.global_batch} (over train.microbatches="
           f"{exp.train.microbatches}) is not divisible by the data-parallel degree {degree} "
           f"(batch split over mesh axes {axes} of mesh {dict(mesh.shape)}); use a multiple of {degree}")
+    # jit arguments must split evenly (only intermediates may be padded), so no allow_uneven.
     rules_lib.logical_to_spec(logical, rules, dict(mesh.shape), (per_micro,) + tuple(shape),
-                              name=f"batch field {key!r}", allow_uneven=exp.sharding.allow_uneven)
+                              name=f"batch field {key!r}")
     out[key] = NamedSharding(mesh, spec)
   return out
 

@@ -1,0 +1,132 @@
+"""Config of a GShard-style mixture-of-experts LM: a dense TransformerConfig plus MoEConfig.
+
+Composed, not inherited: `MoELMConfig(transformer=TransformerConfig(...), moe=MoEConfig(...))`.
+Overrides reach either part by path: `--set model.moe.num_experts=16`,
+`--set model.transformer.num_layers=8`. The dense config describes every layer's
+attention and the dense FFN of the layers that are not MoE; `moe` describes the
+expert FFN that replaces the dense one in every `moe.every`-th layer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+from shardax.configs.schema import ConfigError, DataConfig, TransformerConfig
+
+SECOND_EXPERT_POLICIES = ("all", "random", "sampling")
+
+
+def _require(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ConfigError(msg)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoEConfig:
+  """GShard top-2 gating and the expert FFN (arXiv 2006.16668, Algorithm 1 / appendix).
+
+  num_experts:      E, experts per MoE layer (weights [E, embed, d_ff], logical 'expert').
+  d_ff:             hidden size of each expert's gated FFN.
+  every:            layer i (0-based) is an MoE layer when (i + 1) % every == 0;
+                    GShard's every-other-layer is every=2.
+  group_size:       S, tokens per gating group (tokens are regrouped to [G, S, embed];
+                    capacity and the balance statistics are per group). None = seq_len.
+  capacity_factor:  expert capacity C = max(min_capacity, ceil(capacity_factor * 2S / E)),
+                    capped at S; tokens past C in an expert are dropped (residual only).
+  second_expert:    'all' (always dispatch to the second-best expert), 'random' (keep it
+                    with probability 2 * its normalized gate, GShard), 'sampling' (draw the
+                    second expert from the softmax of the remaining router logits).
+  aux_loss_weight:  weight of the load-balancing loss E^2 * mean_e(me * ce).
+  z_loss_weight:    weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 = off.
+  seed:             seed of the gating randomness ('random'/'sampling'); each step folds
+                    in a hash of its batch, each layer its index.
+  """
+  num_experts: int = 8
+  d_ff: int = 512
+  every: int = 2
+  group_size: int | None = None
+  capacity_factor: float = 2.0
+  min_capacity: int = 4
+  second_expert: str = "random"
+  aux_loss_weight: float = 1e-2
+  z_loss_weight: float = 0.0
+  seed: int = 0
+
+  def __post_init__(self):
+    _require(self.num_experts >= 2, f"model.moe.num_experts={self.num_experts} must be >= 2 (top-2 gating)")
+    _require(self.d_ff >= 1, f"model.moe.d_ff={self.d_ff} must be >= 1")
+    _require(self.every >= 1, f"model.moe.every={self.every} must be >= 1 (1 = every layer is MoE)")
+    _require(self.group_size is None or self.group_size >= 1,
+             f"model.moe.group_size={self.group_size} must be >= 1, or None for one group per sequence")
+    _require(self.capacity_factor > 0, f"model.moe.capacity_factor={self.capacity_factor} must be > 0")
+    _require(self.min_capacity >= 1, f"model.moe.min_capacity={self.min_capacity} must be >= 1")
+    _require(self.second_expert in SECOND_EXPERT_POLICIES,
+             f"model.moe.second_expert={self.second_expert!r}: use one of {SECOND_EXPERT_POLICIES}")
+    _require(self.aux_loss_weight >= 0 and self.z_loss_weight >= 0,
+             "model.moe.aux_loss_weight and model.moe.z_loss_weight must be >= 0")
+
+  def capacity(self, group_size: int) -> int:
+    """Slots per expert per group: max(min_capacity, ceil(cf * 2S / E)), at most S.
+
+    An expert can receive at most S tokens of a group (each token picks it at most
+    once), so slots beyond S would only ever be empty.
+    """
+    c = max(self.min_capacity, math.ceil(self.capacity_factor * 2 * group_size / self.num_experts))
+    return min(c, group_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class MoELMConfig:
+  """A decoder-only LM whose every `moe.every`-th layer has an MoE FFN."""
+  transformer: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
+  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
+
+  def __post_init__(self):
+    t, m = self.transformer, self.moe
+    _require(t.num_layers % m.every == 0,
+             f"model.transformer.num_layers={t.num_layers} is not a multiple of model.moe.every="
+             f"{m.every}; the layers repeat in units of (every - 1) dense + 1 MoE layer")
+    _require(t.pipeline.stages == 1,
+             "model.transformer.pipeline.stages > 1 is not supported for the MoE LM; use 1")
+
+  # Fields the trainer and Experiment read from any LM config.
+  @property
+  def vocab_size(self) -> int:
+    return self.transformer.vocab_size
+
+  @property
+  def max_len(self) -> int:
+    return self.transformer.max_len
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.transformer.num_layers // self.moe.every
+
+  def make(self, rngs):
+    from shardax.layers.moe_lm import MoELM
+    return MoELM(self, rngs=rngs)
+
+  def batch_fields(self, data: DataConfig):
+    return self.transformer.batch_fields(data)
+
+  def tokens_per_example(self, data: DataConfig) -> int:
+    return data.seq_len
+
+  def flops_per_example(self, data: DataConfig) -> float:
+    """Model FLOPs of one example, counting only the activated (top-2) experts."""
+    from shardax.trainer import flops
+    return flops.moe_per_token(self, data.seq_len) * data.seq_len
+
+  def param_count(self) -> int:
+    """Total parameters (all experts), from the config alone: what `gshard_1t` is sized by."""
+    t, m = self.transformer, self.moe
+    d, h, kv, dh = t.d_model, t.num_heads, t.kv_heads, t.dim_per_head
+    attn = d * h * dh + 2 * d * kv * dh + h * dh * d
+    norms = 2 * d * (2 if t.norm == "layer" else 1)
+    n_moe = self.num_moe_layers
+    dense_ffn = (t.num_layers - n_moe) * 3 * d * t.d_ff
+    moe_ffn = n_moe * (d * m.num_experts + m.num_experts * 3 * d * m.d_ff)
+    head = 0 if t.tied_embedding else d * t.vocab_size
+    final_norm = d * (2 if t.norm == "layer" else 1)
+    return t.num_layers * (attn + norms) + dense_ffn + moe_ffn + t.vocab_size * d + head + final_norm

@@ -1,0 +1,147 @@
+"""A decoder-only LM whose every k-th layer has a GShard MoE FFN (`configs.moe.MoELMConfig`).
+
+The layers repeat in units of (k - 1) dense `transformer.Block`s and one `MoEBlock`
+(attention + MoE FFN). With `scan_layers` the units are stacked (leading dim
+'layers', as `transformer.stacked_blocks` does for blocks) and run by `lax.scan`,
+so XLA compiles one unit however deep the model is. Each MoE layer returns its
+gating statistics; the scan stacks them and the LM averages them over layers.
+
+Training loss = cross entropy + aux_loss_weight * mean_layers(balance loss)
+                              + z_loss_weight * mean_layers(router z-loss).
+The gating randomness ('random'/'sampling' second expert) needs a fresh key per
+step without any RNG state in the model (the trainer carries only params): it is
+`fold_in(key(moe.seed), hash(batch tokens))`, split once per MoE layer. The hash is
+exact integer arithmetic, so every sharding of the batch derives the same key, and
+jax's partitionable threefry makes the random bits independent of the sharding too.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from shardax.layers.attention import Attention, default_positions
+from shardax.layers.embedding import Embed
+from shardax.layers.linear import DenseGeneral
+from shardax.layers.moe import MoEFeedForward
+from shardax.layers.norm import make_norm
+from shardax.layers.transformer import REMAT_POLICIES, RESIDUAL, Block
+from shardax.sharding import shard
+
+
+class MoEBlock(nnx.Module):
+  """x + attn(norm(x)), then x + moe(norm(x)); returns (x, gating stats)."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    t = cfg.transformer
+    dt, pdt = jnp.dtype(t.dtype), jnp.dtype(t.param_dtype)
+    self.attn_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
+    self.attn = Attention(t.d_model, t.num_heads, t.kv_heads, t.dim_per_head,
+                          rope_theta=t.rope_theta, implementation=t.attention,
+                          dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
+    self.moe = MoEFeedForward(t.d_model, cfg.moe, activation=t.activation,
+                              dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+    x = shard(x, RESIDUAL)
+    x = shard(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
+    y, stats = self.moe(self.mlp_norm(x), key)
+    return shard(x + y, RESIDUAL), stats
+
+
+class Unit(nnx.Module):
+  """(moe.every - 1) dense blocks, then one MoE block: the stack's repeating unit."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.dense = nnx.List([Block(cfg.transformer, rngs=rngs) for _ in range(cfg.moe.every - 1)])
+    self.moe_block = MoEBlock(cfg, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+    for block in self.dense:
+      x = block(x, positions)
+    return self.moe_block(x, positions, key)
+
+
+def stacked_units(cfg, num: int, *, rngs: nnx.Rngs) -> Unit:
+  """One Unit whose params have a leading dim `num` named 'layers' (cf. stacked_blocks)."""
+  @nnx.split_rngs(splits=num)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(r: nnx.Rngs) -> Unit:
+    return Unit(cfg, rngs=r)
+
+  units = make(rngs)
+  for _, node in nnx.iter_graph(units):
+    if isinstance(node, nnx.Variable) and hasattr(node, "logical_axes"):
+      node.set_metadata(logical_axes=("layers",) + tuple(node.logical_axes))
+  return units
+
+
+def _unit_fn(graphdef: nnx.GraphDef, remat: str, prevent_cse: bool):
+  def apply(state, x, positions, key):
+    return nnx.merge(graphdef, state)(x, positions, key)
+  if remat == "none":
+    return apply
+  return jax.checkpoint(apply, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def batch_key(seed: int, tokens: jax.Array) -> jax.Array:
+  """A PRNG key that differs per batch: seed folded with a position-weighted token hash."""
+  t = tokens.astype(jnp.uint32)
+  weights = jnp.arange(t.size, dtype=jnp.uint32).reshape(t.shape) * jnp.uint32(2654435761) + 1
+  return jax.random.fold_in(jax.random.key(seed), jnp.sum(t * weights, dtype=jnp.uint32))
+
+
+class MoELM(nnx.Module):
+  """tokens int32[b, l] -> logits float32[b, l, vocab], with MoE FFNs every k-th layer."""
+
+  def __init__(self, cfg, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    t = cfg.transformer
+    dt, pdt = jnp.dtype(t.dtype), jnp.dtype(t.param_dtype)
+    n = cfg.num_moe_layers
+    self.embed = Embed(t.vocab_size, t.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    if t.scan_layers:
+      self.units = stacked_units(cfg, n, rngs=rngs)
+    else:
+      self.units = nnx.List([Unit(cfg, rngs=rngs) for _ in range(n)])
+    self.final_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
+    self.head = None if t.tied_embedding else DenseGeneral(
+        t.d_model, t.vocab_size, in_axes=("embed",), out_axes=("vocab",),
+        dtype=dt, param_dtype=pdt, rngs=rngs)
+
+  def forward(self, tokens: jax.Array, key: jax.Array,
+              positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
+    """(logits, stats): stats are each gating statistic averaged over the MoE layers."""
+    t = self.cfg.transformer
+    if positions is None:
+      positions = default_positions(tokens.shape[0], tokens.shape[1])
+    keys = jax.random.split(key, self.cfg.num_moe_layers)
+    x = shard(self.embed(tokens), RESIDUAL)
+    if t.scan_layers:
+      graphdef, state = nnx.split(self.units)
+      body = _unit_fn(graphdef, t.remat, prevent_cse=False)
+      x, stats = jax.lax.scan(lambda c, xs: body(xs[0], c, positions, xs[1]), x, (state, keys))
+    else:
+      per_layer = []
+      for unit, k in zip(self.units, keys):
+        graphdef, state = nnx.split(unit)
+        x, s = _unit_fn(graphdef, t.remat, prevent_cse=True)(state, x, positions, k)
+        per_layer.append(s)
+      stats = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
+    return shard(logits, ("batch", "length", "vocab")), jax.tree.map(jnp.mean, stats)
+
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+    return self.forward(tokens, jax.random.key(self.cfg.moe.seed), positions)[0]
+
+  def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
+    """Cross entropy + weighted balance and z losses; metrics under 'moe/...'."""
+    m = self.cfg.moe
+    logits, stats = self.forward(batch["inputs"], batch_key(m.seed, batch["inputs"]))
+    ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+    loss = ce + m.aux_loss_weight * stats["aux_loss"] + m.z_loss_weight * stats["z_loss"]
+    return loss, {"ce_loss": ce, **{f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()}}

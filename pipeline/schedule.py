@@ -1,0 +1,88 @@
+"""The pipeline schedule: which stage works on what, at which iteration, and the bubble.
+
+S stages, M microbatches, R circular repeats (R = 1: the plain GPipe schedule).
+Every iteration all S stages run at once (one vmapped stage body, the stage dim
+split over the `stage` mesh axis); between iterations the activation buffer
+shifts right by one stage. Stage s at iteration t works on item k = t - s of
+the sequence (microbatch 0, repeat 0), (microbatch 1, repeat 0), ...,
+(microbatch M-1, repeat R-1), i.e. microbatch k % M in repeat k // M, and
+idles (the bubble) when k is outside [0, M*R):
+
+    buffer = zeros[S, ...]; held = zeros[M, ...]        # held: last stage's outputs
+    for t in range(M*R + S - 1):
+      m = t % M
+      buffer = shift_right(buffer)                       # stage s gets stage s-1's output
+      buffer[0] = inputs[m] if t < M else held[m]        # repeat r > 0 re-enters stage 0
+      buffer = vmap(stage_body)(weights, buffer, repeat=(t - arange(S)) // M)
+      if t >= S - 1:
+        held[(t - S + 1) % M] = buffer[S - 1]            # microbatch leaves the last stage
+    return held                                          # = each microbatch's final output
+
+Circular (interleaved) schedule, R > 1: stage s holds R chunks of L/(S*R)
+layers, layer index r*(S*L/(S*R)) + s*L/(S*R) + j for chunk r, so one pass over
+the S stages runs L/R layers and a microbatch makes R passes. Microbatch m
+leaves stage S-1 after repeat r at iteration r*M + m + S - 1 and re-enters stage
+0 at (r+1)*M + m, which is not earlier only if M >= S: the circular schedule
+needs M >= S. `held` keeps it in between (M - S iterations when M > S).
+
+Bubble: each stage is busy M*R of the M*R + S - 1 iterations, so the idle
+fraction is (S - 1) / (M*R + S - 1). An iteration of the circular schedule runs
+1/R of the layers of a plain one, so R repeats shrink the bubble like R times
+more microbatches would, without making the microbatches smaller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+
+class PipelineError(ValueError):
+  """A pipeline shape that cannot work; the message names the setting and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+  stages: int
+  microbatches: int
+  repeats: int = 1
+
+  def __post_init__(self):
+    s, m, r = self.stages, self.microbatches, self.repeats
+    if min(s, m, r) < 1:
+      raise PipelineError(f"pipeline stages={s}, microbatches={m}, circular_repeats={r} must be >= 1")
+    if r > 1 and m < s:
+      raise PipelineError(
+          f"model.pipeline.microbatches={m} < stages={s}: the circular schedule (circular_repeats="
+          f"{r}) needs microbatches >= stages, since a microbatch re-enters stage 0 M iterations "
+          f"after it entered it and must have left the last stage by then; raise microbatches")
+
+  @property
+  def iterations(self) -> int:
+    """M*R + S - 1 loop iterations fill, run and drain the pipeline."""
+    return self.microbatches * self.repeats + self.stages - 1
+
+  @property
+  def bubble_fraction(self) -> float:
+    """Idle share of every stage: (S - 1) / (M*R + S - 1)."""
+    return (self.stages - 1) / self.iterations
+
+  def work(self, t: int, s: int) -> tuple[int, int] | None:
+    """(microbatch, repeat) stage s runs at iteration t, or None in the bubble."""
+    k = t - s
+    if not 0 <= k < self.microbatches * self.repeats:
+      return None
+    return k % self.microbatches, k // self.microbatches
+
+  def check_batch(self, batch: int) -> int:
+    """Rows per microbatch; the batch reaching the layers must split into M equal parts."""
+    if batch % self.microbatches:
+      raise PipelineError(
+          f"the batch of {batch} rows reaching the pipeline (train.global_batch / "
+          f"train.microbatches) is not divisible by model.pipeline.microbatches="
+          f"{self.microbatches}; pick a global batch that is a multiple of it")
+    return batch // self.microbatches
+
+
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
+  """(S - 1) / (M*R + S - 1): the predicted idle fraction of a pipelined step."""
+  return Schedule(stages, microbatches, repeats).bubble_fraction

@@ -1,0 +1,142 @@
+"""The benchmark mode, the MLPerf-style log, time to train, and the model-FLOPs formula."""
+
+import json
+import os
+
+import jax
+import pytest
+
+from shardax import configs
+from shardax.sharding import make_mesh, use_rules
+from shardax.trainer import benchmark, flops, mlperf
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+
+TINY = ["data.source='synthetic'", "model.vocab_size=256", "model.num_layers=2", "model.d_model=32",
+        "model.num_heads=4", "model.d_ff=64", "model.max_len=16", "data.seq_len=16",
+        "train.global_batch=8", "train.eval_batches=1", "train.benchmark_steps=4",
+        "train.benchmark_warmup=1", "train.steps=4", "train.eval_every=2",
+        "optimizer.warmup_steps=1"]
+
+
+def _exp(*extra):
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, TINY + list(extra))
+  return configs.build(cfg)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+  job_dir = str(tmp_path_factory.mktemp("bench"))
+  result = benchmark.run(_exp("train.profile_steps=(2, 3)"), job_dir)
+  return job_dir, result
+
+
+def test_benchmark_json_has_every_key_and_consistent_values(bench):
+  job_dir, result = bench
+  with open(os.path.join(job_dir, "benchmark.json")) as f:
+    r = json.load(f)
+  assert set(benchmark.KEYS) <= set(r), set(benchmark.KEYS) - set(r)
+  exp = _exp()
+  assert r["device_count"] == jax.device_count() and r["platform"] == "cpu"
+  assert len(r["step_times_s"]) == exp.train.benchmark_steps == r["steps"]
+  assert r["step_time_s_p10"] <= r["step_time_s_median"] <= r["step_time_s_p90"]
+  assert r["tokens_per_step"] == 8 * 16
+  assert r["tokens_per_s"] == pytest.approx(r["tokens_per_step"] / r["step_time_s_median"])
+  assert r["model_flops_per_step"] == pytest.approx(flops.per_step(exp.model, 8, 16))
+  assert r["tflops_per_device"] == pytest.approx(
+      r["model_flops_per_step"] / r["step_time_s_median"] / r["device_count"] / 1e12)
+  assert r["mfu"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops_per_device"])
+  assert 0 < r["mfu"] < 1
+  assert r["peak_source"].startswith("measured")  # a CPU's peak comes from the matmul probe
+  assert r["eval_loss"] > 0
+  assert r["state_donated"] is True
+  traces = [f for _, _, fs in os.walk(os.path.join(job_dir, "profile")) for f in fs]
+  assert any(f.endswith(".xplane.pb") for f in traces), traces
+  table = benchmark.format_table(r)
+  for word in ("step_time_s", "tokens_per_s", "mfu", "peak_tflops_per_device"):
+    assert word in table
+
+
+def test_benchmark_mllog_passes_the_mlperf_checker(bench):
+  job_dir, _ = bench
+  path = os.path.join(job_dir, "mllog.txt")
+  assert mlperf.check(path) == {}
+  keys = [ll.key for ll in mlperf.read(path)[0]]
+  order = ["init_start", "init_stop", "run_start", "block_start", "block_stop", "eval_accuracy",
+           "run_stop"]
+  assert [keys.index(k) for k in order] == sorted(keys.index(k) for k in order)
+  assert mlperf.read(path)[0][-1].value["metadata"]["status"] == "success"
+
+
+def test_mllog_checker_catches_a_broken_log(bench, tmp_path):
+  job_dir, _ = bench
+  lines = open(os.path.join(job_dir, "mllog.txt")).read().splitlines()
+  broken = tmp_path / "mllog.txt"
+  broken.write_text("\n".join(l for l in lines if '"run_stop"' not in l) + "\n")
+  assert "run_stop" in mlperf.check(str(broken))
+
+
+def test_time_to_train_stops_at_the_target(tmp_path):
+  """A target the first eval meets: the run stops there (2 of train.steps=4), status success."""
+  reached = True
+  r = mlperf.time_to_train(_exp("train.target_eval_loss=1000.0"), str(tmp_path))
+  assert r["reached"] is reached
+  assert r["steps"] == 2 and r["time_to_train_s"] > 0
+  path = str(tmp_path / "mllog.txt")
+  assert mlperf.check(path) == {}
+  lines = mlperf.read(path)[0]
+  assert [ll.value["value"] for ll in lines if ll.key == "eval_accuracy"] == list(r["eval_losses"].values())
+  assert lines[-1].key == "run_stop"
+  assert lines[-1].value["metadata"]["status"] == ("success" if reached else "aborted")
+  assert json.load(open(tmp_path / "time_to_train.json"))["reached"] is reached
+
+
+def test_flops_formula_matches_a_hand_count():
+  exp = _exp("model.num_kv_heads=2", "model.d_model=64", "model.d_ff=128", "data.seq_len=16")
+  m, s = exp.model, exp.data.seq_len
+  d, h, kv, dh, ff, v, layers = 64, 4, 2, 16, 128, 256, 2
+  # Forward FLOPs per token: 2 per multiply-add of each matmul.
+  proj = 2 * (d * h * dh + 2 * d * kv * dh + h * dh * d)      # q, k, v, out
+  mlp = 2 * 3 * d * ff                                         # gate, up, down
+  scores = 2 * 2 * h * dh * s / 2                              # q.k and p.v, causal half
+  head = 2 * d * v                                             # tied output head
+  forward = layers * (proj + mlp + scores) + head
+  assert m.flops_per_example(exp.data) == pytest.approx(3 * forward * s)  # backward = 2x forward
+  # Every parameter but the norm scales is a matmul weight (the table doubles as the head).
+  with jax.set_mesh(make_mesh(exp.mesh, jax.devices()[:1])):
+    setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:1]))
+  norms = (2 * layers + 1) * d
+  assert flops.matmul_params(m) == state_lib.count_params(setup) - norms
+
+
+def test_flops_formula_agrees_with_the_compiler():
+  """cost_analysis() of the compiled step, one device, layers unrolled (XLA counts a
+  scan body once), no remat. The compiler computes the full attention score matrix
+  (the causal half too) and counts elementwise work (softmax, norms, AdamW), which the
+  model-FLOPs convention leaves out: so it must lie within +10% of the formula plus the
+  masked half of attention."""
+  exp = _exp("model.scan_layers=False", "model.remat='none'", "model.d_model=64",
+             "model.d_ff=128", "data.seq_len=16")
+  mesh = make_mesh(exp.mesh, jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    setup = state_lib.create(exp, mesh)
+  with jax.set_mesh(mesh), use_rules(setup.rules, False):
+    compiled = step_lib.compile_train_step(setup)
+  cost = compiled.cost_analysis()
+  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  m, s, b = exp.model, exp.data.seq_len, exp.train.global_batch
+  formula = flops.per_step(m, b, s)
+  masked_half = 12 * m.num_layers * s * m.num_heads * m.dim_per_head / 2 * b * s
+  ratio = cost["flops"] / (formula + masked_half)
+  assert 1.0 <= ratio <= 1.10, (cost["flops"], formula, ratio)
+
+
+def test_accelerator_peak_comes_from_the_chip_table():
+  """The GPU/TPU path, without one: a device record as jax reports it (platform, device_kind)."""
+  from types import SimpleNamespace
+  h100 = SimpleNamespace(platform="gpu", device_kind="NVIDIA H100 80GB HBM3")
+  peak, source = benchmark.peak_flops_per_device([h100], "bfloat16")
+  assert peak == 989e12 and source.startswith("chip table: NVIDIA H100")
+  v5e = SimpleNamespace(platform="tpu", device_kind="TPU v5 lite")
+  assert benchmark.peak_flops_per_device([v5e], "float32")[0] == 197e12

@@ -1,0 +1,243 @@
+"""GShard MoE: gating against a loop reference, expert parallelism == one device, training.
+
+The gating reference below is a plain per-group loop over tokens, written from
+GShard's Algorithm 1 (arXiv 2006.16668); the layer computes the same thing with
+cumsums and one-hots. The random draws ('random', 'sampling') are taken from the
+same key and handed to the reference, so the comparison is exact.
+"""
+
+import json
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardax import configs
+from shardax.configs.moe import MoEConfig
+from shardax.layers.moe import top2_gating
+from shardax.sharding import make_mesh, report, use_rules
+from shardax.trainer import loop
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+
+
+# ---------------------------------------------------------------- gating vs. a loop reference
+
+def reference_gating(logits, capacity, policy, uniform=None, gumbel=None):
+  """GShard Algorithm 1, one token at a time. Returns (combine, index, kept, aux, g2)."""
+  g_n, s_n, e_n = logits.shape
+  combine = np.zeros((g_n, s_n, e_n, capacity))
+  index = np.zeros((g_n, s_n, 2), int)
+  kept = np.zeros((g_n, s_n, 2), bool)
+  g2_all = np.zeros((g_n, s_n))
+  aux = 0.0
+  for g in range(g_n):
+    z = np.exp(logits[g] - logits[g].max(-1, keepdims=True))
+    gates = z / z.sum(-1, keepdims=True)
+    count = np.zeros(e_n, int)
+    for s in range(s_n):
+      e1 = gates[s].argmax()
+      if policy == "sampling":
+        e2 = np.where(np.arange(e_n) == e1, -np.inf, logits[g, s] + gumbel[g, s]).argmax()
+      else:
+        e2 = np.where(np.arange(e_n) == e1, -1.0, gates[s]).argmax()
+      index[g, s] = e1, e2
+      g2_all[g, s] = gates[s, e2] / (gates[s, e1] + gates[s, e2])
+    ce = np.bincount(index[g, :, 0], minlength=e_n) / s_n
+    aux += (gates.mean(0) * ce).sum() * e_n / g_n   # E^2 * mean_e(me * ce), mean over groups
+    for choice in (0, 1):                           # all first choices queue before all seconds
+      for s in range(s_n):
+        e, weight = index[g, s, choice], (1 - g2_all[g, s]) if choice == 0 else g2_all[g, s]
+        if choice == 1 and policy == "random" and not uniform[g, s] < 2 * weight:
+          continue
+        if count[e] < capacity:
+          kept[g, s, choice] = True
+          combine[g, s, e, count[e]] = weight
+          count[e] += 1
+  return combine, index, kept, aux, g2_all
+
+
+@pytest.mark.parametrize("policy", ["all", "random", "sampling"])
+def test_gating_matches_loop_reference(policy):
+  g, s, e = 3, 24, 6
+  cfg = MoEConfig(num_experts=e, capacity_factor=0.75, min_capacity=2, second_expert=policy)
+  capacity = cfg.capacity(s)
+  assert capacity == max(2, math.ceil(0.75 * 2 * s / e)) == 6
+  rng = np.random.default_rng(1)
+  logits = rng.normal(size=(g, s, e)).astype(np.float32) * 2
+  logits[..., 0] += 1.5                            # a popular expert, so capacity bites
+  # The draws top2_gating makes from this key, handed to the reference.
+  got, uniform, gumbel = jax.jit(lambda l, k: (
+      top2_gating(l, capacity, policy, k), jax.random.uniform(k, (g, s), jnp.float32),
+      jax.random.gumbel(k, (g, s, e), jnp.float32)))(logits, jax.random.key(7))
+  uniform, gumbel = np.asarray(uniform), np.asarray(gumbel)
+  combine, index, kept, aux, g2 = reference_gating(logits.astype(np.float64), capacity, policy,
+                                               uniform, gumbel)
+  np.testing.assert_array_equal(np.asarray(got.index), index)
+  np.testing.assert_array_equal(np.asarray(got.kept), kept)
+  np.testing.assert_allclose(np.asarray(got.combine), combine, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(got.dispatch), combine > 0)
+  np.testing.assert_allclose(float(got.aux_loss), aux, rtol=1e-5)
+  # The case exercises what it should: drops happen, and 'random' skips some second choices.
+  assert not kept[..., 0].all()
+  np.testing.assert_allclose(float(got.metrics["top1_overflow"]), 1 - kept[..., 0].mean(), atol=1e-6)
+  np.testing.assert_allclose(float(got.metrics["dropped_fraction"]), (~kept.any(-1)).mean(), atol=1e-6)
+  assert (np.asarray(got.dispatch).sum(1) <= 1).all()   # a slot holds at most one token
+  if policy == "random":
+    assert (uniform >= 2 * g2).any()                    # some second choices were skipped
+
+
+def test_balance_loss_is_one_when_uniform_and_e_when_collapsed():
+  e = 4
+  # Near-equal gates, first choices spread evenly: the loss' minimum, 1.
+  gating = jax.jit(top2_gating, static_argnums=1)
+  uniform = gating(1e-3 * jax.nn.one_hot(jnp.arange(8) % e, e)[None], 8)
+  np.testing.assert_allclose(float(uniform.aux_loss), 1.0, rtol=1e-2)
+  # Every token on expert 0 with all the gate: the maximum, E.
+  collapsed = gating(jnp.zeros((1, 8, e)).at[..., 0].set(30.0), 8)
+  np.testing.assert_allclose(float(collapsed.aux_loss), e, rtol=1e-3)
+  np.testing.assert_allclose(float(collapsed.metrics["max_load"]), e)
+
+
+# ---------------------------------------------------------------- expert parallel == one device
+
+MODES = {"expert": ((8,), ("data",), 8), "expert_axis": ((2, 4), ("data", "expert"), 4)}
+
+
+def tiny_moe(preset, ici, axes, *more):
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, [
+      "model.transformer.num_layers=2", "model.transformer.d_model=32",
+      "model.transformer.num_heads=4", "model.transformer.d_ff=64", "model.transformer.max_len=16",
+      "model.moe.d_ff=64", "model.moe.capacity_factor=1.0", "data.seq_len=16",
+      "train.global_batch=8", "data.source='synthetic'", f"sharding.preset={preset!r}",
+      f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", *more])
+  return configs.build(cfg)
+
+
+def setup_for(exp, devices=None):
+  mesh = make_mesh(exp.mesh, devices)
+  with jax.set_mesh(mesh):
+    return state_lib.create(exp, mesh)
+
+
+def loss_grads_metrics(setup, params, batch):
+  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b),
+               in_shardings=(setup.shardings["params"], setup.batch_sharding),
+               out_shardings=(setup.replicated, setup.shardings["params"], setup.replicated))
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = fn.lower(params, batch).compile()
+  return compiled(params, batch), compiled
+
+
+@pytest.fixture(scope="module")
+def reference():
+  setup = setup_for(tiny_moe("dp", (1,), ("data",)), jax.devices()[:1])
+  params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
+  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  (loss, grads, metrics), _ = loss_grads_metrics(setup, params, batch)
+  return jax.device_get(params), batch, float(loss), jax.device_get(grads), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def sharded(request, reference):
+  ici, axes, expert_shards = MODES[request.param]
+  setup = setup_for(tiny_moe(request.param, ici, axes))
+  params_host, batch, *_ = reference
+  params = jax.device_put(params_host, setup.shardings["params"])
+  (loss, grads, metrics), compiled = loss_grads_metrics(
+      setup, params, jax.device_put(batch, setup.batch_sharding))
+  return request.param, expert_shards, setup, float(loss), jax.device_get(grads), metrics, compiled
+
+
+def test_expert_parallel_equals_single_device(sharded, reference):
+  mode, _, _, loss, grads, metrics, _ = sharded
+  _, _, ref_loss, ref_grads, ref_metrics = reference
+  assert ref_metrics["moe/top1_overflow"] > 0      # capacity 4 of 16 tokens: some drop
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for k in ref_metrics:
+    np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, atol=1e-7, err_msg=k)
+  flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+  assert len(flat) == len(ref_flat) > 10
+  for g, r in zip(flat, ref_flat):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=mode)
+
+
+def test_compiled_step_has_all_to_alls_of_the_dispatched_tokens(sharded):
+  mode, expert_shards, setup, *_, compiled = sharded
+  a2a = [c for c in report.collectives(compiled.as_text()) if c.kind == "all-to-all"]
+  # dispatch and combine, forward and backward: 4 all-to-alls inside the layer scan,
+  # each over one expert group, each moving one device's [e, g, c, m] dispatched block.
+  assert len(a2a) == 4, a2a
+  assert {c.group_size for c in a2a} == {expert_shards}
+  e, g, c, m = 8, 8, 4, 32
+  assert all(x.bytes == e * g * c * m * 4 // 8 for x in a2a), a2a
+  assert all("moe.py" in x.source for x in a2a)
+
+
+def test_expert_weights_take_a_device_share(sharded):
+  mode, expert_shards, setup, *_ = sharded
+  rows = report.param_table(setup.abstract["params"], setup.shardings["params"], setup.param_axes)
+  experts = [r for r in rows if "expert" in r.logical_axes]
+  assert len(experts) == 3
+  for r in experts:
+    assert r.bytes_per_device * expert_shards == r.bytes_total, r
+
+
+# ---------------------------------------------------------------- training and the 1T config
+
+def test_moe_tiny_trains_and_checkpoints(tmp_path):
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, [
+      "model.transformer.num_layers=2", "model.transformer.d_model=32",
+      "model.transformer.d_ff=64", "model.transformer.max_len=32", "model.moe.d_ff=64",
+      "data.seq_len=32", "train.global_batch=8", "train.steps=6", "train.eval_every=6",
+      "train.eval_batches=2", "train.log_every=3", "checkpoint.every=6",
+      "optimizer.warmup_steps=1", "optimizer.learning_rate=1e-2", "mesh.ici=(8, 1)"])
+  summary = loop.train(configs.build(cfg), str(tmp_path))
+  evals = summary["eval_losses"]
+  assert sorted(evals) == [0, 6] and evals[6] < evals[0] - 0.5, evals
+  assert os.listdir(tmp_path / "checkpoints") == ["6"]
+  logged = [json.loads(l) for l in open(tmp_path / "metrics.jsonl") if '"loss"' in l]
+  for key in ("ce_loss", "moe/aux_loss", "moe/dropped_fraction", "moe/max_load"):
+    assert key in logged[-1], key
+  assert 0.9 < logged[-1]["moe/aux_loss"] < 8
+
+
+def test_gshard_1t_builds_abstractly_with_one_expert_per_core():
+  exp = configs.build(configs.get("moe.gshard_1t"))
+  assert 0.95e12 < exp.model.param_count() < 1.1e12
+  setup = state_lib.create(exp, jax.sharding.AbstractMesh(
+      (2048, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2))
+  assert state_lib.count_params(setup) == exp.model.param_count()
+  wo = setup.abstract["params"]["units"]["moe_block"]["moe"]["wo"]
+  assert wo.shape == (20, 2048, 8192, 1024)
+  assert wo.sharding.shard_shape(wo.shape) == (20, 1, 8192, 1024)
+
+
+def test_moe_flops_count_two_experts_and_the_router():
+  """An MoE layer costs what a dense layer with d_ff = 2 x expert d_ff costs, plus the router."""
+  from shardax.configs.moe import MoELMConfig
+  from shardax.configs.schema import TransformerConfig
+  from shardax.trainer import flops
+  dense = TransformerConfig(num_layers=4, d_model=64, num_heads=4, d_ff=256)
+  moe = MoELMConfig(dense, MoEConfig(num_experts=16, d_ff=128, every=1))
+  router = 6 * 4 * 64 * 16
+  assert flops.moe_per_token(moe, 32) == flops.per_token(dense, 32) + router
+  half = MoELMConfig(dense, MoEConfig(num_experts=16, d_ff=64, every=2))   # 2 of 4 layers
+  assert flops.moe_per_token(half, 32) == flops.per_token(dense, 32) + router / 2 - 6 * 2 * 3 * 64 * 128
+
+
+def test_bad_moe_config_names_the_field():
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, ["model.moe.every=3"])
+  with pytest.raises(configs.ConfigError, match="model.transformer.num_layers=4 .* model.moe.every=3"):
+    configs.build(cfg)
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, ["model.moe.second_expert='top'"])
+  with pytest.raises(configs.ConfigError, match="model.moe.second_expert='top'"):
+    configs.build(cfg)

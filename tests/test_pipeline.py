@@ -1,0 +1,229 @@
+"""Pipeline parallelism (shardax.pipeline): same numbers as the unpipelined stack, 1/S weights per
+device, a collective-permute between stages, and a pipelined experiment that trains and resumes.
+
+The reference is the unpipelined 8-layer LM on one device; each pipelined case gets
+the same weights restacked into its stage layout, and its gradients are restacked
+back before comparing. Cases cover S in {2, 4}, M in {S, 2S}, R in {1, 2} and the
+nested (stage=2, data=2, model=2) mesh.
+"""
+
+import os
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from shardax import configs, pipeline
+from shardax.configs.schema import ConfigError
+from shardax.sharding import make_mesh, report, use_rules
+from shardax.trainer import loop
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+
+L, BATCH = 8, 16
+# name: (stages, microbatches, repeats, mesh ici, mesh axes, preset)
+CASES = {
+    "S2_M2_R1_stage2xdata4": (2, 2, 1, (2, 4), ("stage", "data"), "pp_dp"),
+    "S2_M4_R2_stage2xdata2xmodel2": (2, 4, 2, (2, 2, 2), ("stage", "data", "model"), "pp_tp"),
+    "S4_M8_R1_stage4xdata2": (4, 8, 1, (4, 2), ("stage", "data"), "pp_dp"),
+    "S4_M4_R2_stage4xdata2_2d": (4, 4, 2, (4, 2, 1), ("stage", "data", "model"), "pp_2d"),
+}
+
+
+def experiment(stages=1, micro=1, repeats=1, ici=(1, 1), axes=("data", "model"), preset="dp"):
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [
+      f"model.num_layers={L}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+      "model.max_len=16", "data.seq_len=16", f"train.global_batch={BATCH}", "data.source='synthetic'",
+      f"model.pipeline.stages={stages}", f"model.pipeline.microbatches={micro}",
+      f"model.pipeline.circular_repeats={repeats}",
+      f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}"])
+  return configs.build(cfg)
+
+
+def setup_for(exp, devices=None):
+  mesh = make_mesh(exp.mesh, devices)
+  with jax.set_mesh(mesh):
+    return state_lib.create(exp, mesh)
+
+
+def loss_and_grads(setup, params, batch):
+  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
+               in_shardings=(setup.shardings["params"], setup.batch_sharding),
+               out_shardings=(setup.replicated, setup.shardings["params"]))
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = fn.lower(params, batch).compile()
+    return compiled(params, batch), compiled
+
+
+@pytest.fixture(scope="module")
+def reference():
+  """Unpipelined params, batch, loss and grads on one device."""
+  setup = setup_for(experiment(), jax.devices()[:1])
+  params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
+  tokens = np.random.default_rng(0).integers(1, 256, size=(BATCH, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  (loss, grads), _ = loss_and_grads(setup, params, batch)
+  return jax.device_get(params), batch, float(loss), jax.device_get(grads)
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def pipelined(request, reference):
+  stages, micro, repeats, ici, axes, preset = CASES[request.param]
+  setup = setup_for(experiment(stages, micro, repeats, ici, axes, preset))
+  ref_params, batch, _, _ = reference
+  params = dict(ref_params, layers=pipeline.stage_params(ref_params["layers"], stages, repeats))
+  params = jax.device_put(params, setup.shardings["params"])
+  (loss, grads), compiled = loss_and_grads(setup, params, jax.device_put(batch, setup.batch_sharding))
+  grads = jax.device_get(grads)
+  grads["layers"] = pipeline.unstage_params(grads["layers"], repeats)
+  return request.param, setup, params, float(loss), grads, compiled
+
+
+def test_loss_and_grads_equal_the_unpipelined_model(pipelined, reference):
+  name, _, _, loss, grads, _ = pipelined
+  _, _, ref_loss, ref_grads = reference
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5, err_msg=name)
+  flat, ref_flat = jax.tree.leaves(grads), jax.tree.leaves(ref_grads)
+  assert len(flat) == len(ref_flat) > 8
+  for g, r in zip(flat, ref_flat):
+    assert g.shape == r.shape
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=name)
+
+
+def test_stages_talk_by_collective_permute(pipelined):
+  name, setup, _, _, _, compiled = pipelined
+  stages, micro, repeats = CASES[name][:3]
+  permutes = [c for c in report.collectives(compiled.as_text()) if c.kind == "collective-permute"]
+  # The buffer shift (jnp.roll on the stage dim) runs once per iteration, forward and backward.
+  shifts = [c for c in permutes if "pipeline/loop.py" in c.source and "roll" in c.op_name]
+  assert sum(c.executions for c in shifts) >= 2 * (micro * repeats + stages - 1), name
+  if CASES[name][5] == "pp_dp":  # microbatching keeps rows on their devices: no resharding
+    assert set(report.collective_summary(compiled.as_text())) == {"all-reduce", "collective-permute"}
+
+
+def test_each_device_holds_one_stage_of_the_layer_weights(pipelined):
+  name, setup, params, _, _, _ = pipelined
+  stages, preset = CASES[name][0], CASES[name][5]
+  total = sum(x.nbytes for x in jax.tree.leaves(params["layers"]))
+  local = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(params["layers"]))
+  rows = report.param_table(setup.abstract["params"]["layers"], setup.shardings["params"]["layers"],
+                            setup.param_axes["layers"])
+  assert all(sh.spec[0] == "stage" for sh in jax.tree.leaves(setup.shardings["params"]["layers"]))
+  assert sum(r.bytes_per_device for r in rows) == local
+  if preset == "pp_dp":
+    assert local == total // stages
+  else:  # tensor / 2D rules split a stage's weights further
+    assert local < total // stages
+
+
+def test_pipelined_init_is_the_unpipelined_init_restacked():
+  """Same seed, same weights: the L layers are created as usual, then restacked (eagerly, tiny)."""
+  params = {}
+  for stages in (1, 4):
+    cfg = experiment(*CASES["S4_M4_R2_stage4xdata2_2d"][:3]) if stages > 1 else experiment()
+    model = cfg.model.make(nnx.Rngs(params=0))
+    params[stages] = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  np.testing.assert_array_equal(params[4]["embed"]["embedding"], params[1]["embed"]["embedding"])
+  for a, b in zip(jax.tree.leaves(pipeline.unstage_params(params[4]["layers"], 2)),
+                  jax.tree.leaves(params[1]["layers"]), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+def test_schedule_runs_every_microbatch_and_repeat_once_per_stage():
+  for s, m, r in [(2, 2, 1), (4, 8, 1), (4, 4, 2), (3, 5, 3)]:
+    sched = pipeline.Schedule(s, m, r)
+    assert sched.iterations == m * r + s - 1
+    assert sched.bubble_fraction == pytest.approx((s - 1) / (m * r + s - 1))
+    for stage in range(s):
+      work = [sched.work(t, stage) for t in range(sched.iterations)]
+      assert sorted(w for w in work if w) == [(i, j) for i in range(m) for j in range(r)]
+      assert sum(w is None for w in work) == s - 1
+  # A microbatch re-enters stage 0 for repeat r+1 only after leaving stage S-1 in repeat r.
+  sched = pipeline.Schedule(4, 4, 2)
+  for mb in range(4):
+    leave = next(t for t in range(sched.iterations) if sched.work(t, 3) == (mb, 0))
+    enter = next(t for t in range(sched.iterations) if sched.work(t, 0) == (mb, 1))
+    assert enter > leave
+
+
+def toy_layers(w, x, positions):
+  """A stack of layers x -> tanh(x @ w[i] + positions), in order (a stand-in stage body)."""
+  def layer(h, wi):
+    return jnp.tanh(h @ wi + positions[..., None] * 0.01), None
+  return jax.lax.scan(layer, x, w)[0]
+
+
+@pytest.mark.parametrize("stages,micro,repeats,batch", [(3, 5, 2, 10), (4, 4, 1, 2)])
+def test_run_equals_the_layers_in_order_with_its_gradients(stages, micro, repeats, batch):
+  """No mesh, toy layers: the schedule alone; a batch < M (decoding) runs the layers in order."""
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.normal(size=(stages * repeats * 2, 8, 8)) / 3, jnp.float32)
+  x = jnp.asarray(rng.normal(size=(batch, 3, 8)), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(3), (batch, 3))
+  sched = pipeline.Schedule(stages, micro, repeats)
+  piped = lambda w, x: jnp.sum(pipeline.run(toy_layers, pipeline.to_stages(w, stages, repeats), x, pos,
+                                            sched, ("batch", "length", "embed")) ** 2)
+  plain = lambda w, x: jnp.sum(toy_layers(w, x, pos) ** 2)
+  got = jax.jit(jax.value_and_grad(piped, argnums=(0, 1)))(w, x)
+  want = jax.jit(jax.value_and_grad(plain, argnums=(0, 1)))(w, x)
+  for g, r in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
+
+
+def test_bad_pipeline_shapes_fail_with_clear_errors():
+  with pytest.raises(ConfigError, match="not divisible by pipeline stages"):
+    experiment(stages=3, micro=3)
+  with pytest.raises(ConfigError, match="needs microbatches >= stages"):
+    experiment(stages=4, micro=2, repeats=2)
+  with pytest.raises(ConfigError, match="do nothing without a pipeline"):
+    experiment(micro=4)
+  setup = setup_for(experiment(2, 3, 1, (2, 4), ("stage", "data"), "pp_dp"))
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules), \
+      pytest.raises(ValueError, match="not divisible by model.pipeline.microbatches=3"):
+    jax.eval_shape(step_lib.loss_fn(setup), setup.abstract["params"], step_lib.abstract_batch(setup))
+  setup = setup_for(experiment(2, 8, 1, (2, 4), ("stage", "data"), "pp_dp"))  # 2 rows, data=4
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules), \
+      pytest.raises(ValueError, match="data-parallel degree 4"):
+    jax.eval_shape(step_lib.loss_fn(setup), setup.abstract["params"], step_lib.abstract_batch(setup))
+
+
+def test_gpt3_175b_pipelined_builds_abstractly_and_lowers():
+  cfg = configs.get("lm.gpt3_175b_pipelined")
+  configs.apply_overrides(cfg, ["mesh.ici=(8, 1, 1)", "mesh.topology=None"])  # 8 CPU devices
+  setup = setup_for(configs.build(cfg))
+  assert 174e9 < state_lib.count_params(setup) < 175e9
+  kernel = setup.abstract["params"]["layers"]["blocks"]["mlp"]["up"]["kernel"]
+  assert kernel.shape == (8, 2, 6, 12288, 32768) and kernel.sharding.spec[0] == "stage"
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    lowered = step_lib.train_step_fn(setup).lower(setup.abstract, step_lib.abstract_batch(setup))
+  assert "stage" in lowered.as_text()
+
+
+def tiny_pipelined(job_overrides=()):
+  cfg = configs.get("lm.tiny_pipelined")
+  configs.apply_overrides(cfg, [
+      "model.d_model=32", "model.num_heads=4", "model.d_ff=64", "model.max_len=16",
+      "data.seq_len=16", "data.source='synthetic'", "train.global_batch=16", "train.steps=6",
+      "train.eval_every=3", "train.eval_batches=1", "train.log_every=3", "checkpoint.every=3",
+      "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=1", *job_overrides])
+  return configs.build(cfg)
+
+
+def test_tiny_pipelined_trains_and_resumes(tmp_path):
+  exp = tiny_pipelined()
+  assert (exp.model.pipeline.stages, dict(zip(exp.mesh.axes, exp.mesh.ici))["stage"]) == (2, 2)
+  job = str(tmp_path / "job")
+  summary = loop.train(exp, job)
+  evals = summary["eval_losses"]
+  assert summary["final_step"] == 6 and evals[6] < evals[0] - 0.05, evals
+  # A run stopped after step 3 resumes from its checkpoint and repeats the same losses.
+  resumed_job = str(tmp_path / "resumed")
+  shutil.copytree(os.path.join(job, "checkpoints", "3"), os.path.join(resumed_job, "checkpoints", "3"))
+  resumed = loop.train(exp, resumed_job)
+  assert resumed["start_step"] == 3
+  for step in (6,):
+    np.testing.assert_allclose(resumed["losses"][step], summary["losses"][step], rtol=1e-5)

@@ -1,0 +1,215 @@
+"""The throughput benchmark (`--mode=benchmark`): step time, tokens/s, model FLOP/s, MFU.
+
+Method, in order:
+  1. build the sharded state and compile the train step ahead of time (`compile_s`);
+  2. take `RING` batches from the experiment's own input pipeline (`data.source`)
+     onto the devices and cycle through them, so host-side input time is not in
+     the step time: this measures the step, not the data loader;
+  3. run `train.benchmark_warmup` untimed steps;
+  4. run `train.benchmark_steps` timed steps, each ended by `jax.block_until_ready`
+     on the new state and metrics (device synchronized per step), under
+     `jax.transfer_guard("disallow")` (proof that the step makes no host transfer);
+     `state_donated` records that the first step consumed its input state's buffers;
+  5. evaluate the final params once (the MLPerf log's `eval_accuracy`).
+
+Definitions (the same ones the training loop logs):
+  model_flops_per_step = exp.model.flops_per_example(exp.data) * train.global_batch
+                         (trainer/flops.py: 6 x matmul params + causal attention, PaLM
+                         appendix B; rematerialized recomputation is not counted)
+  tokens_per_s         = global_batch x tokens_per_example / median step time
+  tflops_per_device    = model_flops_per_step / median step time / device_count / 1e12
+  mfu                  = tflops_per_device / peak_tflops_per_device
+
+Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip table
+(`trainer/chips.py`, each entry with its source), whatever the model dtype, as MaxText
+and the PaLM paper do. A CPU has no datasheet peak that XLA can reach, so it is
+measured in the same process by a matmul probe: the best of several jitted n x n
+matmuls in the model's compute dtype. One CPU device's matmul already uses every
+host core, so the probe's rate is the host's and is split evenly over the (simulated)
+CPU devices. CPU MFU therefore means "share of this CPU's best matmul rate".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from mlperf_logging.mllog import constants as C
+
+from shardax.configs.schema import Experiment
+from shardax.sharding import make_mesh, use_rules
+from shardax.trainer import inputs, mlperf
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+
+RING = 4            # distinct device-resident batches the timed steps cycle through
+PROBE_SIZE = 2048   # n of the CPU matmul probe (large enough to be compute bound)
+PROBE_REPEATS = 5
+
+KEYS = ("exp", "data_source", "device_kind", "platform", "device_count", "mesh", "dtype",
+        "attention", "remat", "global_batch", "seq_len", "params", "warmup_steps", "steps",
+        "compile_s", "step_time_s_median", "step_time_s_p10", "step_time_s_p90",
+        "step_time_s_mean", "tokens_per_step", "tokens_per_s", "model_flops_per_step",
+        "tflops_per_device", "peak_tflops_per_device", "peak_source", "mfu", "eval_loss",
+        "state_donated")
+
+
+def matmul_probe_flops(dtype: str = "float32", n: int = PROBE_SIZE, repeats: int = PROBE_REPEATS,
+                       device: jax.Device | None = None) -> float:
+  """FLOP/s of the best of `repeats` jitted [n, n] @ [n, n] matmuls on `device`."""
+  device = device or jax.devices()[0]
+  k1, k2 = jax.random.split(jax.random.key(0))
+  a = jax.device_put(jax.random.normal(k1, (n, n), jnp.dtype(dtype)), device)
+  b = jax.device_put(jax.random.normal(k2, (n, n), jnp.dtype(dtype)), device)
+  mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.dtype(dtype)))
+  mm(a, b).block_until_ready()
+  best = float("inf")
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    mm(a, b).block_until_ready()
+    best = min(best, time.perf_counter() - t0)
+  return 2.0 * n ** 3 / best
+
+
+def peak_flops_per_device(devices: list[jax.Device], dtype: str) -> tuple[float, str]:
+  """(peak FLOP/s of one device, where the figure comes from)."""
+  dev = devices[0]
+  if dev.platform != "cpu":
+    try:
+      from shardax.trainer import chips
+      chip = chips.lookup(dev.device_kind)
+    except ImportError:
+      chip = None
+    if chip is not None:
+      return float(chip.peak_bf16_flops), f"chip table: {chip.name} bf16 dense peak ({chip.source})"
+    probe = matmul_probe_flops(dtype, device=dev)
+    return probe, f"measured: {dtype} matmul probe ({dev.device_kind!r} is not in the chip table)"
+  cpu_devices = [d for d in jax.local_devices() if d.platform == "cpu"]
+  probe = matmul_probe_flops(dtype, device=dev)
+  return (probe / len(cpu_devices),
+          f"measured: best {dtype} {PROBE_SIZE}x{PROBE_SIZE} matmul on this host "
+          f"({probe / 1e9:.1f} GFLOP/s) / {len(cpu_devices)} CPU devices")
+
+
+def summarize(step_times: list[float], *, tokens_per_step: int, flops_per_step: float,
+              device_count: int, peak_per_device: float) -> dict[str, float]:
+  """Step-time percentiles and the rates derived from the median step."""
+  t = np.asarray(step_times, np.float64)
+  median = float(np.median(t))
+  tflops = flops_per_step / median / device_count / 1e12
+  return {"step_time_s_median": median, "step_time_s_p10": float(np.percentile(t, 10)),
+          "step_time_s_p90": float(np.percentile(t, 90)), "step_time_s_mean": float(t.mean()),
+          "tokens_per_step": tokens_per_step, "tokens_per_s": tokens_per_step / median,
+          "model_flops_per_step": flops_per_step, "tflops_per_device": tflops,
+          "peak_tflops_per_device": peak_per_device / 1e12, "mfu": tflops * 1e12 / peak_per_device}
+
+
+def _trace(exp: Experiment, i: int, job_dir: str, tracing: bool) -> bool:
+  """Before timed step i (1-based): start a jax profiler trace at `profile_steps[0]`,
+  stop it after `profile_steps[1]` (or at the end); returns whether a trace is on."""
+  if len(exp.train.profile_steps) != 2:
+    return False
+  first, last = exp.train.profile_steps
+  if not tracing and i == first and i <= exp.train.benchmark_steps:
+    jax.profiler.start_trace(os.path.join(job_dir, "profile"))
+    return True
+  if tracing and (i > last or i > exp.train.benchmark_steps):
+    jax.profiler.stop_trace()
+    return False
+  return tracing
+
+
+def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
+  """Benchmark `exp`'s train step; writes benchmark.json and mllog.txt to `job_dir`."""
+  t = exp.train
+  os.makedirs(job_dir, exist_ok=True)
+  log = mlperf.RunLog(os.path.join(job_dir, mlperf.LOG_NAME))
+  log.event(C.CACHE_CLEAR, True)
+  log.start(C.INIT_START)
+  mesh = make_mesh(exp.mesh)
+  with jax.set_mesh(mesh):
+    setup = state_lib.create(exp, mesh)
+  log.submission(exp, dict(mesh.shape), os.path.join(job_dir, "config.json"))
+  with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+    state = state_lib.init_fn(setup)(jax.random.key(t.seed))
+    t0 = time.perf_counter()
+    train_step = step_lib.compile_train_step(setup)
+    compile_s = time.perf_counter() - t0
+    source = inputs.Batches(exp.data, "train", t.global_batch, setup.batch_sharding,
+                            seed=exp.data.seed, vocab_size=exp.model.vocab_size)
+    ring = [next(source) for _ in range(RING)]
+    first_leaves = jax.tree.leaves(state)
+    for i in range(t.benchmark_warmup):
+      state, _ = train_step(state, ring[i % RING])
+    jax.block_until_ready(state)
+    log.end(C.INIT_STOP)
+    log.start(C.RUN_START)
+    log.start(C.BLOCK_START, samples_count=0, first_epoch_num=0, epoch_count=1)
+    log.start(C.EPOCH_START, epoch_num=0, samples_count=0)
+    times, tracing = [], False
+    for i in range(t.benchmark_steps):
+      tracing = _trace(exp, i + 1, job_dir, tracing)
+      t0 = time.perf_counter()
+      with jax.transfer_guard("disallow"):  # the step itself never moves data to or from the host
+        state, metrics = train_step(state, ring[i % RING])
+        jax.block_until_ready((state, metrics))
+      times.append(time.perf_counter() - t0)
+    donated = all(a.is_deleted() for a in first_leaves)  # the first step reused the state's buffers
+    _trace(exp, t.benchmark_steps + 1, job_dir, tracing)
+    samples = t.benchmark_steps * t.global_batch
+    log.end(C.EPOCH_STOP, epoch_num=0, samples_count=samples)
+    log.end(C.BLOCK_STOP, first_epoch_num=0, samples_count=samples)
+    log.start(C.EVAL_START, epoch_num=0, samples_count=samples)
+    eval_step = step_lib.eval_step_fn(setup)
+    eval_batches = inputs.eval_batches(exp.data, t.global_batch, t.eval_batches,
+                                       setup.batch_sharding, vocab_size=exp.model.vocab_size)
+    eval_loss = float(np.mean(jax.device_get([eval_step(state["params"], b) for b in eval_batches])))
+    log.event(C.EVAL_ACCURACY, eval_loss, epoch_num=0, samples_count=samples,
+              metric="eval_loss", lower_is_better=True)
+    log.end(C.EVAL_STOP, epoch_num=0, samples_count=samples)
+    log.end(C.RUN_STOP, status=C.SUCCESS, samples_count=samples)
+  log.close()
+
+  devices = list(mesh.devices.flat)
+  peak, peak_source = peak_flops_per_device(devices, exp.model.dtype)
+  result = {"exp": exp.name, "data_source": exp.data.source, "device_kind": devices[0].device_kind,
+            "platform": devices[0].platform, "device_count": len(devices),
+            "mesh": dict(mesh.shape), "dtype": exp.model.dtype,
+            "attention": getattr(exp.model, "attention", None), "remat": getattr(exp.model, "remat", None),
+            "global_batch": t.global_batch, "seq_len": exp.data.seq_len,
+            "params": state_lib.count_params(setup), "warmup_steps": t.benchmark_warmup,
+            "steps": t.benchmark_steps, "compile_s": compile_s,
+            **summarize(times, tokens_per_step=t.global_batch * exp.model.tokens_per_example(exp.data),
+                        flops_per_step=exp.model.flops_per_example(exp.data) * t.global_batch,
+                        device_count=len(devices), peak_per_device=peak),
+            "peak_source": peak_source, "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
+  if jax.process_index() == 0:
+    with open(os.path.join(job_dir, "benchmark.json"), "w") as f:
+      json.dump(result, f, indent=2)
+  return result
+
+
+def format_table(r: dict[str, Any]) -> str:
+  """The figures a reader wants, one per line."""
+  rows = [
+      ("experiment", r["exp"]),
+      ("devices", f"{r['device_count']} x {r['device_kind']} ({r['platform']}), mesh {r['mesh']}"),
+      ("model", f"{r['params']:,} params, dtype {r['dtype']}, attention {r['attention']}, "
+                f"remat {r['remat']}"),
+      ("batch", f"{r['global_batch']} x {r['seq_len']} tokens ({r['data_source']} data)"),
+      ("steps", f"{r['warmup_steps']} warm-up + {r['steps']} timed (compile {r['compile_s']:.1f} s)"),
+      ("step_time_s", f"median {r['step_time_s_median']:.4f}  p10 {r['step_time_s_p10']:.4f}  "
+                      f"p90 {r['step_time_s_p90']:.4f}"),
+      ("tokens_per_s", f"{r['tokens_per_s']:,.0f}"),
+      ("model_flops_per_step", f"{r['model_flops_per_step']:.4g}"),
+      ("tflops_per_device", f"{r['tflops_per_device']:.4f}"),
+      ("peak_tflops_per_device", f"{r['peak_tflops_per_device']:.4f}  [{r['peak_source']}]"),
+      ("mfu", f"{r['mfu']:.1%}"),
+      ("eval_loss", f"{r['eval_loss']:.4f}"),
+  ]
+  return "\n".join(f"{k:<24} {v}" for k, v in rows)

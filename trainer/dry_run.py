@@ -1,0 +1,270 @@
+"""`--mode=dry_run`: will this experiment fit, and how fast could it go, on a pod we do not have?
+
+With `--set mesh.topology=v4:8x16x16` the mesh is built over the TPU devices libtpu
+describes for that slice (sharding/topology.py), and the real train step is compiled
+for it from abstract shapes: nothing is allocated, nothing runs. The TPU compiler's
+own memory analysis then says how many bytes each chip needs; the HLO says what it
+communicates. Without a topology the dry run compiles for this process's devices.
+
+The report (`dry_run.json` in the job dir, and a table on stdout):
+  bytes_per_device  params and optimizer_state from the shardings (exact, unpadded);
+                    argument/output/alias/temp from the compiler; total = argument +
+                    output - alias (donated) + temp: the program's peak.
+  fits              total <= the chip's HBM (the compiler's own figure when it reports
+                    one, else trainer/chips.py). If the TPU compiler itself refuses
+                    (RESOURCE_EXHAUSTED), total is the figure from its message.
+  flops_per_device  XLA's cost analysis. It counts a loop body once, so a scanned
+                    layer stack shows about 1/num_layers of the real work; see roofline.
+  model_flops_per_step  the model's formula (`flops_per_example(data) x global_batch`;
+                    for the LM: 6 x matmul params x tokens + causal attention, trainer/flops.py).
+  roofline          a lower bound on step time from the chip table (trainer/chips.py):
+                    compute = model FLOPs x remat factor (4/3 for full remat: the forward
+                    pass runs twice) / devices / peak; hbm = compiler bytes accessed /
+                    HBM bandwidth; ici = bytes each device moves in collectives (ring
+                    algorithms: all-reduce 2(g-1)/g x buffer, all-gather, reduce-scatter,
+                    all-to-all (g-1)/g, permute 1x) / ICI bandwidth. predicted_step_seconds
+                    = max of the three (perfect overlap); predicted_mfu = model FLOPs /
+                    (devices x peak x predicted step). Real steps are slower.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from shardax.configs.schema import Experiment
+from shardax.sharding import make_mesh, report, use_rules
+from shardax.trainer import chips
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+
+REMAT_COMPUTE = {"none": 1.0, "dots": 1.0, "dots_no_batch": 1.0, "full": 4.0 / 3.0}
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_OOM_SIZES = re.compile(r"([\d.]+)\s*([KMGT]?)i?B?\b")
+
+
+def prepare(exp: Experiment):
+  """(mesh, setup) for the experiment, on `mesh.topology` when set.
+
+  The state is derived under an *abstract* mesh: optax builds its state tree with
+  a few tiny eager ops, which must not be placed on TPU devices that only exist on paper.
+  """
+  mesh = make_mesh(exp.mesh)
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    setup = state_lib.create(exp, mesh)
+  return mesh, setup
+
+
+def compile_step(setup):
+  """The compiled train step (AOT, from abstract shapes) under the experiment's mesh and rules."""
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
+    return step_lib.compile_train_step(setup)
+
+
+def _shard_bytes(abstract: Any) -> int:
+  total = 0
+  for leaf in jax.tree.leaves(abstract):
+    local = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+    total += math.prod(local) * np.dtype(leaf.dtype).itemsize
+  return total
+
+
+def _parse_oom(message: str) -> tuple[int | None, int | None]:
+  """(required, available) bytes from the TPU compiler's RESOURCE_EXHAUSTED message."""
+  sizes = [int(float(v) * _UNITS[u]) for v, u in _OOM_SIZES.findall(message) if u]
+  if len(sizes) < 2:
+    return None, None
+  return sizes[0], sizes[1]
+
+
+_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
+_S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
+_WHILE_COND = re.compile(r" while\(.*condition=%?([\w.\-]+)")
+
+
+def with_trip_counts(hlo: str) -> str:
+  """HLO text whose while loops all carry `known_trip_count`, so loop collectives count N times.
+
+  The CPU compiler annotates scans with their trip count; the TPU compiler does not.
+  A jax scan's condition is `i < N` with i counting from 0, so N is the constant
+  its condition compares against.
+  """
+  trips, consts, comp = {}, {}, ""
+  lines = hlo.splitlines()
+  for line in lines:
+    if h := _HEADER.match(line):
+      comp, consts = h.group(1), {}
+    elif c := _S32_CONST.match(line):
+      consts[c.group(1)] = int(c.group(2))
+    elif (r := _LT_ROOT.match(line)) and r.group(1) in consts:
+      trips[comp] = consts[r.group(1)]
+  out = []
+  for line in lines:
+    w = _WHILE_COND.search(line)
+    if w and "known_trip_count" not in line and w.group(1) in trips:
+      line += f', backend_config={{"known_trip_count":{{"n":"{trips[w.group(1)]}"}}}}'
+    out.append(line)
+  return "\n".join(out)
+
+
+def _ici_bytes(c: report.Collective) -> float:
+  """Bytes one device sends for one execution of `c` (ring algorithms)."""
+  g = max(c.group_size, 2)
+  share = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(c.kind, (g - 1) / g)
+  return c.bytes * share
+
+
+def roofline(chip: chips.Chip | None, num_devices: int, model_flops: float, remat: str,
+             compiler_flops: float, bytes_accessed: float, ici_bytes: float) -> dict | None:
+  if chip is None:
+    return None
+  work = max(compiler_flops, model_flops * REMAT_COMPUTE.get(remat, 1.0) / num_devices)
+  times = {"compute_seconds": work / chip.peak_bf16_flops,
+           "hbm_seconds": bytes_accessed / chip.hbm_bandwidth,
+           "ici_seconds": ici_bytes / chip.ici_bandwidth}
+  step = max(times.values())
+  mfu = model_flops / (num_devices * chip.peak_bf16_flops * step) if step > 0 else 0.0
+  return {"chip": chip.name, "source": chip.source, **times,
+          "predicted_step_seconds": step, "predicted_mfu": mfu}
+
+
+def _remat(model) -> str:
+  """The remat policy of an LM config, or of the Transformer inside a composite one (MoE)."""
+  inner = getattr(model, "transformer", model)
+  return getattr(model, "remat", None) or getattr(inner, "remat", "none")
+
+
+def hint(mem: dict, hbm: int | None) -> str:
+  state = (mem.get("params") or 0) + (mem.get("optimizer_state") or 0)
+  where = "weights and optimizer state" if hbm and state > hbm / 2 else "activations (temp)"
+  return (f"most memory goes to {where}. Try: shard weights over more devices "
+          f"(sharding.preset=fsdp or 2d, a larger -1 axis in mesh.ici), rematerialize "
+          f"(model.remat=full), split the batch (train.microbatches=N), bf16 params "
+          f"(model.param_dtype=bfloat16), or pipeline stages (model.pipeline.stages=N)")
+
+
+def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
+  """Compile the train step for the experiment's mesh and report memory, FLOPs, comms, roofline."""
+  mesh, setup = prepare(exp)
+  kind = mesh.devices.flat[0].device_kind
+  chip = chips.lookup(kind)
+  mem = {"params": _shard_bytes(setup.abstract["params"]),
+         "optimizer_state": _shard_bytes(setup.abstract["opt_state"])}
+  model_flops = float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch
+  out: dict[str, Any] = {
+      "experiment": exp.name, "topology": exp.mesh.topology, "device_kind": kind,
+      "num_devices": int(mesh.size), "mesh": {k: int(v) for k, v in mesh.shape.items()},
+      "rules": [list(r) for r in setup.rules], "num_params": state_lib.count_params(setup),
+      "global_batch": exp.train.global_batch, "tokens_per_step":
+          exp.model.tokens_per_example(exp.data) * exp.train.global_batch,
+      "hbm_bytes_per_device": chip.hbm_bytes if chip else None, "error": None}
+  start, cpu_start = time.perf_counter(), time.process_time()
+  try:
+    compiled = compile_step(setup)
+  except Exception as e:  # the TPU compiler refuses programs that exceed HBM
+    if "RESOURCE_EXHAUSTED" not in str(e):
+      raise
+    required, available = _parse_oom(str(e))
+    out["compile_seconds"] = time.perf_counter() - start
+    out["compile_cpu_seconds"] = time.process_time() - cpu_start
+    out["hbm_bytes_per_device"] = available or out["hbm_bytes_per_device"]
+    mem.update(temp=None, total=required)
+    out.update(bytes_per_device=mem, fits=False, flops_per_device=None,
+               model_flops_per_step=model_flops, collectives={}, roofline=None,
+               error=str(e).splitlines()[0])
+    out["hint"] = hint(mem, out["hbm_bytes_per_device"])
+    return _write(out, job_dir)
+  out["compile_seconds"] = time.perf_counter() - start
+  out["compile_cpu_seconds"] = time.process_time() - cpu_start  # all threads; robust to a busy host
+  analysis = report.memory(compiled)
+  mem.update(temp=analysis.get("temp_bytes"), total=analysis.get("peak_estimate_bytes"),
+             **{k.removesuffix("_bytes"): v for k, v in analysis.items()
+                if k in ("argument_bytes", "output_bytes", "alias_bytes", "generated_code_bytes")})
+  hbm = out["hbm_bytes_per_device"]
+  fits = None if hbm is None or mem["total"] is None else bool(mem["total"] <= hbm)
+  hlo = with_trip_counts(compiled.as_text())
+  found = report.collectives(hlo)
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
+  out.update(bytes_per_device=mem, fits=fits, flops_per_device=report.flops(compiled),
+             model_flops_per_step=model_flops, collectives=report.collective_summary(hlo),
+             roofline=roofline(chip, mesh.size, model_flops, _remat(exp.model),
+                               report.flops(compiled), float(cost.get("bytes accessed", 0.0)),
+                               sum(_ici_bytes(c) * c.executions for c in found)),
+             hint=None if fits is not False else hint(mem, hbm))
+  return _write(out, job_dir)
+
+
+def _write(out: dict, job_dir: str | None) -> dict:
+  if job_dir:
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "dry_run.json"), "w") as f:
+      json.dump(out, f, indent=2)
+  return out
+
+
+def _gib(b: int | None) -> str:
+  if b is None:
+    return "?"
+  unit = next(u for u in ("GiB", "MiB", "KiB", "B") if b >= _UNITS.get(u[0], 1) or u == "B")
+  return f"{b / _UNITS.get(unit[0], 1):,.2f} {unit}"
+
+
+def format_report(r: dict) -> str:
+  """The human-readable table printed by `--mode=dry_run`."""
+  m = r["bytes_per_device"]
+  fits = {True: "yes", False: "NO", None: "unknown (no chip table entry)"}[r["fits"]]
+  lines = [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
+           f"({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}",
+           f"  params {r['num_params']:,}, global batch {r['global_batch']} "
+           f"({r['tokens_per_step']:,} tokens), compile {r['compile_seconds']:.1f} s "
+           f"({r['compile_cpu_seconds']:.1f} s CPU)",
+           "  per-device memory:"]
+  for key in ("params", "optimizer_state", "temp", "total"):
+    lines.append(f"    {key:<16}{_gib(m.get(key)):>16}")
+  lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}")
+  if r["error"]:
+    lines.append(f"  compiler: {r['error']}")
+  if r["flops_per_device"] is not None:
+    lines.append(f"  FLOPs: compiler {r['flops_per_device']:.4g} per device (loop bodies once); "
+                 f"model {r['model_flops_per_step']:.4g} per step")
+  if r["collectives"]:
+    lines.append(f"  {'collective':<20}{'count':>8}{'bytes':>22}")
+    for kind, c in sorted(r["collectives"].items()):
+      lines.append(f"  {kind:<20}{c['count']:>8,}{c['bytes']:>22,}")
+  if rf := r["roofline"]:
+    lines.append(f"  roofline ({rf['chip']}): compute {rf['compute_seconds']:.3g} s, hbm "
+                 f"{rf['hbm_seconds']:.3g} s, ici {rf['ici_seconds']:.3g} s -> step >= "
+                 f"{rf['predicted_step_seconds']:.3g} s, MFU <= {rf['predicted_mfu']:.1%}")
+  if r.get("hint"):
+    lines.append(f"  hint: {r['hint']}")
+  return "\n".join(lines)
+
+
+def markdown_table(reports: list[dict]) -> str:
+  """One row per dry run: what docs/scale.md shows (`python -m shardax.trainer.dry_run J...`)."""
+  rows = ["| experiment | topology (devices) | params | per-device total / HBM | fits | "
+          "predicted step | predicted MFU | compile (CPU) |", "|---|---|---|---|---|---|---|---|"]
+  for r in reports:
+    m, rf = r["bytes_per_device"], r["roofline"] or {}
+    step = f"{rf['predicted_step_seconds']:.2f} s" if rf else "-"
+    mfu = f"{rf['predicted_mfu']:.0%}" if rf else "-"
+    fits = {True: "yes", False: "**no**", None: "?"}[r["fits"]]
+    cpu = f"{r['compile_cpu_seconds']:.0f} s" if r.get("compile_cpu_seconds") else "-"
+    rows.append(f"| {r['experiment']} | {r['topology']} ({r['num_devices']}) | {r['num_params'] / 1e9:,.1f}B | "
+                f"{_gib(m['total'])} / {_gib(r['hbm_bytes_per_device'])} | {fits} | {step} | {mfu} | "
+                f"{r['compile_seconds']:.0f} s ({cpu}) |")
+  return "\n".join(rows)
+
+
+if __name__ == "__main__":
+  import sys
+  print(markdown_table([json.load(open(p)) for p in sys.argv[1:]]))
