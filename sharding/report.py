@@ -37,6 +37,10 @@ _COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$"
 _CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+# A jax scan's loop condition is `i < N` with i counting from 0: N is the trip count.
+# The CPU compiler also writes it as known_trip_count; the TPU compiler does not.
+_S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 
 
 def _bytes(text: str) -> int:
@@ -143,19 +147,27 @@ class Collective:
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in compiled HLO text."""
   result_bytes: dict[str, int] = {}
-  calls: dict[str, list[tuple[str, int]]] = collections.defaultdict(list)
-  parsed, comp, entry = [], "", ""
+  calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
+  cond_trips: dict[str, int] = {}  # condition computation -> N of its `i < N`
+  parsed, comp, entry, consts = [], "", "", {}
   for line in hlo_text.splitlines():
     if c := _COMPUTATION.match(line):
-      comp = c.group(1)
+      comp, consts = c.group(1), {}
       entry = comp if line.startswith("ENTRY") else entry
       continue
+    if k := _S32_CONST.match(line):
+      consts[k.group(1)] = int(k.group(2))
+    elif (r := _LT_ROOT.match(line)) and r.group(1) in consts:
+      cond_trips[comp] = consts[r.group(1)]
     m = _INSTR.match(line)
     if not m:
       continue
     name, result, op, rest = m.groups()
     result_bytes[name] = _bytes(result)
-    trip = int(t.group(1)) if op == "while" and (t := _TRIP.search(rest)) else 1
+    cond = re.search(r"condition=%?([\w.\-]+)", rest) if op == "while" else None
+    trip: int | str = 1
+    if op == "while":
+      trip = int(t.group(1)) if (t := _TRIP.search(rest)) else f"cond:{cond.group(1) if cond else ''}"
     for role, callee in _CALLEE.findall(rest):
       calls[comp].append((callee, trip if role in ("body", "condition") else 1))
     if b := _BRANCHES.search(rest):
@@ -164,7 +176,9 @@ def collectives(hlo_text: str) -> list[Collective]:
     if kind in COLLECTIVE_KINDS:
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
   frames = _stack_frames(hlo_text) if parsed else {}
-  runs = _executions(calls, entry) if entry else {}
+  resolved = {c: [(callee, f if isinstance(f, int) else cond_trips.get(f[5:], 1)) for callee, f in v]
+              for c, v in calls.items()}
+  runs = _executions(resolved, entry) if entry else {}
   found = []
   for name, kind, is_start, comp, rest in parsed:
     operands = _operands(rest)
@@ -254,7 +268,8 @@ def format_param_table(rows: Iterable[ParamRow]) -> str:
 def format_collectives(summary: dict[str, dict[str, int]]) -> str:
   if not summary:
     return "collectives: none"
-  lines = ["collective            count          bytes"]
+  width = max(len(f"{v['bytes']:,}") for v in summary.values()) + 2
+  lines = [f"{'collective':<20}{'count':>9}{'bytes':>{width}}"]
   for kind in sorted(summary):
-    lines.append(f"{kind:<20}{summary[kind]['count']:>7}{summary[kind]['bytes']:>15,}")
+    lines.append(f"{kind:<20}{summary[kind]['count']:>9,}{summary[kind]['bytes']:>{width},}")
   return "\n".join(lines)

@@ -84,37 +84,6 @@ def _parse_oom(message: str) -> tuple[int | None, int | None]:
   return sizes[0], sizes[1]
 
 
-_HEADER = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\{\s*$")
-_S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
-_LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
-_WHILE_COND = re.compile(r" while\(.*condition=%?([\w.\-]+)")
-
-
-def with_trip_counts(hlo: str) -> str:
-  """HLO text whose while loops all carry `known_trip_count`, so loop collectives count N times.
-
-  The CPU compiler annotates scans with their trip count; the TPU compiler does not.
-  A jax scan's condition is `i < N` with i counting from 0, so N is the constant
-  its condition compares against.
-  """
-  trips, consts, comp = {}, {}, ""
-  lines = hlo.splitlines()
-  for line in lines:
-    if h := _HEADER.match(line):
-      comp, consts = h.group(1), {}
-    elif c := _S32_CONST.match(line):
-      consts[c.group(1)] = int(c.group(2))
-    elif (r := _LT_ROOT.match(line)) and r.group(1) in consts:
-      trips[comp] = consts[r.group(1)]
-  out = []
-  for line in lines:
-    w = _WHILE_COND.search(line)
-    if w and "known_trip_count" not in line and w.group(1) in trips:
-      line += f', backend_config={{"known_trip_count":{{"n":"{trips[w.group(1)]}"}}}}'
-    out.append(line)
-  return "\n".join(out)
-
-
 def _ici_bytes(c: report.Collective) -> float:
   """Bytes one device sends for one execution of `c` (ring algorithms)."""
   g = max(c.group_size, 2)
@@ -190,7 +159,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
                 if k in ("argument_bytes", "output_bytes", "alias_bytes", "generated_code_bytes")})
   hbm = out["hbm_bytes_per_device"]
   fits = None if hbm is None or mem["total"] is None else bool(mem["total"] <= hbm)
-  hlo = with_trip_counts(compiled.as_text())
+  hlo = compiled.as_text()
   found = report.collectives(hlo)
   cost = compiled.cost_analysis()
   cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
