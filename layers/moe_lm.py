@@ -27,7 +27,7 @@ from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.moe import MoEFeedForward
 from shardax.layers.norm import make_norm
-from shardax.layers.transformer import REMAT_POLICIES, RESIDUAL, Block
+from shardax.layers.transformer import REMAT_POLICIES, RESIDUAL, Block, stacked
 from shardax.sharding import shard
 
 
@@ -66,17 +66,8 @@ class Unit(nnx.Module):
 
 
 def stacked_units(cfg, num: int, *, rngs: nnx.Rngs) -> Unit:
-  """One Unit whose params have a leading dim `num` named 'layers' (cf. stacked_blocks)."""
-  @nnx.split_rngs(splits=num)
-  @nnx.vmap(in_axes=0, out_axes=0)
-  def make(r: nnx.Rngs) -> Unit:
-    return Unit(cfg, rngs=r)
-
-  units = make(rngs)
-  for _, node in nnx.iter_graph(units):
-    if isinstance(node, nnx.Variable) and hasattr(node, "logical_axes"):
-      node.set_metadata(logical_axes=("layers",) + tuple(node.logical_axes))
-  return units
+  """`num` Units stacked on a leading 'layers' dim."""
+  return stacked(lambda r: Unit(cfg, rngs=r), num, rngs=rngs)
 
 
 def _unit_fn(graphdef: nnx.GraphDef, remat: str, prevent_cse: bool):

@@ -17,6 +17,8 @@ Rematerialization wraps one block in `jax.checkpoint` with the named policy:
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -59,22 +61,27 @@ class Block(nnx.Module):
     return shard(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
 
 
-def stacked_blocks(cfg: TransformerConfig, num: int, *, rngs: nnx.Rngs) -> Block:
-  """One Block whose params have a leading dim `num`, logical name 'layers' prepended.
+def stacked(make_one: Callable[[nnx.Rngs], nnx.Module], num: int, *, rngs: nnx.Rngs) -> nnx.Module:
+  """One module whose params have a leading dim `num`, logical name 'layers' prepended.
 
   Each layer gets its own init key (split_rngs); nnx.vmap does not know our
   `logical_axes` metadata, so the leading name is added here.
   """
   @nnx.split_rngs(splits=num)
   @nnx.vmap(in_axes=0, out_axes=0)
-  def make(r: nnx.Rngs) -> Block:
-    return Block(cfg, rngs=r)
+  def make(r: nnx.Rngs) -> nnx.Module:
+    return make_one(r)
 
-  blocks = make(rngs)
-  for _, node in nnx.iter_graph(blocks):
+  module = make(rngs)
+  for _, node in nnx.iter_graph(module):
     if isinstance(node, nnx.Variable) and hasattr(node, "logical_axes"):
       node.set_metadata(logical_axes=("layers",) + tuple(node.logical_axes))
-  return blocks
+  return module
+
+
+def stacked_blocks(cfg: TransformerConfig, num: int, *, rngs: nnx.Rngs) -> Block:
+  """`num` Blocks stacked on a leading 'layers' dim."""
+  return stacked(lambda r: Block(cfg, rngs=r), num, rngs=rngs)
 
 
 def block_fn(graphdef: nnx.GraphDef, remat: str = "none", *, prevent_cse: bool = True):

@@ -42,7 +42,7 @@ import numpy as np
 from mlperf_logging.mllog import constants as C
 
 from shardax.configs.schema import Experiment
-from shardax.sharding import make_mesh, use_rules
+from shardax.sharding import use_rules
 from shardax.trainer import inputs, mlperf
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -127,14 +127,8 @@ def _trace(exp: Experiment, i: int, job_dir: str, tracing: bool) -> bool:
 def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
   """Benchmark `exp`'s train step; writes benchmark.json and mllog.txt to `job_dir`."""
   t = exp.train
-  os.makedirs(job_dir, exist_ok=True)
-  log = mlperf.RunLog(os.path.join(job_dir, mlperf.LOG_NAME))
-  log.event(C.CACHE_CLEAR, True)
-  log.start(C.INIT_START)
-  mesh = make_mesh(exp.mesh)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
-  log.submission(exp, dict(mesh.shape), os.path.join(job_dir, "config.json"))
+  log, setup = mlperf.start_run(exp, job_dir)
+  mesh = setup.mesh
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     state = state_lib.init_fn(setup)(jax.random.key(t.seed))
     t0 = time.perf_counter()

@@ -132,16 +132,11 @@ def check(path: str) -> dict:
   return {**checker.overwritable, **dict(enumerate(checker.not_overwritable))}
 
 
-def time_to_train(exp: Experiment, job_dir: str) -> dict[str, Any]:
-  """Train until the eval loss <= train.target_eval_loss; MLPerf log + time_to_train.json."""
-  from shardax.sharding import make_mesh, use_rules
-  from shardax.trainer import inputs
+def start_run(exp: Experiment, job_dir: str):
+  """Open the run's MLPerf log (init_start, submission metadata) and build the state setup."""
+  from shardax.sharding import make_mesh
   from shardax.trainer import state as state_lib
-  from shardax.trainer import step as step_lib
-
-  t = exp.train
-  if t.target_eval_loss is None:
-    raise ValueError("time to train needs a target: --set train.target_eval_loss=LOSS")
+  os.makedirs(job_dir, exist_ok=True)
   log = RunLog(os.path.join(job_dir, LOG_NAME))
   log.event(C.CACHE_CLEAR, True)
   log.start(C.INIT_START)
@@ -149,6 +144,21 @@ def time_to_train(exp: Experiment, job_dir: str) -> dict[str, Any]:
   with jax.set_mesh(mesh):
     setup = state_lib.create(exp, mesh)
   log.submission(exp, dict(mesh.shape), os.path.join(job_dir, "config.json"))
+  return log, setup
+
+
+def time_to_train(exp: Experiment, job_dir: str) -> dict[str, Any]:
+  """Train until the eval loss <= train.target_eval_loss; MLPerf log + time_to_train.json."""
+  from shardax.sharding import use_rules
+  from shardax.trainer import inputs
+  from shardax.trainer import state as state_lib
+  from shardax.trainer import step as step_lib
+
+  t = exp.train
+  if t.target_eval_loss is None:
+    raise ValueError("time to train needs a target: --set train.target_eval_loss=LOSS")
+  log, setup = start_run(exp, job_dir)
+  mesh = setup.mesh
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     state = state_lib.init_fn(setup)(jax.random.key(t.seed))
     train_step = step_lib.compile_train_step(setup)
