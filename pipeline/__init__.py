@@ -2,7 +2,8 @@
 
   schedule.py  which stage runs what at each iteration; bubble (S-1)/(M*R+S-1); errors
   stages.py    weights [L, ...] <-> [S, (R,) L/(S*R), ...] with `stage` as the first logical dim
-  loop.py      the M*R + S - 1 iteration scan over microbatches (`run`)
+  loop.py      the M*R + S - 1 iteration scan over microbatches (`run`); memory in its docstring
+  circular.py  the queue where a microbatch waits between repeats (R > 1), split over stages
 """
 
 from shardax.pipeline.loop import mesh_axes_of, run

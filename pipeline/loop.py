@@ -14,13 +14,33 @@ The schedule and its bubble are in schedule.py (with pseudocode).
 
 The batch is cut into microbatches by taking every M-th row (row i*M + j goes to
 microbatch j), so each microbatch keeps the batch dim's data sharding and no
-example moves between devices. Bubble iterations compute on stale or zero
-buffers; their outputs never reach `held` (written only when a real microbatch
-leaves the last stage) and so add exactly zero to results and gradients.
+example moves between devices.
+
+Memory (per device; "a microbatch" = one microbatch's activation [rows, length,
+embed] as the rules split it over data/model). The scan's carry is the stage
+buffer [S, ...] (one microbatch per stage group) and, for R > 1, the circular
+queue (circular.py: ceil((M-S)/S) microbatches per group when M >= 2S, M - S
+otherwise). Each iteration's outputs [S, ...] leave as scan outputs (T
+microbatches per group, T = M*R + S - 1), and the last M of the last stage are
+taken once after the loop: no iteration broadcasts anything to the other stage
+groups. Each iteration's stage computation is wrapped in `jax.checkpoint`, so
+the backward pass keeps only its input, the buffer (T microbatches per group),
+and recomputes the stage's layers one iteration at a time; the model's own
+per-block remat then bounds that one iteration's intermediates. Total: about
+2T microbatches per device plus the inputs and their cotangent (M per device),
+whatever the layers per stage, against T x (L/(S*R) layer inputs or all their
+intermediates) when the scan saved the stage body's residuals. Always, not only
+with model.remat != 'none': without it the pipeline would save every
+intermediate of every iteration, the memory pipelining is meant to spread out.
+The price is one more forward of each stage in the backward pass (4 -> 5
+forward-equivalents per step with model.remat='full', 3 -> 4 without).
+Bubble iterations compute on stale or zero buffers; their outputs are never
+read as results and so add exactly zero to results and gradients.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -28,6 +48,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from shardax.pipeline.circular import Queue
 from shardax.pipeline.schedule import PipelineError, Schedule
 from shardax.pipeline.stages import from_stages
 from shardax.sharding import rules as rules_lib
@@ -102,7 +123,13 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   state_axes = ("stage",) + tuple(x_axes)
   xs = split_microbatches(x, M, x_axes)
   pos = split_microbatches(positions, M, tuple(x_axes[:positions.ndim]))
+  # Every stage group gets its own view of the inputs (a local broadcast: x is not split
+  # over `stage`), so stage 0 picks its microbatch with no cross-stage traffic and the
+  # backward pass sums the inputs' cotangent over the stages once, after the loop.
+  xs_per_stage = shard(jnp.broadcast_to(xs[None], (S,) + xs.shape), ("stage", None) + tuple(x_axes))
   stage_ids = jnp.arange(S)
+  first = (stage_ids == 0).reshape((S,) + (1,) * (xs.ndim - 1))
+  queue = Queue(S, M - S if R > 1 else 0, x_axes)
 
   def one_stage(w, h, p, k):
     if R > 1:  # this stage's chunk for the repeat it is on (clipped in the bubble)
@@ -112,24 +139,24 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
 
   all_stages = jax.vmap(one_stage, spmd_axis_name=mesh_axes_of("stage"))
 
-  def iteration(carry, t):
-    buffer, held = carry
-    m = t % M
-    fresh = jax.lax.dynamic_index_in_dim(xs, m, 0, keepdims=False)
-    if R > 1:  # repeat r > 0: the microbatch comes back from the last stage
-      fresh = jnp.where(t < M, fresh, jax.lax.dynamic_index_in_dim(held, m, 0, keepdims=False))
-    shifted = jnp.roll(buffer, 1, axis=0)  # the collective-permute between stages
-    first = (stage_ids == 0).reshape((S,) + (1,) * fresh.ndim)
-    buffer = shard(jnp.where(first, fresh[None], shifted), state_axes)
+  @functools.partial(jax.checkpoint, prevent_cse=False)
+  def compute(w, buffer, t):  # saved for the backward pass: `buffer` alone (w is loop-invariant)
     k = t - stage_ids  # the work item of each stage; outside [0, M*R) = bubble
-    out = shard(all_stages(weights, buffer, pos[k % M], k), state_axes)
-    done = t - (S - 1)  # the microbatch leaving the last stage, if any
-    slot = done % M
-    keep = jax.lax.dynamic_index_in_dim(held, slot, 0, keepdims=False)
-    held = jax.lax.dynamic_update_index_in_dim(held, jnp.where(done >= 0, out[S - 1], keep), slot, 0)
-    return (out, shard(held, (None,) + tuple(x_axes))), None
+    return shard(all_stages(w, buffer, pos[k % M], k), state_axes)
 
-  buffer = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
-  held = jnp.zeros_like(xs)
-  (_, held), _ = jax.lax.scan(iteration, (buffer, held), jnp.arange(schedule.iterations))
-  return merge_microbatches(held, x_axes)
+  def iteration(carry, t):
+    out, waiting = carry
+    into_stage = jnp.roll(out, 1, axis=0)  # the collective-permute: stage s-1's output -> stage s
+    enter = jax.lax.dynamic_index_in_dim(xs_per_stage, t % M, 1, keepdims=False)
+    if R > 1:  # repeat r > 0: microbatch t % M comes back from the last stage, M - S + 1 iterations on
+      due, waiting = queue.step(waiting, out, into_stage)
+      enter = jnp.where(t < M, enter, due)
+    buffer = shard(jnp.where(first, enter, into_stage), state_axes)
+    out = compute(weights, buffer, t)
+    return (out, waiting), out
+
+  out = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
+  _, outs = jax.lax.scan(iteration, (out, queue.init(xs)), jnp.arange(schedule.iterations))
+  # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + S - 1: the last M.
+  outs = shard(outs, (None,) + state_axes)[schedule.iterations - M:, S - 1]
+  return merge_microbatches(shard(outs, (None,) + tuple(x_axes)), x_axes)

@@ -8,22 +8,23 @@ the sequence (microbatch 0, repeat 0), (microbatch 1, repeat 0), ...,
 (microbatch M-1, repeat R-1), i.e. microbatch k % M in repeat k // M, and
 idles (the bubble) when k is outside [0, M*R):
 
-    buffer = zeros[S, ...]; held = zeros[M, ...]        # held: last stage's outputs
+    buffer = zeros[S, ...]; outs = []
     for t in range(M*R + S - 1):
       m = t % M
+      waiting.push(buffer[S-1])                          # R > 1: FIFO of M - S (+ this one)
       buffer = shift_right(buffer)                       # stage s gets stage s-1's output
-      buffer[0] = inputs[m] if t < M else held[m]        # repeat r > 0 re-enters stage 0
+      buffer[0] = inputs[m] if t < M else waiting.pop()  # repeat r > 0 re-enters stage 0
       buffer = vmap(stage_body)(weights, buffer, repeat=(t - arange(S)) // M)
-      if t >= S - 1:
-        held[(t - S + 1) % M] = buffer[S - 1]            # microbatch leaves the last stage
-    return held                                          # = each microbatch's final output
+      outs.append(buffer)                                # a scan output, not a carry
+    return [outs[t][S-1] for t in the last M iterations] # = each microbatch's final output
 
 Circular (interleaved) schedule, R > 1: stage s holds R chunks of L/(S*R)
 layers, layer index r*(S*L/(S*R)) + s*L/(S*R) + j for chunk r, so one pass over
 the S stages runs L/R layers and a microbatch makes R passes. Microbatch m
 leaves stage S-1 after repeat r at iteration r*M + m + S - 1 and re-enters stage
 0 at (r+1)*M + m, which is not earlier only if M >= S: the circular schedule
-needs M >= S. `held` keeps it in between (M - S iterations when M > S).
+needs M >= S. The queue `waiting` (circular.py) keeps it in between: M - S iterations
+more than the buffer's shift (none when M = S).
 
 Bubble: each stage is busy M*R of the M*R + S - 1 iterations, so the idle
 fraction is (S - 1) / (M*R + S - 1). An iteration of the circular schedule runs
