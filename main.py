@@ -80,7 +80,10 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer import loop
     summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
     evals = summary["eval_losses"]
-    if evals:
+    if summary["start_step"] == summary["final_step"]:
+      print(f"nothing to do: {job_dir} is already at step {summary['final_step']} "
+            f"(raise --set train.steps to train further)", flush=True)
+    elif evals:
       first, last = next(iter(evals.items())), list(evals.items())[-1]
       print(f"done: steps {summary['start_step']} -> {summary['final_step']} in "
             f"{summary['seconds']:.0f}s; eval_loss {first[1]:.4f} (step {first[0]}) -> "
