@@ -129,6 +129,7 @@ def main(argv) -> None:
     for name, desc in configs.names().items():
       print(f"{name:<28} {desc}")
     return
+  from shardax.trainer.checkpoint import CheckpointError
   try:
     if not FLAGS.exp:
       raise UserError("--exp is required (shardax --mode=list shows the experiments)")
@@ -142,15 +143,10 @@ def main(argv) -> None:
     from shardax.trainer import distributed
     distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
-  except (UserError, configs.ConfigError, ValueError, FileNotFoundError, _checkpoint_error()) as e:
+  except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
     logging.debug("error", exc_info=True)
     print(f"shardax: error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)
-
-
-def _checkpoint_error() -> type:
-  from shardax.trainer.checkpoint import CheckpointError
-  return CheckpointError
 
 
 def run() -> None:

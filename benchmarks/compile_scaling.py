@@ -51,7 +51,7 @@ def compile_once(exp_name: str, count: int, per_data_batch: int, model_axis: int
   configs.apply_overrides(cfg, sets)
   exp = configs.build(cfg)
   mesh, setup = dry_run.prepare(exp)
-  start, cpu_start = time.perf_counter(), time.process_time()
+  start = time.perf_counter()
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     lowered = step_lib.train_step_fn(setup).lower(setup.abstract, step_lib.abstract_batch(setup))
     traced, cpu_traced = time.perf_counter(), time.process_time()

@@ -81,7 +81,8 @@ def check_partitioning(shape: tuple[int, ...], axes: tuple[str, ...], halo: bool
     raise MiscompiledPartitionError(
         f"conv activation {axes} of shape {shape} splits {split} but is replicated over mesh "
         f"axes {idle}; XLA would scale the kernel gradients by their size. Map every mesh axis of "
-        f"size > 1 to a dim of the activation (e.g. batch over ('data', ...)) or shrink it to 1")
+        f"size > 1 to a dim of the activation in the sharding rules (e.g. add it to the "
+        f"batch rule) or shrink it to 1")
   if halo and len(split) > 1:
     for i, e in enumerate(spec):
       parts = math.prod(mesh[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1

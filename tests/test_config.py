@@ -8,7 +8,7 @@ import pytest
 
 from shardax import configs
 from shardax.configs import ConfigError
-from shardax.sharding import MeshConfig, make_mesh
+from shardax.sharding import make_mesh
 from shardax.trainer import state as state_lib
 
 

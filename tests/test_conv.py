@@ -16,10 +16,11 @@ import pytest
 from shardax import configs
 from shardax.configs.vision import ClassifierConfig
 from shardax.layers.conv import MiscompiledPartitionError
-from shardax.sharding import make_mesh, report, use_rules
+from shardax.sharding import report, use_rules
 from shardax.trainer import images, inputs, loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
+from meshtools import grads_fn, loss_and_grads, setup_for
 
 EVEN = (4, 16, 16)     # (depth, height, width); 2 levels -> (1, 4, 4) at the bottom
 UNEVEN = (4, 18, 8)    # height 18 over 4 devices: XLA pads 18 -> 20 and 9 -> 12 (1 level)
@@ -35,27 +36,6 @@ def unet_experiment(size, preset="dp", ici=(1,), axes=("data",), uneven=False):
   return configs.build(cfg)
 
 
-def setup_for(exp, devices=None):
-  mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    return state_lib.create(exp, mesh)
-
-
-def grads_fn(setup):
-  return jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
-                 in_shardings=(setup.shardings["params"], setup.batch_sharding),
-                 out_shardings=(setup.replicated, setup.shardings["params"]))
-
-
-def loss_and_grads(setup, params, batch):
-  """((loss, grads) on host, compiled program) with `params`/`batch` placed as the setup says."""
-  params = jax.device_put(params, setup.shardings["params"])
-  batch = jax.device_put(batch, setup.batch_sharding)
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
-    compiled = grads_fn(setup).lower(params, batch).compile()
-    return jax.device_get(compiled(params, batch)), compiled
-
-
 def reference_for(size):
   """Params, a shapes3d batch, and loss/grads on one device with no sharding."""
   setup = setup_for(unet_experiment(size), jax.devices()[:1])
@@ -63,7 +43,7 @@ def reference_for(size):
   it = inputs.Batches(setup.exp.data, "train", 2)
   batch = jax.device_get(next(it))
   it.close()
-  (loss, grads), _ = loss_and_grads(setup, params, batch)
+  (loss, grads, _), _ = loss_and_grads(setup, params, batch)
   return params, batch, float(loss), grads
 
 
@@ -90,7 +70,7 @@ def spatial(request, even_reference):
   preset, ici, axes = SPATIAL[request.param]
   setup = setup_for(unet_experiment(EVEN, preset, ici, axes))
   params, batch, _, _ = even_reference
-  (loss, grads), compiled = loss_and_grads(setup, params, batch)
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
   return request.param, float(loss), grads, compiled
 
 
@@ -116,7 +96,7 @@ def test_uneven_height_is_padded_by_xla_with_allow_uneven():
   ref = reference_for(UNEVEN)
   params, batch, _, _ = ref
   setup = setup_for(unet_experiment(UNEVEN, "spatial", (2, 4), ("data", "spatial"), uneven=True))
-  (loss, grads), compiled = loss_and_grads(setup, params, batch)
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
   assert_same(float(loss), grads, ref, "uneven height")
   assert report.collective_summary(compiled.as_text())["collective-permute"]["count"] >= 20
 

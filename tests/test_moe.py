@@ -18,10 +18,10 @@ import pytest
 from shardax import configs
 from shardax.configs.moe import MoEConfig
 from shardax.layers.moe import top2_gating
-from shardax.sharding import make_mesh, report, use_rules
+from shardax.sharding import report
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib
-from shardax.trainer import step as step_lib
+from meshtools import loss_and_grads, setup_for
 
 
 # ---------------------------------------------------------------- gating vs. a loop reference
@@ -118,28 +118,13 @@ def tiny_moe(preset, ici, axes, *more):
   return configs.build(cfg)
 
 
-def setup_for(exp, devices=None):
-  mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    return state_lib.create(exp, mesh)
-
-
-def loss_grads_metrics(setup, params, batch):
-  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b),
-               in_shardings=(setup.shardings["params"], setup.batch_sharding),
-               out_shardings=(setup.replicated, setup.shardings["params"], setup.replicated))
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    compiled = fn.lower(params, batch).compile()
-  return compiled(params, batch), compiled
-
-
 @pytest.fixture(scope="module")
 def reference():
   setup = setup_for(tiny_moe("dp", (1,), ("data",)), jax.devices()[:1])
   params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
   tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  (loss, grads, metrics), _ = loss_grads_metrics(setup, params, batch)
+  (loss, grads, metrics), _ = loss_and_grads(setup, params, batch)
   return jax.device_get(params), batch, float(loss), jax.device_get(grads), jax.device_get(metrics)
 
 
@@ -149,7 +134,7 @@ def sharded(request, reference):
   setup = setup_for(tiny_moe(request.param, ici, axes))
   params_host, batch, *_ = reference
   params = jax.device_put(params_host, setup.shardings["params"])
-  (loss, grads, metrics), compiled = loss_grads_metrics(
+  (loss, grads, metrics), compiled = loss_and_grads(
       setup, params, jax.device_put(batch, setup.batch_sharding))
   return request.param, expert_shards, setup, float(loss), jax.device_get(grads), metrics, compiled
 

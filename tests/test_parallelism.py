@@ -7,13 +7,13 @@ gradients, TP all-reduces of activations.
 """
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from shardax import configs
-from shardax.sharding import MeshConfig, make_mesh, report, use_rules
+from shardax.sharding import report, use_rules
 from shardax.trainer import state as state_lib
+from meshtools import loss_and_grads, setup_for
 from shardax.trainer import step as step_lib
 
 MODES = {
@@ -34,20 +34,6 @@ def experiment(preset, ici, axes):
   return configs.build(cfg)
 
 
-def setup_for(exp, devices=None):
-  mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    return state_lib.create(exp, mesh)
-
-
-def loss_and_grads(setup, params, batch):
-  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
-               in_shardings=(setup.shardings["params"], setup.batch_sharding),
-               out_shardings=(setup.replicated, setup.shardings["params"]))
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    return fn(params, batch), fn.lower(params, batch).compile()
-
-
 @pytest.fixture(scope="module")
 def reference():
   """Params, a batch, and loss/grads on one device with no sharding at all."""
@@ -57,7 +43,7 @@ def reference():
   rng = np.random.default_rng(0)
   tokens = rng.integers(1, 256, size=(8, 17)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  (loss, grads), _ = loss_and_grads(setup, params, batch)
+  (loss, grads, _), _ = loss_and_grads(setup, params, batch)
   return jax.device_get(params), batch, float(loss), jax.device_get(grads)
 
 
@@ -69,7 +55,7 @@ def sharded(request, reference):
   params_host, batch, _, _ = reference
   params = jax.device_put(params_host, setup.shardings["params"])
   batch = jax.device_put(batch, setup.batch_sharding)
-  (loss, grads), compiled = loss_and_grads(setup, params, batch)
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
   return preset, setup, float(loss), jax.device_get(grads), compiled
 
 

@@ -18,10 +18,11 @@ from flax import nnx
 
 from shardax import configs, pipeline
 from shardax.configs.schema import ConfigError
-from shardax.sharding import make_mesh, report, use_rules
+from shardax.sharding import report, use_rules
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
+from meshtools import loss_and_grads, setup_for
 
 L, BATCH = 8, 16
 # name: (stages, microbatches, repeats, mesh ici, mesh axes, preset)
@@ -44,21 +45,6 @@ def experiment(stages=1, micro=1, repeats=1, ici=(1, 1), axes=("data", "model"),
   return configs.build(cfg)
 
 
-def setup_for(exp, devices=None):
-  mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    return state_lib.create(exp, mesh)
-
-
-def loss_and_grads(setup, params, batch):
-  fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
-               in_shardings=(setup.shardings["params"], setup.batch_sharding),
-               out_shardings=(setup.replicated, setup.shardings["params"]))
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    compiled = fn.lower(params, batch).compile()
-    return compiled(params, batch), compiled
-
-
 @pytest.fixture(scope="module")
 def reference():
   """Unpipelined params, batch, loss and grads on one device."""
@@ -66,7 +52,7 @@ def reference():
   params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
   tokens = np.random.default_rng(0).integers(1, 256, size=(BATCH, 17)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  (loss, grads), _ = loss_and_grads(setup, params, batch)
+  (loss, grads, _), _ = loss_and_grads(setup, params, batch)
   return jax.device_get(params), batch, float(loss), jax.device_get(grads)
 
 
@@ -77,7 +63,7 @@ def pipelined(request, reference):
   ref_params, batch, _, _ = reference
   params = dict(ref_params, layers=pipeline.stage_params(ref_params["layers"], stages, repeats))
   params = jax.device_put(params, setup.shardings["params"])
-  (loss, grads), compiled = loss_and_grads(setup, params, jax.device_put(batch, setup.batch_sharding))
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
   grads = jax.device_get(grads)
   grads["layers"] = pipeline.unstage_params(grads["layers"], repeats)
   return request.param, setup, params, float(loss), grads, compiled

@@ -9,7 +9,6 @@ import pytest
 
 import clitools as cli
 from shardax import configs
-from shardax.trainer import checkpoint as ckpt_lib
 from shardax.trainer import inputs, loop
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from shardax import configs
-from shardax.sharding import MeshConfig, make_mesh
+from shardax.sharding import make_mesh
 from shardax.trainer import checkpoint as ckpt_lib
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib

@@ -54,7 +54,7 @@ class Setup:
     return NamedSharding(self.mesh, PartitionSpec())
 
 
-def _abstract_params(cfg: TransformerConfig):
+def _abstract_params(cfg: Any):
   model = nnx.eval_shape(lambda: build_model(cfg, nnx.Rngs(0)))
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
   if jax.tree.leaves(rest):

@@ -1,0 +1,30 @@
+"""Shared by the equivalence tests: build a setup on a mesh, compile and run loss + grads."""
+
+import jax
+
+from shardax.sharding import make_mesh, use_rules
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+
+
+def setup_for(exp, devices=None) -> state_lib.Setup:
+  mesh = make_mesh(exp.mesh, devices)
+  with jax.set_mesh(mesh):
+    return state_lib.create(exp, mesh)
+
+
+def grads_fn(setup):
+  """jit of `(params, batch) -> (loss, grads, model metrics)` with the setup's shardings."""
+  return jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b),
+                 in_shardings=(setup.shardings["params"], setup.batch_sharding),
+                 out_shardings=(setup.replicated, setup.shardings["params"], setup.replicated))
+
+
+def loss_and_grads(setup, params, batch):
+  """((loss, grads, metrics) on host, compiled program): compiled once, under the setup's
+  mesh and rules, with `params` and `batch` placed as the setup says."""
+  params = jax.device_put(params, setup.shardings["params"])
+  batch = jax.device_put(batch, setup.batch_sharding)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
+    compiled = grads_fn(setup).lower(params, batch).compile()
+    return jax.device_get(compiled(params, batch)), compiled
