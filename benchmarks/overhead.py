@@ -148,8 +148,7 @@ def main():
           and exp.model.tied_embedding and exp.model.activation == "silu"):
     raise SystemExit("the hand-written step covers scanned, tied, rms/silu models without microbatches")
   mesh = make_mesh(exp.mesh, jax.devices()[:1])
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules, False):
     ours = step_lib.train_step_fn(setup)
     state = state_lib.init_fn(setup)(jax.random.key(0))

@@ -32,8 +32,7 @@ def measure(preset: str, ici: str, axes: str) -> dict:
   configs.apply_overrides(cfg, MODEL + [f"sharding.preset={preset!r}", f"mesh.ici={ici}", f"mesh.axes={axes}"])
   exp = configs.build(cfg)
   mesh = make_mesh(exp.mesh)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules):
     compiled = step_lib.compile_train_step(setup)
   rows = report.param_table(setup.abstract["params"], setup.shardings["params"], setup.param_axes)

@@ -46,8 +46,7 @@ def step_fn(sets: list[str], devices):
   configs.apply_overrides(cfg, MODEL + sets)
   exp = configs.build(cfg)
   mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
                in_shardings=(setup.shardings["params"], setup.batch_sharding),
                out_shardings=(setup.replicated, setup.shardings["params"]))

@@ -9,8 +9,7 @@ from shardax.trainer import step as step_lib
 
 def setup_for(exp, devices=None) -> state_lib.Setup:
   mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    return state_lib.create(exp, mesh)
+  return state_lib.create(exp, mesh)
 
 
 def grads_fn(setup):

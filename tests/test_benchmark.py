@@ -119,8 +119,7 @@ def test_flops_formula_agrees_with_the_compiler():
   exp = _exp("model.scan_layers=False", "model.remat='none'", "model.d_model=64",
              "model.d_ff=128", "data.seq_len=16")
   mesh = make_mesh(exp.mesh, jax.devices()[:1])
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules, False):
     compiled = step_lib.compile_train_step(setup)
   cost = compiled.cost_analysis()

@@ -73,8 +73,7 @@ def test_checkpoint_from_2x4_restores_on_other_meshes(full_run, data_dir, ici):
   exp = small_experiment(data_dir, f"mesh.ici={ici!r}")
   devices = jax.devices()[: ici[0] * ici[1]]
   mesh = make_mesh(exp.mesh, devices)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   with ckpt_lib.Checkpointer(os.path.join(job, "checkpoints"), exp.checkpoint) as ck:
     state, _ = ck.restore(setup.abstract)
   want = jax.device_get(summary["state"]["params"])

@@ -51,15 +51,9 @@ _OOM_SIZES = re.compile(r"([\d.]+)\s*([KMGT]?)i?B?\b")
 
 
 def prepare(exp: Experiment):
-  """(mesh, setup) for the experiment, on `mesh.topology` when set.
-
-  The state is derived under an *abstract* mesh: optax builds its state tree with
-  a few tiny eager ops, which must not be placed on TPU devices that only exist on paper.
-  """
+  """(mesh, setup) for the experiment, on `mesh.topology` when set."""
   mesh = make_mesh(exp.mesh)
-  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-    setup = state_lib.create(exp, mesh)
-  return mesh, setup
+  return mesh, state_lib.create(exp, mesh)
 
 
 def compile_step(setup):

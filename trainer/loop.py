@@ -59,8 +59,7 @@ def restore_or_init(setup, checkpointer, data_iter=None):
 def restore_latest(exp: Experiment, job_dir: str):
   """(setup, state) of the latest checkpoint in `job_dir`, on the experiment's mesh."""
   mesh = make_mesh(exp.mesh)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
   try:
     if checkpointer.latest_step() is None:
@@ -85,8 +84,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
   to fit this job dir: the CLI writes the resolved config there, and not before.
   """
   mesh = make_mesh(exp.mesh)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     # Data first: a missing dataset must fail before anything is created in the job dir.
     train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,

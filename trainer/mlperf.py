@@ -141,8 +141,7 @@ def start_run(exp: Experiment, job_dir: str):
   log.event(C.CACHE_CLEAR, True)
   log.start(C.INIT_START)
   mesh = make_mesh(exp.mesh)
-  with jax.set_mesh(mesh):
-    setup = state_lib.create(exp, mesh)
+  setup = state_lib.create(exp, mesh)
   log.submission(exp, dict(mesh.shape), os.path.join(job_dir, "config.json"))
   return log, setup
 

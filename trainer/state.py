@@ -63,6 +63,14 @@ def _abstract_params(cfg: Any):
 
 
 def create(exp: Experiment, mesh: Mesh) -> Setup:
+  """Everything about the state but its values. Works for any mesh, also one over TPU
+  devices that exist only on paper (dry runs): it runs under the mesh's abstract view,
+  so the few tiny eager ops optax makes while building its state tree stay on the host."""
+  with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+    return _create(exp, mesh)
+
+
+def _create(exp: Experiment, mesh: Mesh) -> Setup:
   rules = rules_lib.resolve(exp.sharding.preset, exp.sharding.rules)
   graphdef, params_abs, axes = _abstract_params(exp.model)
   param_sh = params_lib.param_shardings(params_abs, axes, rules, mesh, exp.sharding.allow_uneven)
