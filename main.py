@@ -98,10 +98,10 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
   elif mode == "benchmark":  # throughput; with train.target_eval_loss set: time to train
     write_config(exp, job_dir)
     if exp.train.target_eval_loss is None:
-      from shardax.trainer import benchmark
+      from shardax.trainer.perf import benchmark
       print(benchmark.format_table(benchmark.run(exp, job_dir)), flush=True)
     else:
-      from shardax.trainer import mlperf
+      from shardax.trainer.perf import mlperf
       r = mlperf.time_to_train(exp, job_dir)
       print(f"time_to_train {r['time_to_train_s']:.1f} s: eval_loss {r['final_eval_loss']:.4f} "
             f"{'reached' if r['reached'] else 'did NOT reach'} target {r['target_eval_loss']} "
@@ -110,7 +110,7 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer import explain
     print(explain.explain(exp, job_dir), flush=True)
   elif mode == "dry_run":
-    from shardax.trainer import dry_run
+    from shardax.trainer.perf import dry_run
     write_config(exp, job_dir)
     result = dry_run.dry_run(exp, job_dir)
     print(dry_run.format_report(result), flush=True)

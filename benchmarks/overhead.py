@@ -44,7 +44,7 @@ import optax  # noqa: E402
 
 from shardax import configs  # noqa: E402
 from shardax.sharding import make_mesh, use_rules  # noqa: E402
-from shardax.trainer import inputs  # noqa: E402
+from shardax.trainer.data import inputs  # noqa: E402
 from shardax.trainer import state as state_lib  # noqa: E402
 from shardax.trainer import step as step_lib  # noqa: E402
 

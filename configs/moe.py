@@ -115,7 +115,7 @@ class MoELMConfig:
 
   def flops_per_example(self, data: DataConfig) -> float:
     """Model FLOPs of one example, counting only the activated (top-2) experts."""
-    from shardax.trainer import flops
+    from shardax.trainer.perf import flops
     return flops.moe_per_token(self, data.seq_len) * data.seq_len
 
   def param_count(self) -> int:

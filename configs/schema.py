@@ -104,7 +104,7 @@ class TransformerConfig:
 
   def flops_per_example(self, data: DataConfig) -> float:
     """Model FLOPs (forward + backward) of one training example; see trainer/flops.py."""
-    from shardax.trainer import flops
+    from shardax.trainer.perf import flops
     return flops.per_token(self, data.seq_len) * data.seq_len
 
   @property

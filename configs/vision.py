@@ -39,7 +39,7 @@ def downsampled(spatial: tuple[int, ...], stride: int = 2) -> tuple[int, ...]:
 
 def _image_fields(data: DataConfig, rank: int, in_channels: int, num_classes: int,
                   per_pixel_labels: bool, who: str) -> dict:
-  from shardax.trainer import images
+  from shardax.trainer.data import images
   if data.source not in images.SOURCES or len(images.spatial_shape(data)) != rank:
     ok = [s for s in images.SOURCES if len(images.DEFAULT_SIZE[s]) == rank]
     raise ConfigError(f"data.source={data.source!r}: {who} needs {rank}D images; use one of {ok}")
@@ -76,7 +76,7 @@ class _VisionConfig:
                f"model.{f}={getattr(self, f)!r}: use 'float32' or 'bfloat16'")
 
   def _spatial(self, data: DataConfig) -> tuple[int, ...]:
-    from shardax.trainer import images
+    from shardax.trainer.data import images
     return images.spatial_shape(data)
 
   def tokens_per_example(self, data: DataConfig) -> int:

@@ -17,7 +17,8 @@ from shardax import configs
 from shardax.configs.vision import ClassifierConfig
 from shardax.layers.conv import MiscompiledPartitionError
 from shardax.sharding import report, use_rules
-from shardax.trainer import images, inputs, loop
+from shardax.trainer.data import images, inputs
+from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 from meshtools import grads_fn, loss_and_grads, setup_for

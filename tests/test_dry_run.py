@@ -10,11 +10,12 @@ import pytest
 
 from shardax import configs
 from shardax.sharding import topology
-from shardax.trainer import chips
+from shardax.trainer.perf import chips
 
 pytest.importorskip("libtpu")
 
-from shardax.trainer import dry_run, explain  # noqa: E402
+from shardax.trainer.perf import dry_run
+from shardax.trainer import explain  # noqa: E402
 
 KEYS = {"experiment", "topology", "device_kind", "num_devices", "mesh", "rules", "num_params",
         "global_batch", "tokens_per_step", "compile_seconds", "compile_cpu_seconds", "bytes_per_device",

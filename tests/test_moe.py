@@ -208,7 +208,7 @@ def test_moe_flops_count_two_experts_and_the_router():
   """An MoE layer costs what a dense layer with d_ff = 2 x expert d_ff costs, plus the router."""
   from shardax.configs.moe import MoELMConfig
   from shardax.configs.schema import TransformerConfig
-  from shardax.trainer import flops
+  from shardax.trainer.perf import flops
   dense = TransformerConfig(num_layers=4, d_model=64, num_heads=4, d_ff=256)
   moe = MoELMConfig(dense, MoEConfig(num_experts=16, d_ff=128, every=1))
   router = 6 * 4 * 64 * 16

@@ -9,7 +9,8 @@ import pytest
 
 import clitools as cli
 from shardax import configs
-from shardax.trainer import inputs, loop
+from shardax.trainer.data import inputs
+from shardax.trainer import loop
 
 
 @pytest.fixture(scope="module")

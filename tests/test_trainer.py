@@ -85,7 +85,8 @@ def test_checkpoint_from_2x4_restores_on_other_meshes(full_run, data_dir, ici):
 
 
 def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
-  from shardax.trainer import corpus, decode
+  from shardax.trainer.data import corpus
+  from shardax.trainer import decode
   job, summary = full_run
   exp = small_experiment(data_dir)
   setup, state = loop.restore_latest(exp, job)

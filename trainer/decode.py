@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import Experiment
-from shardax.trainer import corpus
+from shardax.trainer.data import corpus
 from shardax.trainer import state as state_lib
 
 

@@ -23,7 +23,7 @@ import numpy as np
 import shardax
 from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
-from shardax.trainer import dry_run
+from shardax.trainer.perf import dry_run
 from shardax.trainer import step as step_lib
 
 _PACKAGE = os.path.dirname(os.path.abspath(shardax.__file__))

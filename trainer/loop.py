@@ -19,7 +19,7 @@ from clu import metrics as clu_metrics
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
-from shardax.trainer import inputs
+from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 from shardax.trainer.metrics import MetricsWriter

@@ -125,7 +125,7 @@ def local_dataset(cfg: DataConfig, split: str, global_batch: int, seed: int,
                   sharding: jax.sharding.Sharding | None = None,
                   process_index: int | None = None, process_count: int | None = None):
   """(this process's batches as a MapDataset, examples in the split, its rows [start, stop))."""
-  from shardax.trainer import inputs  # inputs.Batches dispatches here; import lazily
+  from shardax.trainer.data import inputs  # inputs.Batches dispatches here; import lazily
   src = source(cfg, split)
   rows = inputs.process_rows(global_batch, 1, _batch_rows_only(sharding), process_index, process_count)
   ds = grain.MapDataset.source(src)

@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import IMAGE_SOURCES, DataConfig
-from shardax.trainer import corpus
-from shardax.trainer.corpus import (BYTE_VOCAB, SEPARATOR_ID, MissingDatasetError,  # noqa: F401
+from shardax.trainer.data import corpus
+from shardax.trainer.data.corpus import (BYTE_VOCAB, SEPARATOR_ID, MissingDatasetError,  # noqa: F401
                                     decode, encode)
 
 SPLITS = ("train", "validation")
@@ -202,8 +202,8 @@ class Batches(grain.DatasetIterator):
     self.cfg, self.split, self.global_batch, self.sharding = cfg, split, global_batch, sharding
     self.seed = cfg.seed if seed is None else seed
     row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
-    if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/images.py
-      from shardax.trainer import images
+    if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/data/images.py
+      from shardax.trainer.data import images
       ds, num_examples, self.rows = images.local_dataset(
           cfg, split, global_batch, self.seed, row_sharding, process_index, process_count)
     else:

@@ -11,13 +11,13 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
                     argument/output/alias/temp from the compiler; total = argument +
                     output - alias (donated) + temp: the program's peak.
   fits              total <= the chip's HBM (the compiler's own figure when it reports
-                    one, else trainer/chips.py). If the TPU compiler itself refuses
+                    one, else trainer/perf/chips.py). If the TPU compiler itself refuses
                     (RESOURCE_EXHAUSTED), total is the figure from its message.
   flops_per_device  XLA's cost analysis. It counts a loop body once, so a scanned
                     layer stack shows about 1/num_layers of the real work; see roofline.
   model_flops_per_step  the model's formula (`flops_per_example(data) x global_batch`;
-                    for the LM: 6 x matmul params x tokens + causal attention, trainer/flops.py).
-  roofline          a lower bound on step time from the chip table (trainer/chips.py):
+                    for the LM: 6 x matmul params x tokens + causal attention, trainer/perf/flops.py).
+  roofline          a lower bound on step time from the chip table (trainer/perf/chips.py):
                     compute = model FLOPs x remat factor (4/3 for full remat: the forward
                     pass runs twice) / devices / peak; hbm = compiler bytes accessed /
                     HBM bandwidth; ici = bytes each device moves in collectives (ring
@@ -41,7 +41,7 @@ import numpy as np
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, report, use_rules
-from shardax.trainer import chips
+from shardax.trainer.perf import chips
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -213,7 +213,7 @@ def format_report(r: dict) -> str:
 
 
 def markdown_table(reports: list[dict]) -> str:
-  """One row per dry run: what docs/scale.md shows (`python -m shardax.trainer.dry_run J...`)."""
+  """One row per dry run: what docs/scale.md shows (`python -m shardax.trainer.perf.dry_run J...`)."""
   rows = ["| experiment | topology (devices) | params | per-device total / HBM | fits | "
           "predicted step | predicted MFU | compile (CPU) |", "|---|---|---|---|---|---|---|---|"]
   for r in reports:

@@ -149,7 +149,7 @@ def start_run(exp: Experiment, job_dir: str):
 def time_to_train(exp: Experiment, job_dir: str) -> dict[str, Any]:
   """Train until the eval loss <= train.target_eval_loss; MLPerf log + time_to_train.json."""
   from shardax.sharding import use_rules
-  from shardax.trainer import inputs
+  from shardax.trainer.data import inputs
   from shardax.trainer import state as state_lib
   from shardax.trainer import step as step_lib
 

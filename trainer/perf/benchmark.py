@@ -14,14 +14,14 @@ Method, in order:
 
 Definitions (the same ones the training loop logs):
   model_flops_per_step = exp.model.flops_per_example(exp.data) * train.global_batch
-                         (trainer/flops.py: 6 x matmul params + causal attention, PaLM
+                         (trainer/perf/flops.py: 6 x matmul params + causal attention, PaLM
                          appendix B; rematerialized recomputation is not counted)
   tokens_per_s         = global_batch x tokens_per_example / median step time
   tflops_per_device    = model_flops_per_step / median step time / device_count / 1e12
   mfu                  = tflops_per_device / peak_tflops_per_device
 
 Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip table
-(`trainer/chips.py`, each entry with its source), whatever the model dtype, as MaxText
+(`trainer/perf/chips.py`, each entry with its source), whatever the model dtype, as MaxText
 and the PaLM paper do. A CPU has no datasheet peak that XLA can reach, so it is
 measured in the same process by a matmul probe: the best of several jitted n x n
 matmuls in the model's compute dtype. One CPU device's matmul already uses every
@@ -43,7 +43,8 @@ from mlperf_logging.mllog import constants as C
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import use_rules
-from shardax.trainer import inputs, mlperf
+from shardax.trainer.data import inputs
+from shardax.trainer.perf import mlperf
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -81,7 +82,7 @@ def peak_flops_per_device(devices: list[jax.Device], dtype: str) -> tuple[float,
   dev = devices[0]
   if dev.platform != "cpu":
     try:
-      from shardax.trainer import chips
+      from shardax.trainer.perf import chips
       chip = chips.lookup(dev.device_kind)
     except ImportError:
       chip = None

@@ -1,0 +1,1 @@
+"""Data: sources, tokenization, packing, preparation and the per-host loader."""

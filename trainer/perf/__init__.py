@@ -1,0 +1,1 @@
+"""Performance on paper and in practice: chip table, FLOP counts, dry run, benchmark, MLPerf logging."""
