@@ -77,19 +77,53 @@ def test_mllog_checker_catches_a_broken_log(bench, tmp_path):
   assert "run_stop" in mlperf.check(str(broken))
 
 
-def test_time_to_train_stops_at_the_target(tmp_path):
-  """A target the first eval meets: the run stops there (2 of train.steps=4), status success."""
-  reached = True
-  r = mlperf.time_to_train(_exp("train.target_eval_loss=1000.0"), str(tmp_path))
-  assert r["reached"] is reached
-  assert r["steps"] == 2 and r["time_to_train_s"] > 0
-  path = str(tmp_path / "mllog.txt")
+def _ttt(job_dir, target, *extra):
+  """time_to_train of the tiny LM (6 steps, an eval every 2) and its log's lines."""
+  r = mlperf.time_to_train(_exp("train.steps=6", f"train.target_eval_loss={target!r}", *extra), str(job_dir))
+  path = str(job_dir / "mllog.txt")
   assert mlperf.check(path) == {}
   lines = mlperf.read(path)[0]
   assert [ll.value["value"] for ll in lines if ll.key == "eval_accuracy"] == list(r["eval_losses"].values())
   assert lines[-1].key == "run_stop"
-  assert lines[-1].value["metadata"]["status"] == ("success" if reached else "aborted")
-  assert json.load(open(tmp_path / "time_to_train.json"))["reached"] is reached
+  assert json.load(open(job_dir / "time_to_train.json"))["reached"] is r["reached"]
+  return r, lines[-1].value["metadata"]["status"]
+
+
+@pytest.fixture(scope="module")
+def not_reached(tmp_path_factory):
+  """A target no 6-step run can meet: it trains every step, then the run is logged aborted."""
+  return _ttt(tmp_path_factory.mktemp("ttt_miss"), 1e-3)
+
+
+def test_time_to_train_aborts_when_the_target_is_out_of_reach(not_reached):
+  r, status = not_reached
+  assert r["reached"] is False and status == "aborted"
+  assert r["steps"] == 6 and sorted(r["eval_losses"]) == [2, 4, 6]
+  assert r["final_eval_loss"] == r["eval_losses"][6] > 1e-3
+
+
+def test_time_to_train_stops_at_the_first_eval_that_meets_the_target(not_reached, tmp_path):
+  """Target = the step-4 eval loss of the same seeded run, which step 2 does not meet: the
+  run must stop after the step-4 eval (not at the first eval, not at train.steps)."""
+  evals = not_reached[0]["eval_losses"]
+  assert evals[4] < evals[2], evals
+  r, status = _ttt(tmp_path, evals[4])
+  assert r["reached"] is True and status == "success"
+  assert r["steps"] == 4 and sorted(r["eval_losses"]) == [2, 4] and r["time_to_train_s"] > 0
+  assert r["eval_losses"][4] == pytest.approx(evals[4], rel=1e-6)
+
+
+def test_benchmark_and_time_to_train_run_a_vision_experiment(tmp_path):
+  """A model without a vocabulary (conv.digits) goes through both benchmark paths."""
+  cfg = configs.get("conv.digits")
+  configs.apply_overrides(cfg, ["model.channels=4", "train.global_batch=8", "train.eval_batches=1",
+                                "train.benchmark_steps=2", "train.benchmark_warmup=1",
+                                "train.steps=2", "train.eval_every=2", "train.target_eval_loss=1e-6"])
+  exp = configs.build(cfg)
+  r = benchmark.run(exp, str(tmp_path / "bench"))
+  assert r["exp"] == "conv.digits" and r["eval_loss"] > 0 and len(r["step_times_s"]) == 2
+  t = mlperf.time_to_train(exp, str(tmp_path / "ttt"))
+  assert t["reached"] is False and t["steps"] == 2 and t["final_eval_loss"] > 0
 
 
 def test_flops_formula_matches_a_hand_count():

@@ -108,7 +108,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     t0 = time.perf_counter()
     step = start
     # train.profile_steps=(first, last): a jax profiler trace of those steps in job_dir/profile
-    first, last = exp.train.profile_steps or (0, 0)
+    trace_first, trace_last = exp.train.profile_steps or (0, 0)
     tracing = False
     if start == 0:  # the untrained model's eval loss: the baseline the run improves on
       eval_batches = _eval_batches(setup)
@@ -117,12 +117,13 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       print(f"step {0:>6}/{exp.train.steps} | eval_loss {summary['eval_losses'][0]:.4f}", flush=True)
     try:
       while step < exp.train.steps:
-        if step + 1 == first:
+        if step + 1 == trace_first:
           jax.profiler.start_trace(os.path.join(job_dir, "profile"))
           tracing = True
-        state, metrics = train_step(state, next(train_iter))
+        with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # names the step in traces
+          state, metrics = train_step(state, next(train_iter))
         step += 1
-        if tracing and step >= last:
+        if tracing and step >= trace_last:
           jax.block_until_ready(state)
           jax.profiler.stop_trace()
           tracing = False

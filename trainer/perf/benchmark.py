@@ -136,7 +136,7 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
     train_step = step_lib.compile_train_step(setup)
     compile_s = time.perf_counter() - t0
     source = inputs.Batches(exp.data, "train", t.global_batch, setup.batch_sharding,
-                            seed=exp.data.seed, vocab_size=exp.model.vocab_size)
+                            seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     ring = [next(source) for _ in range(RING)]
     first_leaves = jax.tree.leaves(state)
     for i in range(t.benchmark_warmup):
@@ -162,7 +162,7 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
     log.start(C.EVAL_START, epoch_num=0, samples_count=samples)
     eval_step = step_lib.eval_step_fn(setup)
     eval_batches = inputs.eval_batches(exp.data, t.global_batch, t.eval_batches,
-                                       setup.batch_sharding, vocab_size=exp.model.vocab_size)
+                                       setup.batch_sharding, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     eval_loss = float(np.mean(jax.device_get([eval_step(state["params"], b) for b in eval_batches])))
     log.event(C.EVAL_ACCURACY, eval_loss, epoch_num=0, samples_count=samples,
               metric="eval_loss", lower_is_better=True)

@@ -163,9 +163,9 @@ def time_to_train(exp: Experiment, job_dir: str) -> dict[str, Any]:
     train_step = step_lib.compile_train_step(setup)
     eval_step = step_lib.eval_step_fn(setup)
     train_iter = inputs.Batches(exp.data, "train", t.global_batch, setup.batch_sharding,
-                                seed=exp.data.seed, vocab_size=exp.model.vocab_size)
+                                seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     eval_batches = inputs.eval_batches(exp.data, t.global_batch, t.eval_batches,
-                                       setup.batch_sharding, vocab_size=exp.model.vocab_size)
+                                       setup.batch_sharding, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     jax.block_until_ready(eval_step(state["params"], eval_batches[0]))  # compile before the clock
     log.end(C.INIT_STOP)
     log.start(C.RUN_START)
