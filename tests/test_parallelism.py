@@ -98,6 +98,27 @@ def test_compiled_collectives_match_the_mode(sharded):
     assert "all-gather" not in summary or summary["all-gather"]["bytes"] < 0.2 * total
 
 
+def shard_bytes(tree) -> int:
+  """Bytes one device holds of an abstract tree whose leaves carry their shardings."""
+  return sum(int(np.prod(x.sharding.shard_shape(x.shape))) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+
+
+def test_fsdp_reduce_scatters_gradients_where_dp_all_reduces_them(sharded):
+  """What tells FSDP from DP (the CPU backend writes both reductions as all-reduces): the
+  compiled step hands each device the reduced gradient of its 1/8 shard only (and the
+  values equal the single-device gradient: test above), and each device keeps 1/8 of the
+  Adam moments; DP hands every device the whole reduced gradient and all the moments."""
+  preset, setup, _, _, compiled = sharded
+  if preset not in ("dp", "fsdp"):
+    pytest.skip("DP vs FSDP only")
+  total = param_bytes(setup)
+  grads_out = report.memory(compiled)["output_bytes"]  # the gradients, plus a few scalars
+  moments = 2 * total  # AdamW's mu and nu, float32 like the params
+  share = {"dp": 1, "fsdp": 8}[preset]
+  assert abs(grads_out - total / share) <= 0.01 * total / share, (preset, grads_out, total)
+  assert abs(shard_bytes(setup.abstract["opt_state"]) - moments / share) <= 0.01 * moments / share
+
+
 @pytest.mark.parametrize("preset", ["fsdp", "2d"])
 def test_sharded_params_take_a_device_share(preset):
   ici, axes = MODES[preset]
