@@ -204,17 +204,53 @@ def test_gshard_1t_builds_abstractly_with_one_expert_per_core():
   assert wo.sharding.shard_shape(wo.shape) == (20, 1, 8192, 1024)
 
 
-def test_moe_flops_count_two_experts_and_the_router():
-  """An MoE layer costs what a dense layer with d_ff = 2 x expert d_ff costs, plus the router."""
+def test_moe_flops_match_a_hand_count():
+  """A 4-layer MoE LM (MoE FFN in layers 2 and 4), counted matmul by matmul, per token."""
   from shardax.configs.moe import MoELMConfig
   from shardax.configs.schema import TransformerConfig
   from shardax.trainer.perf import flops
-  dense = TransformerConfig(num_layers=4, d_model=64, num_heads=4, d_ff=256)
-  moe = MoELMConfig(dense, MoEConfig(num_experts=16, d_ff=128, every=1))
-  router = 6 * 4 * 64 * 16
-  assert flops.moe_per_token(moe, 32) == flops.per_token(dense, 32) + router
-  half = MoELMConfig(dense, MoEConfig(num_experts=16, d_ff=64, every=2))   # 2 of 4 layers
-  assert flops.moe_per_token(half, 32) == flops.per_token(dense, 32) + router / 2 - 6 * 2 * 3 * 64 * 128
+  d, heads, ff, vocab, seq, experts, expert_ff = 64, 4, 256, 256, 32, 16, 128
+  moe = MoELMConfig(TransformerConfig(num_layers=4, d_model=d, num_heads=heads, d_ff=ff, vocab_size=vocab),
+                    MoEConfig(num_experts=experts, d_ff=expert_ff, every=2))
+  # Forward, 2 FLOPs per multiply-add:
+  attention = 2 * 4 * d * d + 2 * 2 * seq * d / 2      # q, k, v, out (d x d each); causal scores
+  dense_ffn = 2 * 3 * d * ff                           # gate, up, down
+  moe_ffn = 2 * d * experts + 2 * (2 * 3 * d * expert_ff)   # router + the 2 chosen experts' FFNs
+  head = 2 * d * vocab
+  forward = 4 * attention + 2 * dense_ffn + 2 * moe_ffn + head
+  assert flops.moe_per_token(moe, seq) == 3 * forward   # backward = 2 x forward
+
+
+def test_moe_flops_agree_with_the_compiler():
+  """The compiler's FLOP count of the forward pass (one device, layers unrolled, every
+  second expert dispatched, E x C = 2S slots so the experts process exactly 2 tokens' worth
+  per token) against the formula's forward third. The compiler also counts the dispatch and
+  combine einsums (2 x 2GSECd per MoE layer), the masked half of the attention scores and
+  elementwise work: so it must lie within +10% of their sum. Doubling the expert d_ff must
+  add what 2 experts x 3 matrices predict (elementwise activations aside: within 5%)."""
+  from shardax.trainer.perf import flops
+  from shardax.sharding import use_rules
+  from shardax.trainer import step as step_lib
+  counted = {}
+  for h in (64, 128):
+    exp = tiny_moe("dp", (1,), ("data",), "model.transformer.scan_layers=False",
+                   "model.transformer.remat='none'", "model.moe.second_expert='all'", f"model.moe.d_ff={h}")
+    setup = setup_for(exp, jax.devices()[:1])
+    with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+      compiled = jax.jit(lambda p, b: step_lib.loss_fn(setup)(p, b)[0]).lower(
+          setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
+    cost = compiled.cost_analysis()
+    counted[h] = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+    m, t, s, b = exp.model.moe, exp.model.transformer, exp.data.seq_len, exp.train.global_batch
+    groups, c = b * s // s, m.capacity(s)
+    assert m.num_experts * c == 2 * s
+    formula = flops.moe_per_token(exp.model, s) * s * b / 3
+    masked_half = 4 * t.num_layers * s * t.num_heads * t.dim_per_head / 2 * b * s
+    dispatch_combine = exp.model.num_moe_layers * 2 * 2 * groups * s * m.num_experts * c * t.d_model
+    ratio = counted[h] / (formula + masked_half + dispatch_combine)
+    assert 1.0 <= ratio <= 1.10, (h, counted[h], formula, ratio)
+  added = exp.model.num_moe_layers * 2 * (2 * 3 * t.d_model * 64) * b * s
+  assert counted[128] - counted[64] == pytest.approx(added, rel=0.05)
 
 
 def test_bad_moe_config_names_the_field():
