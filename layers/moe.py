@@ -159,13 +159,17 @@ class MoEFeedForward(nnx.Module):
                        f"of the batch; pick a divisor or a multiple of data.seq_len={l}")
     return shard(x.reshape(b * l // s, s, m), ("batch", None, "embed"))
 
-  def __call__(self, x: jax.Array, key: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  def __call__(self, x: jax.Array, key: jax.Array | None = None,
+               deterministic: bool = False) -> tuple[jax.Array, dict]:
+    """`deterministic` (evaluation): every token goes to both of its top-2 experts (policy
+    'all'), whatever `cfg.second_expert` draws in training."""
     cfg, dt = self.cfg, self.dtype
     xg = self.groups(x)
     logits = self.router(xg, out_dtype=jnp.float32)                     # [g, s, e] float32
     if key is None:
       key = jax.random.key(cfg.seed)
-    gating = top2_gating(logits, cfg.capacity(xg.shape[1]), cfg.second_expert, key)
+    policy = "all" if deterministic else cfg.second_expert
+    gating = top2_gating(logits, cfg.capacity(xg.shape[1]), policy, key)
     dispatch = shard(gating.dispatch.astype(dt), GSEC)
     combine = shard(gating.combine.astype(dt), GSEC)
 

@@ -8,6 +8,7 @@ gating statistics; the scan stacks them and the LM averages them over layers.
 
 Training loss = cross entropy + aux_loss_weight * mean_layers(balance loss)
                               + z_loss_weight * mean_layers(router z-loss).
+Eval loss = cross entropy alone, every token routed to both its top-2 experts (`eval_loss`).
 The gating randomness ('random'/'sampling' second expert) needs a fresh key per
 step without any RNG state in the model (the trainer carries only params): it is
 `fold_in(key(moe.seed), hash(batch tokens))`, split once per MoE layer. The hash is
@@ -45,10 +46,11 @@ class MoEBlock(nnx.Module):
     self.moe = MoEFeedForward(t.d_model, cfg.moe, activation=t.activation,
                               dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+  def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array,
+               deterministic: bool = False) -> tuple[jax.Array, dict]:
     x = shard(x, RESIDUAL)
     x = shard(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
-    y, stats = self.moe(self.mlp_norm(x), key)
+    y, stats = self.moe(self.mlp_norm(x), key, deterministic)
     return shard(x + y, RESIDUAL), stats
 
 
@@ -59,10 +61,11 @@ class Unit(nnx.Module):
     self.dense = nnx.List([Block(cfg.transformer, rngs=rngs) for _ in range(cfg.moe.every - 1)])
     self.moe_block = MoEBlock(cfg, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array) -> tuple[jax.Array, dict]:
+  def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array,
+               deterministic: bool = False) -> tuple[jax.Array, dict]:
     for block in self.dense:
       x = block(x, positions)
-    return self.moe_block(x, positions, key)
+    return self.moe_block(x, positions, key, deterministic)
 
 
 def stacked_units(cfg, num: int, *, rngs: nnx.Rngs) -> Unit:
@@ -70,9 +73,9 @@ def stacked_units(cfg, num: int, *, rngs: nnx.Rngs) -> Unit:
   return stacked(lambda r: Unit(cfg, rngs=r), num, rngs=rngs)
 
 
-def _unit_fn(graphdef: nnx.GraphDef, remat: str, prevent_cse: bool):
+def _unit_fn(graphdef: nnx.GraphDef, remat: str, prevent_cse: bool, deterministic: bool = False):
   def apply(state, x, positions, key):
-    return nnx.merge(graphdef, state)(x, positions, key)
+    return nnx.merge(graphdef, state)(x, positions, key, deterministic)
   if remat == "none":
     return apply
   return jax.checkpoint(apply, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
@@ -103,9 +106,10 @@ class MoELM(nnx.Module):
         t.d_model, t.vocab_size, in_axes=("embed",), out_axes=("vocab",),
         dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def forward(self, tokens: jax.Array, key: jax.Array,
-              positions: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    """(logits, stats): stats are each gating statistic averaged over the MoE layers."""
+  def forward(self, tokens: jax.Array, key: jax.Array, positions: jax.Array | None = None,
+              deterministic: bool = False) -> tuple[jax.Array, dict]:
+    """(logits, stats): stats are each gating statistic averaged over the MoE layers.
+    `deterministic`: route every token to both its top-2 experts (evaluation)."""
     t = self.cfg.transformer
     if positions is None:
       positions = default_positions(tokens.shape[0], tokens.shape[1])
@@ -113,13 +117,13 @@ class MoELM(nnx.Module):
     x = shard(self.embed(tokens), RESIDUAL)
     if t.scan_layers:
       graphdef, state = nnx.split(self.units)
-      body = _unit_fn(graphdef, t.remat, prevent_cse=False)
+      body = _unit_fn(graphdef, t.remat, prevent_cse=False, deterministic=deterministic)
       x, stats = jax.lax.scan(lambda c, xs: body(xs[0], c, positions, xs[1]), x, (state, keys))
     else:
       per_layer = []
       for unit, k in zip(self.units, keys):
         graphdef, state = nnx.split(unit)
-        x, s = _unit_fn(graphdef, t.remat, prevent_cse=True)(state, x, positions, k)
+        x, s = _unit_fn(graphdef, t.remat, prevent_cse=True, deterministic=deterministic)(state, x, positions, k)
         per_layer.append(s)
       stats = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
     x = self.final_norm(x)
@@ -136,3 +140,14 @@ class MoELM(nnx.Module):
     ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
     loss = ce + m.aux_loss_weight * stats["aux_loss"] + m.z_loss_weight * stats["z_loss"]
     return loss, {"ce_loss": ce, **{f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()}}
+
+  def eval_loss(self, batch: dict) -> jax.Array:
+    """The validation loss: cross entropy alone, with deterministic routing.
+
+    The balance and z losses are training regularizers (logged as `moe/aux_loss`,
+    `moe/z_loss` with the train metrics), not a measure of the model; and every token
+    goes to both its top-2 experts, so an eval of the same weights and batch never
+    depends on a random draw (the 'random'/'sampling' second expert is a training-time
+    choice, as in GShard)."""
+    logits, _ = self.forward(batch["inputs"], jax.random.key(self.cfg.moe.seed), deterministic=True)
+    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))

@@ -152,6 +152,27 @@ def test_expert_parallel_equals_single_device(sharded, reference):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=mode)
 
 
+def test_eval_loss_is_the_cross_entropy_of_deterministic_routing(reference):
+  """Eval reports the cross entropy alone (no balance loss), with every token sent to both
+  its top-2 experts: no random draw, so the gating seed plays no part."""
+  from shardax.sharding import use_rules
+  from shardax.trainer import step as step_lib
+  params, batch, train_loss, _, metrics = reference
+
+  def loss(fn, *more):
+    setup = setup_for(tiny_moe("dp", (1,), ("data",), *more), jax.devices()[:1])
+    with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+      return jax.device_get(jax.jit(fn(setup))(params, jax.device_put(batch, setup.batch_sharding)))
+
+  got = float(loss(step_lib.eval_loss_fn))
+  assert got == float(loss(step_lib.eval_loss_fn, "model.moe.seed=7"))
+  # The training path's own cross entropy when routing is 'all' and no regularizer is on:
+  _, all_metrics = loss(step_lib.loss_fn, "model.moe.second_expert='all'", "model.moe.aux_loss_weight=0.0")
+  assert got == pytest.approx(float(all_metrics["ce_loss"]), rel=1e-6)
+  # Training ('random' second expert, weighted balance loss) reports other numbers.
+  assert abs(float(metrics["ce_loss"]) - got) > 1e-4 and train_loss > float(metrics["ce_loss"])
+
+
 def test_compiled_step_has_all_to_alls_of_the_dispatched_tokens(sharded):
   mode, expert_shards, setup, *_, compiled = sharded
   a2a = [c for c in report.collectives(compiled.as_text()) if c.kind == "all-to-all"]

@@ -81,9 +81,18 @@ def train_step_fn(setup: Setup) -> Callable:
                  out_shardings=(setup.shardings, setup.replicated), donate_argnums=0)
 
 
+def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], jax.Array]:
+  """`(params, batch) -> loss` as evaluation reports it: the model's `eval_loss` where it
+  has one (the MoE LM: cross entropy with deterministic routing), else its training loss."""
+  def loss(params, batch):
+    model = setup.model(params)
+    return model.eval_loss(batch) if hasattr(model, "eval_loss") else model.loss_and_metrics(batch)[0]
+  return loss
+
+
 def eval_step_fn(setup: Setup) -> Callable:
-  """A jitted `(params, batch) -> mean loss`."""
-  return jax.jit(lambda p, b: loss_fn(setup)(p, b)[0],
+  """A jitted `(params, batch) -> mean eval loss`."""
+  return jax.jit(eval_loss_fn(setup),
                  in_shardings=(setup.shardings["params"], setup.batch_sharding),
                  out_shardings=setup.replicated)
 
