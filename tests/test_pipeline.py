@@ -206,6 +206,31 @@ def test_run_equals_the_layers_in_order_with_its_gradients(stages, micro, repeat
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("stages,repeats", [(4, 1), (2, 2)])
+def test_each_stage_holds_and_runs_its_layers_in_order(stages, repeats):
+  """8 layers, each layer's weight its own index l; a layer maps h -> h * 8 + l, so the
+  output's base-8 digits spell the layers in the order the pipeline ran them."""
+  n, micro = 8, 4
+  ids = jnp.arange(n, dtype=jnp.float32)
+  staged = pipeline.to_stages(ids, stages, repeats).reshape(stages, repeats, -1)
+  per = n // (stages * repeats)
+  for s in range(stages):       # the layout the docs give: stage s, repeat r, layer j
+    for r in range(repeats):
+      assert list(staged[s, r]) == [r * n // repeats + s * per + j for j in range(per)]
+
+  def digits(w, x, positions):  # a stage body: its layers in their stacked order
+    return jax.lax.scan(lambda h, l: (h * n + l, None), x, w)[0]
+
+  x = jnp.zeros((8, 3, 2), jnp.float32)
+  pos = jnp.broadcast_to(jnp.arange(3), (8, 3))
+  out = pipeline.run(digits, pipeline.to_stages(ids, stages, repeats), x, pos,
+                     pipeline.Schedule(stages, micro, repeats), ("batch", "length", "embed"))
+  value = np.asarray(out, np.int64)
+  assert (value == value.flat[0]).all()
+  ran = [int(value.flat[0]) // n ** k % n for k in reversed(range(n))]
+  assert ran == list(range(n)), ran
+
+
 def test_bad_pipeline_shapes_fail_with_clear_errors():
   with pytest.raises(ConfigError, match="not divisible by pipeline stages"):
     experiment(stages=3, micro=3)
