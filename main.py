@@ -23,7 +23,8 @@ def _keep_off_absent_tpu() -> None:
 
 
 _keep_off_absent_tpu()
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+from shardax.trainer import logs  # noqa: E402  (stdlib only: safe before jax and TensorFlow load)
+logs.quiet_native_logs()
 
 from absl import app, flags, logging  # noqa: E402
 
@@ -69,6 +70,7 @@ def write_config(exp, job_dir: str) -> None:
   if not distributed.is_primary():
     return
   os.makedirs(job_dir, exist_ok=True)
+  logs.to_job_dir(job_dir)
   with open(os.path.join(job_dir, "config.txt"), "w") as f:
     f.write(registry.to_text(exp))
   with open(os.path.join(job_dir, "config.json"), "w") as f:
@@ -124,6 +126,7 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
 def main(argv) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides go in --set PATH=VALUE")
+  logs.setup(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   from shardax import configs
   if FLAGS.mode == "list":
     for name, desc in configs.names().items():

@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -148,3 +149,23 @@ def test_gradient_accumulation_equals_the_full_batch_step(data_dir):
   np.testing.assert_allclose(acc_loss, loss, rtol=1e-5)
   for a, g in zip(jax.tree.leaves(acc_grads), jax.tree.leaves(grads), strict=True):
     np.testing.assert_allclose(a, g, rtol=1e-4, atol=1e-6)
+
+
+def test_terminal_shows_progress_lines_and_the_job_dir_keeps_the_full_log(tmp_path):
+  """`shardax` prints its progress lines and nothing else (no orbax/absl INFO records, no
+  TensorFlow oneDNN notice); job_dir/log.txt has the INFO records; `-v 0` brings them back."""
+  import clitools
+  job, data = tmp_path / "job", tmp_path / "data"
+  sets = ("train.steps=2", "checkpoint.every=2", "data.source='synthetic'")
+  r = clitools.run(clitools.command(job, data, *sets))
+  assert r.returncode == 0, r.stderr
+  lines = (r.stdout + r.stderr).splitlines()
+  progress = re.compile(r"step +\d+/2 \| (loss|eval_loss) \d|done: steps 0 -> 2 ")
+  assert len(lines) == 5 and all(progress.match(l) for l in lines), lines
+  log = (job / "log.txt").read_text()
+  assert re.search(r"^I\d{4} .* checkpoint_manager.py", log, re.M), log[:2000]
+  assert re.search(r"^I\d{4} .*\] step +2/2 \| loss", log, re.M)
+  # Resuming at step 2 has nothing to train but restores the checkpoint: orbax logs it.
+  r = clitools.run(clitools.command(job, data, *sets, extra=["-v", "0"]))
+  assert r.returncode == 0 and "nothing to do" in r.stdout, r.stderr
+  assert re.search(r"^I\d{4} .*checkpoint", r.stderr, re.M), r.stderr

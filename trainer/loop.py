@@ -114,7 +114,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       eval_batches = _eval_batches(setup)
       summary["eval_losses"][0] = _eval(eval_step, state["params"], eval_batches)
       writer.write(0, {"eval_loss": summary["eval_losses"][0]})
-      print(f"step {0:>6}/{exp.train.steps} | eval_loss {summary['eval_losses'][0]:.4f}", flush=True)
+      logging.info(line := f"step {0:>6}/{exp.train.steps} | eval_loss {summary['eval_losses'][0]:.4f}")
+      print(line, flush=True)
     try:
       while step < exp.train.steps:
         if step + 1 == trace_first:
@@ -137,7 +138,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
           eval_loss = _eval(eval_step, state["params"], eval_batches)
           summary["eval_losses"][step] = eval_loss
           writer.write(step, {"eval_loss": eval_loss})
-          print(f"step {step:>6}/{exp.train.steps} | eval_loss {eval_loss:.4f}", flush=True)
+          logging.info(line := f"step {step:>6}/{exp.train.steps} | eval_loss {eval_loss:.4f}")
+          print(line, flush=True)
           writer.reset_clock()
         if checkpointer is not None and (checkpointer.should_save(step) or last):
           checkpointer.save(step, state, train_iter.get_state(), force=last or checkpointer.preempted())
