@@ -1,0 +1,140 @@
+"""Optimizer numerics: per-parameter options by name, layer stacks, master weights, Adafactor.
+
+The equivalence tests start every variant from the same weights (the scanned model's
+init, restacked into the variant's layout) and feed the same batches, so any
+difference in the params after N real train steps is the optimizer's doing.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardax import configs, pipeline
+from shardax.configs.schema import ConfigError, OptimizerConfig
+from shardax.sharding import use_rules
+from shardax.trainer import optimizer
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+from shardax.trainer.data import inputs
+from meshtools import setup_for
+
+L, BATCH, SEQ = 4, 8, 16
+
+
+def experiment(*overrides):
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [
+      f"model.num_layers={L}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+      f"model.max_len={SEQ}", f"data.seq_len={SEQ}", f"train.global_batch={BATCH}",
+      "data.source='synthetic'", "train.steps=20", "mesh.ici=(1, 1)",
+      "optimizer.warmup_steps=2", "optimizer.learning_rate=1e-2", "optimizer.weight_decay=0.5",
+      *overrides])
+  return configs.build(cfg)
+
+
+def synthetic_batches(n, seed=0):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(1, 256, size=(n, BATCH, SEQ + 1)).astype(np.int32)
+  return [{"inputs": t[:, :-1], "targets": t[:, 1:]} for t in tokens]
+
+
+def train(setup, params, batches):
+  """(final state on host, per-step losses): real jitted train steps from `params`."""
+  params = jax.device_put(params, setup.shardings["params"])
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
+    opt_state = jax.jit(setup.tx.init, out_shardings=setup.shardings["opt_state"])(params)
+    state = {"step": jnp.zeros((), jnp.int32), "params": params, "opt_state": opt_state}
+    step = step_lib.train_step_fn(setup)
+    losses = []
+    for batch in batches:
+      state, metrics = step(state, jax.device_put(batch, setup.batch_sharding))
+      losses.append(metrics["loss"])
+    return jax.device_get(state), np.asarray(jax.device_get(losses))
+
+
+def init_params(setup):
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    return jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+
+
+# --- the rule ------------------------------------------------------------------------------
+
+def test_param_rule_decides_by_name_and_axes_not_rank():
+  cfg = OptimizerConfig()
+  rule = lambda path, axes, c=cfg: optimizer.param_rule(path, axes, c)
+  assert not rule("final_norm/scale", ("embed",)).decay
+  assert not rule("layers/blocks/attn_norm/scale", ("layers", "embed")).decay
+  assert not rule("layers/blocks/attn_norm/bias", ("stage", "repeat", "layers", "embed")).decay
+  assert rule("layers/blocks/mlp/up/kernel", ("layers", "embed", "mlp")).decay
+  assert rule("embed/embedding", ("vocab", "embed")).decay
+  no_embed = OptimizerConfig(decay_embeddings=False)
+  assert not rule("embed/embedding", ("vocab", "embed"), no_embed).decay
+  assert rule("head/kernel", ("embed", "vocab"), no_embed).decay
+  assert [rule("x/kernel", a).stack_dims for a in
+          [("embed", "mlp"), ("layers", "embed", "mlp"), ("stage", "layers", "embed"),
+           ("stage", "repeat", "layers", "embed")]] == [0, 1, 2, 3]
+
+
+def test_bad_optimizer_fields_name_the_fix():
+  with pytest.raises(ConfigError, match="optimizer.name='sgd'.*adamw"):
+    OptimizerConfig(name="sgd")
+  with pytest.raises(ConfigError, match="optimizer.master_dtype='fp32'.*float32"):
+    OptimizerConfig(master_dtype="fp32")
+
+
+# --- scanned, unscanned and pipelined twins take the same steps -------------------------
+
+LAYOUTS = {
+    "unscanned": ("model.scan_layers=False",),
+    "pipelined": ("model.pipeline.stages=2", "model.pipeline.microbatches=2",
+                  "mesh.axes=('stage', 'data')", "mesh.ici=(2, 1)", "sharding.preset='pp_dp'"),
+    "circular": ("model.pipeline.stages=2", "model.pipeline.microbatches=2",
+                 "model.pipeline.circular_repeats=2",
+                 "mesh.axes=('stage', 'data')", "mesh.ici=(2, 1)", "sharding.preset='pp_dp'"),
+}
+
+
+def to_layout(params, layout, exp):
+  """Scanned-layout params ([L, ...] stacks) -> the layout's, and `from_layout` back."""
+  blocks = params["layers"]["blocks"]
+  if layout == "unscanned":
+    blocks = {i: jax.tree.map(lambda a: a[i], blocks) for i in range(L)}
+  elif layout in ("pipelined", "circular"):
+    p = exp.model.pipeline
+    blocks = pipeline.stage_params(blocks, p.stages, p.circular_repeats)
+  return dict(params, layers={"blocks": blocks})
+
+
+def from_layout(params, layout, exp):
+  blocks = params["layers"]["blocks"]
+  if layout == "unscanned":
+    blocks = jax.tree.map(lambda *a: np.stack(a), *[blocks[i] for i in range(L)])
+  elif layout in ("pipelined", "circular"):
+    blocks = pipeline.unstage_params(blocks, exp.model.pipeline.circular_repeats)
+  return dict(params, layers={"blocks": jax.device_get(blocks)})
+
+
+@pytest.fixture(scope="module", params=["adamw", "adafactor"])
+def scanned_run(request):
+  # factored_min_dim=16: the 32 x 64 test matrices get factored moments.
+  opt = (f"optimizer.name={request.param!r}", "optimizer.factored_min_dim=16")
+  setup = setup_for(experiment(*opt), jax.devices()[:1])
+  params = init_params(setup)
+  batches = synthetic_batches(20)
+  state, _ = train(setup, params, batches)
+  return opt, params, batches, state["params"]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layer_layout_does_not_change_the_optimizer_steps(scanned_run, layout):
+  opt, params, batches, want = scanned_run
+  exp = experiment(*opt, *LAYOUTS[layout])
+  setup = setup_for(exp, jax.devices()[:exp.mesh.ici[0] * exp.mesh.ici[1]])
+  state, _ = train(setup, to_layout(params, layout, exp), batches)
+  got = from_layout(state["params"], layout, exp)
+  # Weight decay would pull the stacked norm scales off 1 at (lr x 0.5) per step.
+  scales = want["layers"]["blocks"]["attn_norm"]["scale"]
+  assert np.abs(scales - 1).max() > 1e-3   # they did train
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=f"{layout} {opt[0]} {path}")
