@@ -5,6 +5,8 @@ init, restacked into the variant's layout) and feed the same batches, so any
 difference in the params after N real train steps is the optimizer's doing.
 """
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -138,3 +140,69 @@ def test_layer_layout_does_not_change_the_optimizer_steps(scanned_run, layout):
   assert np.abs(scales - 1).max() > 1e-3   # they did train
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-5, err_msg=f"{layout} {opt[0]} {path}")
+
+
+# --- master weights --------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stdlib_batches(tmp_path_factory):
+  """40 lm.tiny-style training batches of the stdlib corpus (prepared in a temp dir, ~3 s)."""
+  exp = experiment("data.source='stdlib'", f"data.data_dir={str(tmp_path_factory.mktemp('data'))!r}")
+  data = inputs.Batches(exp.data, "train", BATCH, None, seed=0)
+  return exp.data.data_dir, [jax.device_get(next(data)) for _ in range(40)]
+
+
+def stdlib_curve(stdlib_batches, *overrides):
+  data_dir, batches = stdlib_batches
+  exp = experiment("data.source='stdlib'", f"data.data_dir={data_dir!r}", "train.steps=40",
+                   "optimizer.warmup_steps=5", "optimizer.learning_rate=3e-3",
+                   "optimizer.weight_decay=0.1", *overrides)
+  setup = setup_for(exp, jax.devices()[:1])
+  # Every run starts from the same (bf16-representable) weights.
+  params = jax.tree.map(lambda a, p: a.astype(p.dtype), start_params(data_dir), setup.abstract["params"])
+  return train(setup, params, batches)[1]
+
+
+@functools.cache
+def start_params(data_dir):
+  setup = setup_for(experiment(f"data.data_dir={data_dir!r}", "model.param_dtype='bfloat16'"),
+                    jax.devices()[:1])
+  return init_params(setup)
+
+
+def test_fp32_master_tracks_the_fp32_loss_curve_closer_than_bf16(stdlib_batches):
+  fp32 = stdlib_curve(stdlib_batches)
+  bf16 = stdlib_curve(stdlib_batches, "model.param_dtype='bfloat16'")
+  master = stdlib_curve(stdlib_batches, "model.param_dtype='bfloat16'", "optimizer.master_dtype='float32'")
+  gap_bf16, gap_master = np.abs(bf16 - fp32).mean(), np.abs(master - fp32).mean()
+  print(f"\nlm.tiny (shrunk) 40 steps, mean |loss - fp32 loss|: bf16 params {gap_bf16:.4f}, "
+        f"bf16 params + fp32 master {gap_master:.4f}; fp32 loss {fp32[0]:.3f} -> {fp32[-1]:.3f}")
+  assert fp32[-1] < fp32[0] - 1.0
+  assert gap_master < 0.5 * gap_bf16
+
+
+def test_master_copy_is_fp32_and_sharded_like_the_params():
+  exp = experiment("model.param_dtype='bfloat16'", "optimizer.master_dtype='float32'",
+                   "mesh.ici=(2, 4)", "sharding.preset='2d'")
+  setup = setup_for(exp)
+  master_sh = setup.shardings["opt_state"].master
+  master_abs = setup.abstract["opt_state"].master
+  param_sh, params_abs = setup.shardings["params"], setup.abstract["params"]
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = step_lib.compile_train_step(setup)
+  # The compiled step takes and returns the master copy with the params' shardings.
+  state_in = compiled.input_shardings[0][0]
+  state_out = compiled.output_shardings[0]
+  for sh in (master_sh, state_in["opt_state"].master, state_out["opt_state"].master):
+    for s, p, a in zip(jax.tree.leaves(sh), jax.tree.leaves(param_sh), jax.tree.leaves(params_abs),
+                       strict=True):
+      assert s.is_equivalent_to(p, a.ndim), (s, p)
+  assert any(s.spec != jax.sharding.PartitionSpec() for s in jax.tree.leaves(param_sh))
+  for m, p in zip(jax.tree.leaves(master_abs), jax.tree.leaves(params_abs), strict=True):
+    assert (m.dtype, p.dtype) == (jnp.float32, jnp.bfloat16) and m.shape == p.shape
+  # Adam's moments live on the master copy, so they are float32 as well.
+  mu = setup.abstract["opt_state"].inner[1][0].mu
+  assert {x.dtype for x in jax.tree.leaves(mu)} == {jnp.dtype(jnp.float32)}
+  # No copy when the params already have the master dtype.
+  plain = setup_for(experiment("optimizer.master_dtype='float32'"), jax.devices()[:1])
+  assert not isinstance(plain.abstract["opt_state"], optimizer.MasterState)
