@@ -206,3 +206,63 @@ def test_master_copy_is_fp32_and_sharded_like_the_params():
   # No copy when the params already have the master dtype.
   plain = setup_for(experiment("optimizer.master_dtype='float32'"), jax.devices()[:1])
   assert not isinstance(plain.abstract["opt_state"], optimizer.MasterState)
+
+
+# --- Adafactor -------------------------------------------------------------------------------
+
+def test_adafactor_trains_lm_tiny(stdlib_batches):
+  losses = stdlib_curve(stdlib_batches, "optimizer.name='adafactor'", "optimizer.factored_min_dim=16",
+                        "optimizer.learning_rate=1e-2")
+  print(f"\nAdafactor, lm.tiny (shrunk) 40 steps: loss {losses[0]:.3f} -> {losses[-1]:.3f}")
+  assert np.all(np.isfinite(losses)) and losses[-5:].mean() < losses[0] - 1.5
+
+
+def factored_moments(setup):
+  """[(param path, v_row or v_col leaf)] of the Adafactor state (abstract, with shardings)."""
+  per_param = setup.abstract["opt_state"][1]   # after clip_by_global_norm
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(per_param)[0]:
+    name = jax.tree_util.keystr(path)
+    if (".v_row" in name or ".v_col" in name) and leaf.shape[-1] > 1:
+      out.append((name, leaf))
+  return out
+
+
+def test_factored_moments_are_split_along_the_dims_they_keep():
+  setup = setup_for(experiment("optimizer.name='adafactor'", "optimizer.factored_min_dim=8",
+                               "mesh.ici=(8, 1)", "sharding.preset='fsdp'"))
+  moments = factored_moments(setup)
+  # Every matrix is factored (min dim 8): embedding, q/k/v/out projections, 3 MLP matrices.
+  assert len(moments) == 2 * 8
+  d_model = setup.exp.model.d_model   # the only dim of size 32: `embed`, which FSDP splits 8 ways
+  split = 0
+  for name, leaf in moments:
+    local = np.prod(leaf.sharding.shard_shape(leaf.shape)) * leaf.dtype.itemsize
+    total = np.prod(leaf.shape) * leaf.dtype.itemsize
+    assert local == (total // 8 if d_model in leaf.shape else total), (name, leaf.shape, leaf.sharding)
+    split += d_model in leaf.shape
+  assert split >= 8
+  # The real arrays agree with the plan.
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    state = state_lib.init_fn(setup)(jax.random.key(0))
+  real = dict(factored_moments_of(state["opt_state"]))
+  for name, leaf in moments:
+    assert real[name].addressable_shards[0].data.shape == leaf.sharding.shard_shape(leaf.shape)
+
+
+def factored_moments_of(opt_state):
+  return [(jax.tree_util.keystr(p), x) for p, x in jax.tree_util.tree_flatten_with_path(opt_state[1])[0]
+          if any(k in jax.tree_util.keystr(p) for k in (".v_row", ".v_col"))]
+
+
+@pytest.mark.parametrize("ici,preset", [((8, 1), "fsdp"), ((2, 4), "2d")])
+def test_sharded_adafactor_steps_equal_single_device(ici, preset):
+  opt = ("optimizer.name='adafactor'", "optimizer.factored_min_dim=16", "train.steps=5")
+  single = setup_for(experiment(*opt), jax.devices()[:1])
+  params, batches = init_params(single), synthetic_batches(5, seed=1)
+  want, want_losses = train(single, params, batches)
+  sharded = setup_for(experiment(*opt, f"mesh.ici={ici!r}", f"sharding.preset={preset!r}"))
+  got, got_losses = train(sharded, params, batches)
+  np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
+  for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
+    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
