@@ -64,6 +64,7 @@ class TransformerConfig:
   scan_layers: bool = True
   remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch"
   attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention)
+  z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
   def __post_init__(self):
@@ -82,6 +83,7 @@ class TransformerConfig:
     _require(self.remat in ("none", "full", "dots", "dots_no_batch"),
              f"model.remat={self.remat!r}: use 'none', 'full', 'dots' or 'dots_no_batch'")
     _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
+    _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats

@@ -266,3 +266,22 @@ def test_sharded_adafactor_steps_equal_single_device(ici, preset):
   np.testing.assert_allclose(got_losses, want_losses, rtol=1e-5)
   for (path, a), b in zip(jax.tree_util.tree_flatten_with_path(got)[0], jax.tree.leaves(want)):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6, err_msg=jax.tree_util.keystr(path))
+
+
+# --- z-loss ----------------------------------------------------------------------------------
+
+def test_z_loss_adds_the_squared_log_normalizer_and_reports_it():
+  on = setup_for(experiment("model.z_loss=1e-2"), jax.devices()[:1])
+  off = setup_for(experiment(), jax.devices()[:1])
+  params, batch = init_params(on), synthetic_batches(1)[0]
+  with jax.set_mesh(on.mesh), use_rules(on.rules):
+    loss, metrics = jax.jit(step_lib.loss_fn(on))(params, batch)
+    ce, off_metrics = jax.jit(step_lib.loss_fn(off))(params, batch)
+    logits = jax.jit(lambda p, x: on.model(p)(x))(params, batch["inputs"])
+  z = np.mean(np.square(jax.nn.logsumexp(np.asarray(logits, np.float64), axis=-1)))
+  assert off_metrics == {} and z > 1.0
+  np.testing.assert_allclose(metrics["z_loss"], z, rtol=1e-5)
+  np.testing.assert_allclose(metrics["ce_loss"], ce, rtol=1e-6)
+  np.testing.assert_allclose(loss, ce + 1e-2 * z, rtol=1e-6)
+  with pytest.raises(ConfigError, match="model.z_loss=-1"):
+    experiment("model.z_loss=-1.0")
