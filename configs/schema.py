@@ -64,6 +64,7 @@ class TransformerConfig:
   scan_layers: bool = True
   remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch"
   attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention)
+  z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
   def __post_init__(self):
@@ -82,6 +83,7 @@ class TransformerConfig:
     _require(self.remat in ("none", "full", "dots", "dots_no_batch"),
              f"model.remat={self.remat!r}: use 'none', 'full', 'dots' or 'dots_no_batch'")
     _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
+    _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats
@@ -158,9 +160,14 @@ class DataConfig:
              f"data.validation_fraction={self.validation_fraction} must be in (0, 1)")
 
 
+OPTIMIZERS = ("adamw", "adafactor")
+
+
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-  """AdamW with linear warmup and cosine decay, global-norm clipping."""
+  """AdamW or Adafactor with linear warmup and cosine decay, global-norm clipping
+  (trainer/optimizer.py; docs/optimizers.md)."""
+  name: str = "adamw"                 # "adamw" | "adafactor" (factored second moments)
   learning_rate: float = 1e-3
   warmup_steps: int = 100
   decay_steps: int | None = None      # None = train.steps
@@ -170,10 +177,24 @@ class OptimizerConfig:
   eps: float = 1e-8
   weight_decay: float = 0.1
   clip_norm: float | None = 1.0
+  decay_embeddings: bool = True       # weight decay on embedding tables (never on norm scales, biases)
+  master_dtype: str | None = None     # e.g. "float32": an fp32 copy of bf16 params; None = param dtype
+  # Adafactor only (optax.adafactor); a multiply_by_parameter_scale lr is relative (~1e-2).
+  decay_rate: float = 0.8             # second-moment decay: 1 - (step+1)^-decay_rate
+  factored_min_dim: int = 128         # factor a weight's moments when two of its dims are >= this
+  update_clip: float | None = 1.0     # clip each weight's update to this RMS (None = off)
+  parameter_scale: bool = True        # scale steps by each weight's RMS
 
   def __post_init__(self):
     _require(self.learning_rate > 0, f"optimizer.learning_rate={self.learning_rate} must be > 0")
     _require(self.warmup_steps >= 0, f"optimizer.warmup_steps={self.warmup_steps} must be >= 0")
+    _require(self.name in OPTIMIZERS, f"optimizer.name={self.name!r}: use one of {OPTIMIZERS}")
+    _require(self.master_dtype in (None, "float32", "bfloat16"),
+             f"optimizer.master_dtype={self.master_dtype!r}: use 'float32', 'bfloat16' or None "
+             f"(None keeps no copy: the optimizer updates the params in their own dtype)")
+    _require(self.update_clip is None or self.update_clip >= 1.0,
+             f"optimizer.update_clip={self.update_clip} must be >= 1 (optax's Adafactor) or None")
+    _require(0.0 < self.decay_rate <= 1.0, f"optimizer.decay_rate={self.decay_rate} must be in (0, 1]")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -174,7 +174,12 @@ class TransformerLM(nnx.Module):
     return shard(logits, ("batch", "length", "vocab"))
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
-    """Mean next-token cross entropy over {'inputs', 'targets'}, in float32."""
-    logits = self(batch["inputs"])
-    ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), batch["targets"])
-    return jnp.mean(ce), {}
+    """Mean next-token cross entropy over {'inputs', 'targets'}, in float32, plus
+    cfg.z_loss x mean(logsumexp(logits)^2) when set (PaLM's z-loss: keeps the softmax
+    normalizer near 1, so bf16 logits stay in range)."""
+    logits = self(batch["inputs"]).astype(jnp.float32)
+    ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+    if not self.cfg.z_loss:
+      return ce, {}
+    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return ce + self.cfg.z_loss * z, {"ce_loss": ce, "z_loss": z}

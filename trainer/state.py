@@ -74,18 +74,29 @@ def _create(exp: Experiment, mesh: Mesh) -> Setup:
   rules = rules_lib.resolve(exp.sharding.preset, exp.sharding.rules)
   graphdef, params_abs, axes = _abstract_params(exp.model)
   param_sh = params_lib.param_shardings(params_abs, axes, rules, mesh, exp.sharding.allow_uneven)
-  tx = optimizer.make(exp.optimizer, exp.train.steps)
+  tx = optimizer.make(exp.optimizer, exp.train.steps, params_abs, axes)
   opt_abs = jax.eval_shape(tx.init, params_abs)
   replicated = NamedSharding(mesh, PartitionSpec())
-  # Optimizer moments are sharded exactly like the params they track.
-  opt_sh = optax.tree_utils.tree_map_params(tx, lambda _, s: s, opt_abs, param_sh,
-                                            transform_non_params=lambda _: replicated)
+  opt_sh = _opt_state_shardings(exp, opt_abs, params_abs, axes, rules, mesh)
   shardings = {"step": replicated, "params": param_sh, "opt_state": opt_sh}
   abstract_tree = {"step": jax.ShapeDtypeStruct((), jnp.int32), "params": params_abs, "opt_state": opt_abs}
   abstract = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                           abstract_tree, shardings)
   return Setup(exp, mesh, rules, graphdef, tx, abstract, shardings, axes,
                _batch_shardings(exp, rules, mesh))
+
+
+def _opt_state_shardings(exp: Experiment, opt_abs, params_abs, axes, rules, mesh: Mesh):
+  """Optimizer state split along the logical axes of the param dims it keeps: moments
+  and master copies exactly like their params, factored moments like the kept dims."""
+  mesh_shape = dict(mesh.shape)
+
+  def sharding(names, leaf):
+    spec = rules_lib.logical_to_spec(names, rules, mesh_shape, leaf.shape, name="optimizer state",
+                                     allow_uneven=exp.sharding.allow_uneven)
+    return NamedSharding(mesh, spec)
+
+  return optimizer.map_state_axes(opt_abs, params_abs, axes, sharding)
 
 
 def _batch_shardings(exp: Experiment, rules, mesh: Mesh) -> dict[str, NamedSharding]:

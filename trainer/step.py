@@ -67,7 +67,7 @@ def train_step_fn(setup: Setup) -> Callable:
     loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
-    params = optax.apply_updates(state["params"], updates)
+    params = optimizer.apply_updates(state["params"], updates, opt_state)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
     new_state = {"step": state["step"] + 1,
