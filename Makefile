@@ -5,7 +5,6 @@ PYTHON ?= python3
 VENV ?= .venv
 JOB_DIR ?= /tmp/shardax/lm.tiny
 EXP ?= lm.tiny
-export JAX_PLATFORMS ?= cpu
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 
 .PHONY: setup run test test-slow

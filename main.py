@@ -11,18 +11,9 @@ from __future__ import annotations
 import os
 import sys
 
+from shardax.trainer import platform  # decides JAX_PLATFORMS, so it runs before jax is imported
 
-def _keep_off_absent_tpu() -> None:
-  """With libtpu installed but no TPU attached, jax would try (and loudly fail) to use it."""
-  if "JAX_PLATFORMS" in os.environ:
-    return
-  import importlib.util
-  has_tpu = any(os.path.exists(p) for p in ("/dev/accel0", "/dev/vfio/0")) or "TPU_NAME" in os.environ
-  if importlib.util.find_spec("libtpu") is not None and not has_tpu:
-    os.environ["JAX_PLATFORMS"] = "cpu"
-
-
-_keep_off_absent_tpu()
+PLATFORM = platform.apply()
 from shardax.trainer import logs  # noqa: E402  (stdlib only: safe before jax and TensorFlow load)
 logs.quiet_native_logs()
 
@@ -40,6 +31,9 @@ flags.DEFINE_float("temperature", 0.0, "decode: 0 = greedy, else softmax tempera
 flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: how many processes in the job.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0..num_processes-1.")
+flags.DEFINE_integer("heartbeat_timeout_s", None,
+                     "Multi-process: a process that hears nothing from its peers for this many seconds "
+                     "exits non-zero (default: SHARDAX_HEARTBEAT_TIMEOUT_S, else 100).")
 FLAGS = flags.FLAGS
 
 
@@ -144,7 +138,9 @@ def main(argv) -> None:
                       f"use it with --mode=dry_run or --mode=explain")
     _set_cpu_devices(exp)
     from shardax.trainer import distributed
-    distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+    joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
+                                    heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
+    logging.info("%s", platform.describe(PLATFORM, joined))
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
   except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
     logging.debug("error", exc_info=True)

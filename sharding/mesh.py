@@ -17,6 +17,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from absl import logging
 from jax.sharding import AxisType, Mesh
 
 
@@ -65,30 +66,76 @@ def resolve_shape(shape: Sequence[int], num: int, what: str) -> tuple[int, ...]:
   return shape
 
 
+_PLURAL = {"slice": "slices", "process": "processes"}
+
+
+def granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.Device]]]:
+  """The DCN granules the devices fall into: ("slice", ...) on TPUs, else ("process", ...).
+
+  TPU slices are joined by DCN and say which slice they are (`slice_index`; a
+  single-slice topology may omit it). GPUs and CPUs carry no slice index: there
+  each process (one host, or one launcher task) is a granule, the unit that talks
+  to the others over the data-center network.
+  """
+  if devices and devices[0].platform == "tpu":
+    kind, key = "slice", lambda d: getattr(d, "slice_index", 0)
+  else:
+    kind, key = "process", lambda d: d.process_index
+  groups: dict[int, list[jax.Device]] = {}
+  for d in devices:
+    groups.setdefault(key(d), []).append(d)
+  return kind, [groups[k] for k in sorted(groups)]
+
+
+def _hybrid_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
+  """The (ici x dcn) device grid: each axis is ICI size times DCN size, granules outermost."""
+  kind, groups = granules(devices)
+  sizes = {len(g) for g in groups}
+  if len(sizes) != 1:
+    raise ValueError(f"mesh.dcn={tuple(cfg.dcn)}: the {len(groups)} {_PLURAL[kind]} found hold different "
+                     f"device counts {sorted(sizes)}; every granule needs the same number of devices")
+  how = ("start one process per granule (README: running on many hosts)" if kind == "process"
+         else "use a multi-slice TPU job (or mesh.topology with dry_run)")
+  dcn = tuple(int(d) for d in cfg.dcn)
+  if -1 in dcn and len(groups) % math.prod(d for d in dcn if d != -1) == 0:
+    dcn = tuple(len(groups) // math.prod(d for d in dcn if d != -1) if d == -1 else d for d in dcn)
+  if math.prod(dcn) != len(groups):
+    raise ValueError(f"mesh.dcn={tuple(cfg.dcn)} needs {math.prod(d for d in dcn if d != -1)}"
+                     f"{' x N' if -1 in dcn else ''} granules ({_PLURAL[kind]} joined by DCN), "
+                     f"{len(groups)} {kind if len(groups) == 1 else _PLURAL[kind]} found: {how}, or drop mesh.dcn")
+  ici = resolve_shape(cfg.ici, sizes.pop(), f"mesh.ici (devices per {kind})")
+  from jax.experimental import mesh_utils
+  return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                              process_is_granule=kind == "process")
+
+
+def _single_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
+  """The device grid in the interconnect's order; plain order (with a warning) when jax has none."""
+  shape = resolve_shape(cfg.ici, len(devices), "mesh")
+  from jax.experimental import mesh_utils
+  try:
+    return mesh_utils.create_device_mesh(shape, devices=devices)
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    logging.warning(
+        "mesh %s does not fit the physical layout of these %d %s devices (%s); laying them out in "
+        "plain device order, so some mesh axes span non-neighbouring chips and their collectives "
+        "are slower. Prefer a mesh.ici whose sizes follow the topology's dimensions.",
+        shape, len(devices), devices[0].device_kind, str(e).splitlines()[0][:200])
+    return np.array(devices).reshape(shape)
+
+
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:
   """Build the mesh, in a topology-aware device order where jax offers one.
 
   Without `devices`: the TPU devices of `cfg.topology` when set (for AOT dry runs;
-  see sharding/topology.py), else this process's devices.
+  see sharding/topology.py), else all devices of the job (every process's).
+  With `cfg.dcn`, the devices split into granules (TPU slices, or processes on GPUs
+  and CPUs) and each mesh axis is `ici[i] * dcn[i]` long, granules outermost.
   """
   if devices is None and cfg.topology:
     from shardax.sharding import topology
     slices = math.prod(cfg.dcn) if cfg.dcn and -1 not in cfg.dcn else 1
     devices = topology.devices(cfg.topology, slices)
   devices = list(jax.devices() if devices is None else devices)
-  n = len(devices)
-  axis_types = (AxisType.Auto,) * len(cfg.axes)
-  if cfg.dcn:
-    num_slices = len({getattr(d, "slice_index", 0) for d in devices})
-    dcn = resolve_shape(cfg.dcn, num_slices, "mesh.dcn (slices)")
-    ici = resolve_shape(cfg.ici, n // num_slices, "mesh.ici (per slice)")
-    from jax.experimental import mesh_utils
-    grid = mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices)
-    return Mesh(grid, cfg.axes, axis_types=axis_types)
-  shape = resolve_shape(cfg.ici, n, "mesh")
-  try:
-    from jax.experimental import mesh_utils
-    grid = mesh_utils.create_device_mesh(shape, devices=devices)
-  except (ValueError, NotImplementedError, AssertionError):
-    grid = np.array(devices).reshape(shape)
-  return Mesh(grid, cfg.axes, axis_types=axis_types)
+  grid = _hybrid_grid(cfg, devices) if cfg.dcn else _single_grid(cfg, devices)
+  return Mesh(grid, cfg.axes, axis_types=(AxisType.Auto,) * len(cfg.axes))

@@ -35,6 +35,16 @@ def start(args, devices=1, log=None):
   return subprocess.Popen(args, stdout=out, stderr=subprocess.STDOUT, env=env(devices))
 
 
+def wait_or_kill(proc, timeout):
+  """The exit status, or kill the process (and fail the test) when it overruns `timeout`."""
+  try:
+    return proc.wait(timeout=timeout)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+    raise
+
+
 def losses(job_dir) -> dict[int, float]:
   path = os.path.join(job_dir, "metrics.jsonl")
   if not os.path.exists(path):

@@ -3,6 +3,8 @@
 jax.distributed joins them; the batch's data axis spans the processes, each loads only
 its rows, and XLA's collectives (gloo on CPU) cross the process boundary. The run must
 match a one-process, 8-device run, and checkpoints must move between the two layouts.
+Each process is one DCN granule: `mesh.dcn x mesh.ici` builds the same (2, 4) mesh
+with the data axis (or the model axis) split across the processes.
 """
 
 import shutil
@@ -13,15 +15,16 @@ import pytest
 import clitools as cli
 
 MESH = ["mesh.ici=(2, 4)", "sharding.preset='2d'"]
+DCN_DATA = ["mesh.dcn=(2, 1)", "mesh.ici=(1, 4)", "sharding.preset='2d'"]  # the same (2, 4) mesh
 
 
-def two_processes(job, data_dir, *sets, tmp_path):
+def two_processes(job, data_dir, *sets, tmp_path, mesh=MESH):
   port = cli.free_port()
-  procs = [cli.start(cli.command(job, data_dir, *MESH, "mesh.num_cpu_devices=4", *sets,
+  procs = [cli.start(cli.command(job, data_dir, *mesh, "mesh.num_cpu_devices=4", *sets,
                                  extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                                         f"--process_id={i}"]),
                      devices=4, log=tmp_path / f"proc{i}.log") for i in range(2)]
-  codes = [p.wait(timeout=300) for p in procs]
+  codes = [cli.wait_or_kill(p, timeout=300) for p in procs]
   logs = [open(tmp_path / f"proc{i}.log").read() for i in range(2)]
   assert codes == [0, 0], "\n".join(l[-2000:] for l in logs)
   return logs
@@ -38,12 +41,13 @@ def runs(tmp_path_factory):
   data_dir = tmp_path_factory.mktemp("data")
   multi, single = tmp_path_factory.mktemp("multi"), tmp_path_factory.mktemp("single")
   logs = two_processes(multi, data_dir, "train.steps=6", "checkpoint.every=3",
-                       tmp_path=tmp_path_factory.mktemp("logs"))
+                       tmp_path=tmp_path_factory.mktemp("logs"), mesh=DCN_DATA)
   one_process(single, data_dir, "train.steps=6", "checkpoint.every=3")
   return data_dir, multi, single, logs
 
 
 def test_two_processes_match_one_process(runs):
+  """Data axis over DCN (one granule per process), model axis inside each: the (2, 4) run's losses."""
   _, multi, single, logs = runs
   assert "process 1 of 2" in logs[1] or "process 1 of 2" in logs[0]
   a, b = cli.losses(multi), cli.losses(single)
@@ -65,3 +69,22 @@ def test_checkpoints_move_between_one_and_two_processes(runs, tmp_path):
   two_processes(b, data_dir, "train.steps=8", "checkpoint.every=3", tmp_path=tmp_path)
   la, lb = cli.losses(a), cli.losses(b)
   np.testing.assert_allclose([la[7], la[8]], [lb[7], lb[8]], rtol=1e-5)
+
+
+def test_dcn_on_the_model_axis_matches_one_process(runs, tmp_path):
+  """The model axis split across the two processes (DCN), data inside each: still the (2, 4) run."""
+  data_dir, _, single, _ = runs
+  mesh = ["mesh.dcn=(1, 2)", "mesh.ici=(2, 2)", "sharding.preset='2d'"]
+  two_processes(tmp_path / "job", data_dir, "train.steps=6", "checkpoint.every=3", tmp_path=tmp_path, mesh=mesh)
+  a, b = cli.losses(tmp_path / "job"), cli.losses(single)
+  assert sorted(a) == sorted(b) == [1, 2, 3, 4, 5, 6]
+  np.testing.assert_allclose([a[s] for s in a], [b[s] for s in a], rtol=1e-5)
+
+
+def test_dcn_names_the_granules_found(runs, tmp_path):
+  """One process is one granule: asking for two over DCN fails with the count found."""
+  data_dir = runs[0]
+  out = cli.run(cli.command(tmp_path / "job", data_dir, "mesh.num_cpu_devices=8", "mesh.dcn=(2, 1)",
+                            "mesh.ici=(1, 4)"), devices=8)
+  assert out.returncode == 2
+  assert "mesh.dcn=(2, 1) needs 2 granules (processes joined by DCN), 1 process found" in out.stderr

@@ -2,14 +2,21 @@
 
 Each host runs the same command. Processes find each other through a coordinator
 (process 0's address); after `initialize`, `jax.devices()` lists every device of
-the job, a mesh can span hosts, and XLA's collectives cross them. Three ways in:
+the job, a mesh can span hosts, and XLA's collectives cross them. Ways in, first wins:
 
 - explicit: `--coordinator_address=host:port --num_processes=N --process_id=i`
   (or SHARDAX_COORDINATOR_ADDRESS / SHARDAX_NUM_PROCESSES / SHARDAX_PROCESS_ID);
-- detected by jax: Cloud TPU pods, SLURM (`srun`), Open MPI (`mpirun`);
+- detected by jax itself (`jax.distributed.initialize()` with no arguments): Cloud TPU
+  VMs through their metadata server (pods, multi-slice), GKE TPU jobs, SLURM (`srun`),
+  Open MPI (`mpirun`), and the other launchers jax knows. We ask the same detection
+  jax would use whether it sees a job of several processes, and start only then;
 - neither: one process, nothing to do.
 
-On CPUs, collectives between processes go through gloo.
+A process whose peers die must not hang: the coordination service's heartbeat
+(`--heartbeat_timeout_s`, SHARDAX_HEARTBEAT_TIMEOUT_S) ends it with a non-zero status
+once a peer has been silent that long; the restart resumes from the last complete
+checkpoint. On CPUs, collectives between processes go through gloo; on GPUs and TPUs
+XLA uses the accelerator's own (NCCL, ICI/DCN), so gloo is chosen only for CPU runs.
 """
 
 from __future__ import annotations
@@ -19,54 +26,73 @@ import os
 from absl import logging
 
 _ENV = {"coordinator_address": "SHARDAX_COORDINATOR_ADDRESS",
-        "num_processes": "SHARDAX_NUM_PROCESSES", "process_id": "SHARDAX_PROCESS_ID"}
+        "num_processes": "SHARDAX_NUM_PROCESSES", "process_id": "SHARDAX_PROCESS_ID",
+        "heartbeat_timeout_s": "SHARDAX_HEARTBEAT_TIMEOUT_S"}
+DEFAULT_HEARTBEAT_TIMEOUT_S = 100  # jax's own default
 
 
-def _cluster_detected() -> bool:
-  """A launcher jax knows how to read has started several processes."""
-  if int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_JOB_ID" in os.environ:
-    return True
-  if int(os.environ.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
-    return True
-  hosts = os.environ.get("TPU_WORKER_HOSTNAMES", "")
-  return len([h for h in hosts.split(",") if h]) > 1
+def detected_cluster() -> tuple[str, int] | None:
+  """(launcher name, process count) when jax's cluster detection sees a job of several processes.
+
+  Uses jax's own registry of launchers (jax._src.clusters: the list
+  `jax.distributed.initialize()` walks), so whatever jax can start, we start.
+  """
+  try:
+    from jax._src import clusters
+  except ImportError:  # a jax that moved it: fall back to asking jax to start, as below
+    return None
+  for env in clusters.ClusterEnv._cluster_types:  # noqa: SLF001 - jax's detection list
+    if getattr(env, "opt_in_only_method", False):
+      continue
+    try:
+      if not env.is_env_present():
+        continue
+      count = int(env.get_process_count())
+    except Exception as e:  # noqa: BLE001 - a half-configured launcher: say so, run alone
+      logging.warning("cluster detection %s failed (%s); running as one process", env.__name__, e)
+      continue
+    if count > 1:
+      return env.__name__, count
+  return None
+
+
+def _from_env(value, key: str, cast=str):
+  if value is None and os.environ.get(_ENV[key]):
+    return cast(os.environ[_ENV[key]])
+  return value
 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
-               process_id: int | None = None) -> bool:
-  """Join the job's other processes; returns True when running as several processes.
+               process_id: int | None = None, heartbeat_timeout_s: int | None = None) -> str | None:
+  """Join the job's other processes; returns how they were found (None: one process).
 
   Must run before anything touches a jax device.
   """
-  coordinator_address = coordinator_address or os.environ.get(_ENV["coordinator_address"])
-  if num_processes is None and _ENV["num_processes"] in os.environ:
-    num_processes = int(os.environ[_ENV["num_processes"]])
-  if process_id is None and _ENV["process_id"] in os.environ:
-    process_id = int(os.environ[_ENV["process_id"]])
+  coordinator_address = _from_env(coordinator_address, "coordinator_address")
+  num_processes = _from_env(num_processes, "num_processes", int)
+  process_id = _from_env(process_id, "process_id", int)
+  heartbeat = _from_env(heartbeat_timeout_s, "heartbeat_timeout_s", int) or DEFAULT_HEARTBEAT_TIMEOUT_S
   explicit = coordinator_address is not None
-  if not explicit and not _cluster_detected():
+  cluster = None if explicit else detected_cluster()
+  if not explicit and cluster is None:
     if num_processes not in (None, 1):
       raise ValueError(f"num_processes={num_processes} needs --coordinator_address=HOST:PORT "
                        f"(process 0's address, reachable from every process)")
-    return False
+    return None
   if explicit and (num_processes is None or process_id is None):
     raise ValueError("--coordinator_address needs --num_processes and --process_id too "
                      "(the same coordinator and count on every process, ids 0..N-1)")
+  if heartbeat < 1:
+    raise ValueError(f"--heartbeat_timeout_s={heartbeat} must be >= 1 second")
   import jax
-  if os.environ.get("JAX_PLATFORMS", "") == "cpu" or _no_accelerator():
+  from shardax.trainer import platform
+  if platform.is_cpu_only():
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  if explicit:
-    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
-  else:
-    jax.distributed.initialize()
-  logging.info("process %d of %d; %d local devices of %d", jax.process_index(), jax.process_count(),
-               jax.local_device_count(), jax.device_count())
-  return True
-
-
-def _no_accelerator() -> bool:
-  import importlib.util
-  return not any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "libtpu"))
+  # Explicit values win; what is left unset, jax fills from the detected launcher.
+  jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
+                             heartbeat_timeout_seconds=heartbeat)
+  how = "explicit coordinator" if explicit else f"{cluster[0]} detected by jax"
+  return f"{how}, peers silent {heartbeat}s end the job"
 
 
 def is_primary() -> bool:

@@ -40,7 +40,7 @@ import jax
 import numpy as np
 
 from shardax.configs.schema import Experiment
-from shardax.sharding import make_mesh, report, use_rules
+from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer.perf import chips
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -163,6 +163,8 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
                                report.flops(compiled), float(cost.get("bytes accessed", 0.0)),
                                sum(_ici_bytes(c) * c.executions for c in found)),
              hint=None if fits is not False else hint(mem, hbm))
+  if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
+    out["networks"] = networks.split_by_network(hlo, mesh, found)
   return _write(out, job_dir)
 
 
@@ -203,6 +205,9 @@ def format_report(r: dict) -> str:
     lines.append(f"  {'collective':<20}{'count':>8}{'bytes':>22}")
     for kind, c in sorted(r["collectives"].items()):
       lines.append(f"  {kind:<20}{c['count']:>8,}{c['bytes']:>22,}")
+  for net, rows in (r.get("networks") or {}).items():
+    lines.append(f"  over {net.upper()}: " + (", ".join(
+        f"{kind} x{c['count']:,} ({c['bytes']:,} bytes)" for kind, c in sorted(rows.items())) or "none"))
   if rf := r["roofline"]:
     lines.append(f"  roofline ({rf['chip']}): compute {rf['compute_seconds']:.3g} s, hbm "
                  f"{rf['hbm_seconds']:.3g} s, ici {rf['ici_seconds']:.3g} s -> step >= "

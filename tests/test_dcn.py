@@ -1,0 +1,93 @@
+"""Multi-granule meshes without the hardware: granule errors, the device-order fallback,
+and a two-slice TPU dry run whose DCN collectives are listed apart from ICI."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from shardax.sharding import MeshConfig, make_mesh, mesh as mesh_lib, networks, report, topology
+
+needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
+
+
+def test_one_process_is_one_granule_and_the_error_names_the_count():
+  kind, groups = mesh_lib.granules(jax.devices())
+  assert kind == "process" and len(groups) == 1 and len(groups[0]) == 8
+  with pytest.raises(ValueError, match=r"mesh.dcn=\(2, 1\) needs 2 granules \(processes joined by DCN\), "
+                                       r"1 process found"):
+    make_mesh(MeshConfig(ici=(1, 4), dcn=(2, 1)))
+  assert dict(make_mesh(MeshConfig(ici=(2, 4), dcn=(1, 1))).shape) == {"data": 2, "model": 4}
+
+
+@needs_libtpu
+def test_two_tpu_slices_build_a_hybrid_mesh_with_slices_outermost():
+  mesh = make_mesh(MeshConfig(ici=(1, 4), dcn=(2, 1), topology="v5e:2x2"))
+  assert dict(mesh.shape) == {"data": 2, "model": 4}
+  slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert (slices == [[0] * 4, [1] * 4]).all()   # the data axis is the DCN axis
+  with pytest.raises(ValueError, match="needs 3 granules .slices joined by DCN., 2 slices found"):
+    make_mesh(MeshConfig(ici=(1, 4), dcn=(3, 1)), devices=topology.devices("v5e:2x2", 2))
+
+
+@needs_libtpu
+def test_a_mesh_that_ignores_the_torus_warns(monkeypatch):
+  """v5e:4x4 cannot be laid out as (8, 2) along its torus: plain order, but never silently."""
+  warned = []
+  monkeypatch.setattr(mesh_lib.logging, "warning", lambda msg, *a: warned.append(msg % a))
+  devices = topology.devices("v5e:4x4")
+  mesh = make_mesh(MeshConfig(ici=(8, 2)), devices=devices)
+  assert list(mesh.devices.flat) == list(devices)
+  assert len(warned) == 1 and "does not fit the physical layout" in warned[0] and "(8, 2)" in warned[0]
+  warned.clear()
+  make_mesh(MeshConfig(ici=(4, 4)), devices=devices)
+  assert not warned
+
+
+def _reduction_hlo(mesh, axis: int, out_spec) -> str:
+  x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))
+  return jax.jit(lambda a: a.sum(axis), out_shardings=NamedSharding(mesh, out_spec)).lower(x).compile().as_text()
+
+
+@pytest.mark.parametrize("axis, out_spec, crossing_hosts", [
+    (0, P("model"), [0, 0, 0, 0, 1, 1, 1, 1]),   # a sum over `data` crosses hosts that split `data`
+    (1, P("data"), [0, 1, 2, 3, 0, 1, 2, 3]),    # a sum over `model` crosses hosts that split `model`
+])
+def test_collectives_whose_groups_span_granules_cross_dcn(axis, out_spec, crossing_hosts):
+  """Real compiled CPU HLO on a (2, 4) mesh, read with different device -> host assignments."""
+  mesh = make_mesh(MeshConfig(ici=(2, 4)))
+  hlo = _reduction_hlo(mesh, axis, out_spec)
+  found = report.collectives(hlo)
+  assert [c.kind for c in found] == ["all-reduce"]
+  assert networks.classify(hlo, [0] * 8, found)["dcn"] == {}
+  assert networks.classify(hlo, crossing_hosts, found)["dcn"]["all-reduce"]["count"] == 1
+  other = [0, 1, 2, 3, 0, 1, 2, 3] if axis == 0 else [0, 0, 0, 0, 1, 1, 1, 1]
+  assert networks.classify(hlo, other, found)["dcn"] == {}   # the reduction stays inside each host
+
+
+def test_replica_group_forms():
+  assert networks.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert networks.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert networks.replica_groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
+  assert networks.replica_groups("source_target_pairs={{0,1},{1,0}}", 2) == [[0, 1], [1, 0]]
+  assert networks.replica_groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
+  assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+
+
+@needs_libtpu
+def test_dry_run_of_two_tpu_slices_lists_dcn_collectives(tmp_path):
+  import clitools as cli
+  from shardax import configs
+  from shardax.trainer.perf import dry_run
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [*cli.TINY, "mesh.topology='v5e:2x2'", "mesh.dcn=(2, 1)", "mesh.ici=(1, 4)",
+                                "sharding.preset='2d'"])
+  r = dry_run.dry_run(configs.build(cfg), str(tmp_path))
+  assert r["mesh"] == {"data": 2, "model": 4} and r["num_devices"] == 8
+  dcn, ici = r["networks"]["dcn"], r["networks"]["ici"]
+  assert dcn.get("all-reduce", {}).get("bytes", 0) > 0   # gradients are summed across the slices
+  assert ici and set(ici) <= set(r["collectives"])
+  text = dry_run.format_report(r)
+  assert "over DCN: " in text and "over ICI: " in text
