@@ -29,7 +29,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\([^)]*\))?\s*\{([^}]*)\}")
+_GROUPS_ATTR = re.compile(r"(?:replica_groups|source_target_pairs)=(\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|\{[{}0-9,]*\}|mesh\[[^\]]*\]\s*\{[^}]*\})")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
@@ -142,23 +143,36 @@ class Collective:
   op_name: str = ""
   source: str = ""
   executions: int = 1  # per call of the program: > 1 inside a loop (e.g. scanned layers)
+  computation: str = ""  # the HLO computation holding it (a loop body, or the entry)
+  is_async: bool = False  # a -start/-done pair the scheduler can overlap with compute
+  replica_groups: str = ""  # the op's replica_groups attribute, as written
+
+
+def condition_bounds(hlo_text: str) -> dict[str, int]:
+  """Loop condition computation -> N of its `i < N` (a jax scan counts i from 0)."""
+  bounds, comp, consts = {}, "", {}
+  for line in hlo_text.splitlines():
+    if c := _COMPUTATION.match(line):
+      comp, consts = c.group(1), {}
+      continue
+    if k := _S32_CONST.match(line):
+      consts[k.group(1)] = int(k.group(2))
+    elif (r := _LT_ROOT.match(line)) and r.group(1) in consts:
+      bounds[comp] = consts[r.group(1)]
+  return bounds
 
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in compiled HLO text."""
   result_bytes: dict[str, int] = {}
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
-  cond_trips: dict[str, int] = {}  # condition computation -> N of its `i < N`
-  parsed, comp, entry, consts = [], "", "", {}
+  cond_trips = condition_bounds(hlo_text)  # condition computation -> N of its `i < N`
+  parsed, comp, entry = [], "", ""
   for line in hlo_text.splitlines():
     if c := _COMPUTATION.match(line):
-      comp, consts = c.group(1), {}
+      comp = c.group(1)
       entry = comp if line.startswith("ENTRY") else entry
       continue
-    if k := _S32_CONST.match(line):
-      consts[k.group(1)] = int(k.group(2))
-    elif (r := _LT_ROOT.match(line)) and r.group(1) in consts:
-      cond_trips[comp] = consts[r.group(1)]
     m = _INSTR.match(line)
     if not m:
       continue
@@ -192,8 +206,9 @@ def collectives(hlo_text: str) -> list[Collective]:
       source = f"{m.group(1)}:{m.group(2)}"
     else:
       source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
+    groups = g.group(0) if (g := _GROUPS_ATTR.search(rest)) else ""
     found.append(Collective(name, kind, nbytes, _group_size(rest, kind), op_name, source,
-                            runs.get(comp, 1) if entry else 1))
+                            runs.get(comp, 1) if entry else 1, comp, is_start, groups))
   return found
 
 
