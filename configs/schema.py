@@ -64,6 +64,8 @@ class TransformerConfig:
   scan_layers: bool = True
   remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch"
   attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention)
+  mlp: str = "gated"                  # "gated" (act(x W_gate) * x W_up) | "plain" (act(x W_in), T5/GPT)
+  parallel_block: bool = False        # x + attn(norm(x)) + mlp(norm(x)) (GPT-J/PaLM) instead of in turn
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
   def __post_init__(self):
@@ -82,6 +84,7 @@ class TransformerConfig:
     _require(self.remat in ("none", "full", "dots", "dots_no_batch"),
              f"model.remat={self.remat!r}: use 'none', 'full', 'dots' or 'dots_no_batch'")
     _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
+    _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats

@@ -108,3 +108,11 @@ def test_nested_loops_multiply():
   assert c.flops_loop_bodies_once < dot * 1.01
   assert c.collective_bytes == 5 * 64 * 64 * 4
   assert sorted((l.trip_count, l.executions) for l in c.loops) == [(3, 15), (5, 5)]
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
+  # The TPU compiler's bidirectional windowed einsums run `i < N` with i += 2.
+  hlo = NESTED.replace("constant(3)", "constant(6)").replace(  # the first is the inner body's
+      "%one = s32[] constant(1)\n  %j = s32[] add(%i, %one)", "%two = s32[] constant(2)\n  %j = s32[] add(%i, %two)", 1)
+  assert hlo != NESTED and "constant(6)" in hlo
+  assert sorted((l.trip_count, l.executions) for l in costs.of_hlo_text(hlo).loops) == [(3, 15), (5, 5)]

@@ -49,6 +49,18 @@ class Loop:
 
 
 @dataclasses.dataclass(frozen=True)
+class Piece:
+  """A computation the program's control flow runs (the entry or a loop body), with what
+  it does itself: nested loops excluded, fusions and plain calls included."""
+  computation: str
+  executions: int
+  flops: float
+  bytes_accessed: float
+  transcendentals: float
+  trips: tuple[int, ...] = ()      # trip counts of the loops around it, outermost first
+
+
+@dataclasses.dataclass(frozen=True)
 class Costs:
   """Per device, per call of the step, every loop body times its trip count."""
   flops: float
@@ -57,6 +69,13 @@ class Costs:
   collectives: tuple[report.Collective, ...]
   loops: tuple[Loop, ...]
   flops_loop_bodies_once: float    # what `cost_analysis()` says, for comparison
+  pieces: tuple[Piece, ...] = ()
+  owner: dict = dataclasses.field(default_factory=dict)  # computation -> its Piece's computation
+
+  def piece_of(self, c: report.Collective) -> Piece | None:
+    """The entry or loop body a collective runs in."""
+    name = self.owner.get(c.computation)
+    return next((p for p in self.pieces if p.computation == name), None)
 
   @property
   def collective_bytes(self) -> float:
@@ -94,7 +113,7 @@ def _split(hlo_text: str) -> _Module:
     blocks[current].append(line)
     if line.startswith("}"):
       current = None
-  trips = _trip_counts(hlo_text)
+  trips = report.trip_counts(hlo_text)
   callees, whiles = {}, {}
   for name, body in blocks.items():
     text = "\n".join(body[1:])
@@ -106,23 +125,6 @@ def _split(hlo_text: str) -> _Module:
                     for line in body[1:] if (w := _WHILE.search(line))
                     for cond, loop_body in [w.groups()]]
   return _Module("\n".join(prefix), blocks, entry, callees, whiles)
-
-
-def _trip_counts(hlo_text: str) -> dict[str, int]:
-  """Loop body -> trip count, read the way report.collectives reads it."""
-  counts = {}
-  for line in hlo_text.splitlines():
-    if " while(" not in line:
-      continue
-    body = re.search(r"body=%?([\w.\-]+)", line)
-    cond = re.search(r"condition=%?([\w.\-]+)", line)
-    if not body:
-      continue
-    if t := report._TRIP.search(line):
-      counts[body.group(1)] = int(t.group(1))
-    elif cond:
-      counts[body.group(1)] = report.condition_bounds(hlo_text).get(cond.group(1), 1)
-  return counts
 
 
 def _reachable(mod: _Module, root: str) -> list[str]:
@@ -174,11 +176,18 @@ def of_hlo_text(hlo_text: str) -> Costs:
   mod = _split(hlo_text)
   whole = functools.lru_cache(None)(lambda c: _xla_cost(_standalone(mod, c)))
   loops: list[Loop] = []
+  pieces: list[Piece] = []
+  owner: dict[str, str] = {}
 
-  def total(comp: str, runs: int) -> dict[str, float]:
+  def total(comp: str, runs: int, trips: tuple[int, ...] = ()) -> dict[str, float]:
     out = dict(whole(comp))
-    for cond, body, trip in _loops_started_in(mod, comp):
-      inner_body, inner_cond = total(body, runs * trip), total(cond, runs * trip)
+    started = _loops_started_in(mod, comp)
+    own = {k: whole(comp)[k] - sum(whole(b)[k] + whole(c)[k] for c, b, _ in started) for k in _KEYS}
+    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips))
+    for c in _inside(mod, comp):
+      owner.setdefault(c, comp)
+    for cond, body, trip in started:
+      inner_body, inner_cond = total(body, runs * trip, trips + (trip,)), total(cond, runs * trip, trips + (trip,))
       loops.append(Loop(body, trip, runs * trip, inner_body["flops"], inner_body["bytes accessed"]))
       for k in _KEYS:
         out[k] += (trip - 1) * whole(body)[k] + (trip - 1) * whole(cond)[k]
@@ -187,9 +196,74 @@ def of_hlo_text(hlo_text: str) -> Costs:
 
   result = total(mod.entry, 1)
   return Costs(result["flops"], result["transcendentals"], result["bytes accessed"],
-               tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"])
+               tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"],
+               tuple(pieces), owner)
+
+
+def _inside(mod: _Module, comp: str) -> set[str]:
+  """Computations run as part of `comp` itself (not inside one of its loops)."""
+  seen, stack = set(), [comp]
+  while stack:
+    c = stack.pop()
+    if c in seen:
+      continue
+    seen.add(c)
+    bodies = {x for w in mod.whiles.get(c, []) for x in w[:2]}
+    stack.extend(x for x in mod.callees.get(c, ()) if x not in bodies)
+  return seen
 
 
 def of_compiled(compiled) -> Costs:
   """Loop-aware costs of a `jax.jit(...).lower(...).compile()` result."""
   return of_hlo_text(compiled.as_text())
+
+
+def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs:
+  """The costs of the same program with `deep` layers, from a compile with `shallow`.
+
+  A scanned stack makes per-layer costs exactly linear in depth: every piece inside the
+  layer loop (the outermost loop that runs `shallow` times) runs deep/shallow times as
+  often. What lies outside the loop (the optimizer update and the gradient reductions
+  of the stacked weights, the embedding and head) is scaled by `outside_scale` (the
+  caller's ratio of parameter counts): an approximation that holds when that work is
+  proportional to the parameters, as the optimizer's is.
+  """
+  def factor(p: Piece) -> float:
+    return deep / shallow if shallow in p.trips else outside_scale if not p.trips else 1.0
+  pieces = []
+  for p in costs.pieces:
+    f = factor(p)
+    if p.trips:
+      pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
+    else:  # outside every loop: scale the work, it still runs once
+      pieces.append(dataclasses.replace(p, flops=p.flops * f, bytes_accessed=p.bytes_accessed * f,
+                                        transcendentals=p.transcendentals * f))
+  by_name = {p.computation: p for p in costs.pieces}
+  collectives = []
+  for c in costs.collectives:
+    p = by_name.get(costs.owner.get(c.computation, ""))
+    if p is None or not p.trips:
+      collectives.append(dataclasses.replace(c, bytes=int(c.bytes * outside_scale)))
+    else:
+      collectives.append(dataclasses.replace(c, executions=round(c.executions * factor(p))))
+  total = lambda key: sum(getattr(p, key) * p.executions for p in pieces)
+  loops = tuple(dataclasses.replace(l, executions=round(l.executions * deep / shallow))
+                if l.trip_count == shallow else l for l in costs.loops)
+  return Costs(total("flops"), total("transcendentals"), total("bytes_accessed"), tuple(collectives),
+               loops, costs.flops_loop_bodies_once, tuple(pieces), costs.owner)
+
+
+def to_json(costs: Costs) -> dict:
+  """A plain-JSON form of `costs` (cache it; `from_json` gives it back)."""
+  return {"flops": costs.flops, "transcendentals": costs.transcendentals,
+          "bytes_accessed": costs.bytes_accessed, "flops_loop_bodies_once": costs.flops_loop_bodies_once,
+          "collectives": [dataclasses.asdict(c) for c in costs.collectives],
+          "loops": [dataclasses.asdict(l) for l in costs.loops],
+          "pieces": [dataclasses.asdict(p) for p in costs.pieces], "owner": costs.owner}
+
+
+def from_json(d: dict) -> Costs:
+  return Costs(d["flops"], d["transcendentals"], d["bytes_accessed"],
+               tuple(report.Collective(**c) for c in d["collectives"]),
+               tuple(Loop(**l) for l in d["loops"]), d["flops_loop_bodies_once"],
+               tuple(Piece(**dict(p, trips=tuple(p["trips"]))) for p in d["pieces"]), d["owner"])
