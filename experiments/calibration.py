@@ -104,7 +104,8 @@ def approximations(row: dict) -> list[str]:
   out = []
   if "relative" in m["position_encoding"].lower():
     out.append("RoPE for relative bias")
-  if "flash" in t["attention_kernel"].lower() or "fused" in t["attention_kernel"].lower():
+  kernel = t["attention_kernel"].lower()
+  if ("flash" in kernel or "fused" in kernel) and "no flash" not in kernel:
     out.append("XLA attention for flash")
   if remat(row) != t["remat_policy"].split(" ")[0]:
     out.append(f"remat {remat(row)} for {t['remat_policy'].split(' (')[0]}")

@@ -116,3 +116,16 @@ def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
       "%one = s32[] constant(1)\n  %j = s32[] add(%i, %one)", "%two = s32[] constant(2)\n  %j = s32[] add(%i, %two)", 1)
   assert hlo != NESTED and "constant(6)" in hlo
   assert sorted((l.trip_count, l.executions) for l in costs.of_hlo_text(hlo).loops) == [(3, 15), (5, 5)]
+
+
+def test_deepen_scales_the_layer_loop_and_what_lies_outside_it():
+  c = costs.of_hlo_text(NESTED)                  # outer loop: 5 "layers"
+  deep = costs.deepen(c, shallow=5, deep=20, outside_scale=3.0)
+  dot = 2 * 64 ** 3
+  assert 4 * c.flops * 0.99 < deep.flops < 4 * c.flops * 1.01   # the entry has almost no FLOPs
+  assert deep.collective_bytes == 4 * c.collective_bytes
+  entry = c.pieces[0]
+  assert deep.pieces[0].bytes_accessed == 3.0 * entry.bytes_accessed and deep.pieces[0].executions == 1
+  assert sorted(p.executions for p in deep.pieces if p.trips) == sorted(
+      4 * p.executions for p in c.pieces if p.trips)
+  assert deep.flops >= 60 * dot

@@ -94,7 +94,7 @@ def test_twice_the_batch_takes_longer_but_not_more_than_twice(base):
 
 def test_half_the_devices_take_longer_per_step(base):
   half = predicted("train.global_batch=32", "mesh.topology='v5e:2x2'", "mesh.ici=(4,1)")[0]
-  assert half.step_seconds > 1.3 * base[0].step_seconds
+  assert half.step_seconds > base[0].step_seconds
   assert half.breakdown["compute_seconds"] == pytest.approx(2 * base[0].breakdown["compute_seconds"], rel=0.1)
 
 

@@ -223,10 +223,10 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
 
   A scanned stack makes per-layer costs exactly linear in depth: every piece inside the
   layer loop (the outermost loop that runs `shallow` times) runs deep/shallow times as
-  often. What lies outside the loop (the optimizer update and the gradient reductions
-  of the stacked weights, the embedding and head) is scaled by `outside_scale` (the
-  caller's ratio of parameter counts): an approximation that holds when that work is
-  proportional to the parameters, as the optimizer's is.
+  often. Outside the loop, the memory traffic (the optimizer update reads and writes
+  every parameter and its moments) and the collectives (gradient reductions of the
+  stacked weights) scale by `outside_scale`, the caller's ratio of parameter counts;
+  the FLOPs there (embedding, head, loss: independent of depth) do not.
   """
   def factor(p: Piece) -> float:
     return deep / shallow if shallow in p.trips else outside_scale if not p.trips else 1.0
@@ -235,9 +235,8 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
     f = factor(p)
     if p.trips:
       pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
-    else:  # outside every loop: scale the work, it still runs once
-      pieces.append(dataclasses.replace(p, flops=p.flops * f, bytes_accessed=p.bytes_accessed * f,
-                                        transcendentals=p.transcendentals * f))
+    else:  # outside every loop: per-parameter traffic scales, it still runs once
+      pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * f))
   by_name = {p.computation: p for p in costs.pieces}
   collectives = []
   for c in costs.collectives:
