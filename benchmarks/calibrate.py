@@ -43,6 +43,11 @@ def compile_row(row: dict, layers: int) -> dict:
   mesh, setup = dry_run.prepare(exp)
   start, cpu = time.perf_counter(), time.process_time()
   compiled = dry_run.compile_step(setup)
+  if hlo_dir := os.environ.get("CALIBRATE_HLO_DIR"):   # keep the program to inspect (large)
+    import gzip
+    os.makedirs(hlo_dir, exist_ok=True)
+    with gzip.open(os.path.join(hlo_dir, f"{row['id']}.txt.gz"), "wt") as f:
+      f.write(compiled.as_text())
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
            "compile_seconds": time.perf_counter() - start, "compile_cpu_seconds": time.process_time() - cpu,
            "num_params_shallow": _params(exp), "costs": costs.to_json(costs.of_compiled(compiled))}

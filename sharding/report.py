@@ -198,18 +198,30 @@ def _bound(cond: list[str]) -> tuple[int, int | None] | None:
 
 
 def _increment(body: list[str], index: int | None) -> int:
-  """The constant a loop body adds to tuple element `index` (its counter); 1 if unclear."""
+  """What one pass of a loop body adds to tuple element `index` (its counter); 1 if unclear.
+
+  The next counter is the ROOT tuple's element `index`: a chain of adds of constants
+  back to the counter read from the parameter (two adds when the compiler unrolled
+  the loop by two).
+  """
   if index is None:
     return 1
   consts = {k.group(1): int(k.group(2)) for line in body if (k := _S32_CONST.match(line))}
   counter = {g.group(1) for line in body if (g := _GTE.match(line)) and int(g.group(2)) == index}
+  adds = {line.split("=")[0].strip().lstrip("%"): a.groups() for line in body if (a := _ADD.match(line))}
   root = next((l for l in body if l.lstrip().startswith("ROOT") and " tuple(" in l), "")
   args = _OPERAND.findall(_operands(root.rsplit(" tuple(", 1)[-1])) if root else []
-  nxt = args[index] if index < len(args) else None
-  for line in body:
-    a = _ADD.match(line)
-    if a and line.split("=")[0].strip().lstrip("%") == nxt and a.group(1) in counter and a.group(2) in consts:
-      return max(1, consts[a.group(2)])
+  name, step = (args[index] if index < len(args) else None), 0
+  for _ in range(8):
+    if name in counter:
+      return max(1, step)
+    if name not in adds:
+      return 1
+    x, y = adds[name]
+    x, y = (y, x) if x in consts else (x, y)
+    if y not in consts:
+      return 1
+    step, name = step + consts[y], x
   return 1
 
 

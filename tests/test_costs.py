@@ -129,3 +129,10 @@ def test_deepen_scales_the_layer_loop_and_what_lies_outside_it():
   assert sorted(p.executions for p in deep.pieces if p.trips) == sorted(
       4 * p.executions for p in c.pieces if p.trips)
   assert deep.flops >= 60 * dot
+
+
+def test_a_loop_unrolled_by_two_counts_both_adds():
+  hlo = NESTED.replace("constant(3)", "constant(6)").replace(
+      "%one = s32[] constant(1)\n  %j = s32[] add(%i, %one)",
+      "%one = s32[] constant(1)\n  %h = s32[] add(%i, %one)\n  %j = s32[] add(%one, %h)", 1)
+  assert sorted((l.trip_count, l.executions) for l in costs.of_hlo_text(hlo).loops) == [(3, 15), (5, 5)]

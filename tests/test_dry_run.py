@@ -101,7 +101,8 @@ def test_half_the_devices_take_longer_per_step(base):
 def test_a_slower_chip_takes_longer_and_mfu_is_model_flops_over_peak(base):
   pr, cost, mesh, exp = base
   chip = chips.lookup("TPU v5 lite")
-  slow = dataclasses.replace(chip, peak_bf16_flops=chip.peak_bf16_flops / 2)
+  slow = dataclasses.replace(chip, peak_bf16_flops=chip.peak_bf16_flops / 2,
+                             hbm_bandwidth=chip.hbm_bandwidth / 2, ici_link_bandwidth=chip.ici_link_bandwidth / 2)
   slow_links = dataclasses.replace(chip, ici_link_bandwidth=chip.ici_link_bandwidth / 4)
   assert stepmodel.from_costs(cost, mesh, exp, slow).step_seconds > pr.step_seconds
   assert stepmodel.from_costs(cost, mesh, exp, slow_links).step_seconds > pr.step_seconds
