@@ -65,6 +65,8 @@ class TransformerConfig:
   remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch"
   attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention)
   z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
+  mlp: str = "gated"                  # "gated" (act(x W_gate) * x W_up) | "plain" (act(x W_in), T5/GPT)
+  parallel_block: bool = False        # x + attn(norm(x)) + mlp(norm(x)) (GPT-J/PaLM) instead of in turn
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
 
   def __post_init__(self):
@@ -84,6 +86,7 @@ class TransformerConfig:
              f"model.remat={self.remat!r}: use 'none', 'full', 'dots' or 'dots_no_batch'")
     _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
     _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
+    _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats

@@ -1,4 +1,4 @@
-"""Gated feed-forward block (GLU family: SwiGLU with silu, GeGLU with gelu).
+"""Feed-forward blocks: gated (GLU family: SwiGLU with silu, GeGLU with gelu) and plain.
 
     h = act(x @ W_gate) * (x @ W_up)      [batch, length, mlp]
     y = h @ W_down                        [batch, length, embed]
@@ -40,4 +40,19 @@ class GatedMLP(nnx.Module):
   def __call__(self, x: jax.Array) -> jax.Array:
     h = self.act(self.gate(x)) * self.up(x)
     h = shard(h, ("batch", "length", "mlp"))
+    return self.down(h)
+
+
+class PlainMLP(nnx.Module):
+  """embed -> mlp -> act -> embed: the two-matrix FFN of T5 (ReLU) and GPT (GELU)."""
+
+  def __init__(self, d_model: int, d_ff: int, *, activation: str = "relu",
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+    self.act = activation_fn(activation)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    self.up = DenseGeneral(d_model, d_ff, in_axes=("embed",), out_axes=("mlp",), **kw)
+    self.down = DenseGeneral(d_ff, d_model, in_axes=("mlp",), out_axes=("embed",), **kw)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h = shard(self.act(self.up(x)), ("batch", "length", "mlp"))
     return self.down(h)

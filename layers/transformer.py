@@ -29,7 +29,7 @@ from shardax.configs.schema import TransformerConfig
 from shardax.layers.attention import Attention, default_positions
 from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
-from shardax.layers.mlp import GatedMLP
+from shardax.layers.mlp import GatedMLP, PlainMLP
 from shardax.layers.norm import make_norm
 from shardax.sharding import shard
 
@@ -51,12 +51,16 @@ class Block(nnx.Module):
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
                           rope_theta=cfg.rope_theta, implementation=cfg.attention,
                           dtype=dt, param_dtype=pdt, rngs=rngs)
-    self.mlp_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
-    self.mlp = GatedMLP(cfg.d_model, cfg.d_ff, activation=cfg.activation,
-                        dtype=dt, param_dtype=pdt, rngs=rngs)
+    # A parallel block (GPT-J/PaLM) feeds one norm to both branches: no second norm.
+    self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    mlp = PlainMLP if cfg.mlp == "plain" else GatedMLP
+    self.mlp = mlp(cfg.d_model, cfg.d_ff, activation=cfg.activation, dtype=dt, param_dtype=pdt, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     x = shard(x, RESIDUAL)
+    if self.mlp_norm is None:
+      h = self.attn_norm(x)
+      return shard(x + self.attn(h, positions) + self.mlp(h), RESIDUAL)
     x = shard(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
     return shard(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
 

@@ -29,7 +29,8 @@ _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\(
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
 _GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\([^)]*\))?\s*\{([^}]*)\}")
+_GROUPS_ATTR = re.compile(r"(?:replica_groups|source_target_pairs)=(\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|\{[{}0-9,]*\}|mesh\[[^\]]*\]\s*\{[^}]*\})")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
@@ -39,7 +40,9 @@ _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # A jax scan's loop condition is `i < N` with i counting from 0: N is the trip count.
 # The CPU compiler also writes it as known_trip_count; the TPU compiler does not.
-_S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = s32\[\]\S* constant\((\d+)\)")
+_S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* constant\((\d+)\)")
+_GTE = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* get-tuple-element\(%?[\w.\-]+\), index=(\d+)")
+_ADD = re.compile(r"^\s*%?[\w.\-]+ = [su](?:32|64)\[\]\S* add\(%?([\w.\-]+), %?([\w.\-]+)\)")
 _LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 
 
@@ -142,23 +145,97 @@ class Collective:
   op_name: str = ""
   source: str = ""
   executions: int = 1  # per call of the program: > 1 inside a loop (e.g. scanned layers)
+  computation: str = ""  # the HLO computation holding it (a loop body, or the entry)
+  is_async: bool = False  # a -start/-done pair the scheduler can overlap with compute
+  replica_groups: str = ""  # the op's replica_groups attribute, as written
+
+
+def _blocks(hlo_text: str) -> dict[str, list[str]]:
+  """Computation name -> its instruction lines."""
+  blocks, current = {}, None
+  for line in hlo_text.splitlines():
+    if c := _COMPUTATION.match(line):
+      current = blocks.setdefault(c.group(1), [])
+    elif current is not None:
+      current.append(line)
+  return blocks
+
+
+def trip_counts(hlo_text: str) -> dict[str, int]:
+  """Loop body -> how many times it runs per execution of its `while`.
+
+  The compiler's known_trip_count when it wrote one; else read from the loop itself: the
+  condition is `i < N` on one tuple element i, and the body adds a constant c to i each
+  time (1 for a jax scan; 2 for the TPU compiler's bidirectional windowed einsum loops),
+  so the trip count is ceil(N / c) from i = 0.
+  """
+  blocks, trips = _blocks(hlo_text), {}
+  for line in hlo_text.splitlines():
+    if " while(" not in line or not (body := re.search(r"body=%?([\w.\-]+)", line)):
+      continue
+    if t := _TRIP.search(line):
+      trips[body.group(1)] = int(t.group(1))
+      continue
+    cond = re.search(r"condition=%?([\w.\-]+)", line)
+    bound = _bound(blocks.get(cond.group(1), [])) if cond else None
+    if bound is None:
+      continue
+    n, index = bound
+    step = _increment(blocks.get(body.group(1), []), index)
+    trips[body.group(1)] = max(1, -(-n // step))
+  return trips
+
+
+def _bound(cond: list[str]) -> tuple[int, int | None] | None:
+  """(N, tuple index of i) of a condition computation `i < N`."""
+  consts = {k.group(1): int(k.group(2)) for line in cond if (k := _S32_CONST.match(line))}
+  gtes = {g.group(1): int(g.group(2)) for line in cond if (g := _GTE.match(line))}
+  for line in cond:
+    if (r := _LT_ROOT.match(line)) and r.group(1) in consts:
+      i = re.search(r"compare\(%?([\w.\-]+),", line)
+      return consts[r.group(1)], gtes.get(i.group(1)) if i else None
+  return None
+
+
+def _increment(body: list[str], index: int | None) -> int:
+  """What one pass of a loop body adds to tuple element `index` (its counter); 1 if unclear.
+
+  The next counter is the ROOT tuple's element `index`: a chain of adds of constants
+  back to the counter read from the parameter (two adds when the compiler unrolled
+  the loop by two).
+  """
+  if index is None:
+    return 1
+  consts = {k.group(1): int(k.group(2)) for line in body if (k := _S32_CONST.match(line))}
+  counter = {g.group(1) for line in body if (g := _GTE.match(line)) and int(g.group(2)) == index}
+  adds = {line.split("=")[0].strip().lstrip("%"): a.groups() for line in body if (a := _ADD.match(line))}
+  root = next((l for l in body if l.lstrip().startswith("ROOT") and " tuple(" in l), "")
+  args = _OPERAND.findall(_operands(root.rsplit(" tuple(", 1)[-1])) if root else []
+  name, step = (args[index] if index < len(args) else None), 0
+  for _ in range(8):
+    if name in counter:
+      return max(1, step)
+    if name not in adds:
+      return 1
+    x, y = adds[name]
+    x, y = (y, x) if x in consts else (x, y)
+    if y not in consts:
+      return 1
+    step, name = step + consts[y], x
+  return 1
 
 
 def collectives(hlo_text: str) -> list[Collective]:
   """Every collective op in compiled HLO text."""
   result_bytes: dict[str, int] = {}
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
-  cond_trips: dict[str, int] = {}  # condition computation -> N of its `i < N`
-  parsed, comp, entry, consts = [], "", "", {}
+  loop_trips = trip_counts(hlo_text)
+  parsed, comp, entry = [], "", ""
   for line in hlo_text.splitlines():
     if c := _COMPUTATION.match(line):
-      comp, consts = c.group(1), {}
+      comp = c.group(1)
       entry = comp if line.startswith("ENTRY") else entry
       continue
-    if k := _S32_CONST.match(line):
-      consts[k.group(1)] = int(k.group(2))
-    elif (r := _LT_ROOT.match(line)) and r.group(1) in consts:
-      cond_trips[comp] = consts[r.group(1)]
     m = _INSTR.match(line)
     if not m:
       continue
@@ -167,7 +244,8 @@ def collectives(hlo_text: str) -> list[Collective]:
     cond = re.search(r"condition=%?([\w.\-]+)", rest) if op == "while" else None
     trip: int | str = 1
     if op == "while":
-      trip = int(t.group(1)) if (t := _TRIP.search(rest)) else f"cond:{cond.group(1) if cond else ''}"
+      body = re.search(r"body=%?([\w.\-]+)", rest)
+      trip = loop_trips.get(body.group(1), 1) if body else 1
     for role, callee in _CALLEE.findall(rest):
       calls[comp].append((callee, trip if role in ("body", "condition") else 1))
     if b := _BRANCHES.search(rest):
@@ -176,9 +254,7 @@ def collectives(hlo_text: str) -> list[Collective]:
     if kind in COLLECTIVE_KINDS:
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
   frames = _stack_frames(hlo_text) if parsed else {}
-  resolved = {c: [(callee, f if isinstance(f, int) else cond_trips.get(f[5:], 1)) for callee, f in v]
-              for c, v in calls.items()}
-  runs = _executions(resolved, entry) if entry else {}
+  runs = _executions(calls, entry) if entry else {}
   found = []
   for name, kind, is_start, comp, rest in parsed:
     operands = _operands(rest)
@@ -192,8 +268,9 @@ def collectives(hlo_text: str) -> list[Collective]:
       source = f"{m.group(1)}:{m.group(2)}"
     else:
       source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
+    groups = g.group(0) if (g := _GROUPS_ATTR.search(rest)) else ""
     found.append(Collective(name, kind, nbytes, _group_size(rest, kind), op_name, source,
-                            runs.get(comp, 1) if entry else 1))
+                            runs.get(comp, 1) if entry else 1, comp, is_start, groups))
   return found
 
 

@@ -1,5 +1,6 @@
 """Dry runs against TPU topologies (libtpu, no TPU) and the explain report on a CPU mesh."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -14,13 +15,14 @@ from shardax.trainer.perf import chips
 
 pytest.importorskip("libtpu")
 
-from shardax.trainer.perf import dry_run
+from shardax.trainer.perf import costs, dry_run, stepmodel  # noqa: E402
 from shardax.trainer import explain  # noqa: E402
 
 KEYS = {"experiment", "topology", "device_kind", "num_devices", "mesh", "rules", "num_params",
         "global_batch", "tokens_per_step", "compile_seconds", "compile_cpu_seconds", "bytes_per_device",
-        "hbm_bytes_per_device", "fits", "flops_per_device", "model_flops_per_step",
-        "collectives", "roofline", "hint", "error"}
+        "hbm_bytes_per_device", "fits", "flops_per_device", "flops_loop_bodies_once",
+        "bytes_accessed_per_device", "model_flops_per_step", "flops_convention",
+        "collectives", "predicted", "hint", "error"}
 
 TINY = ["data.source='synthetic'", "model.num_layers=2", "model.num_heads=4",
         "data.seq_len=32", "model.max_len=32", "train.global_batch=8", "sharding.preset='2d'"]
@@ -59,9 +61,53 @@ def test_report_has_every_key_and_consistent_numbers(small):
   exp = build(*TINY, *V5E, "model.d_model=64", "model.d_ff=256")
   assert r["model_flops_per_step"] == pytest.approx(exp.model.flops_per_example(exp.data) * 8)
   assert {"all-gather", "all-reduce"} <= set(r["collectives"])  # 2D: gather weights, reduce grads
-  rf = r["roofline"]
-  assert rf["predicted_step_seconds"] == max(rf["compute_seconds"], rf["hbm_seconds"], rf["ici_seconds"])
-  assert 0 < rf["predicted_mfu"] <= 1
+  p = r["predicted"]
+  assert set(p["breakdown"]) >= {"compute_seconds", "memory_seconds", "collectives", "bubble_seconds"}
+  assert set(p["breakdown"]["collectives"]) >= {"by_kind", "by_axis", "exposed_seconds", "hidden_seconds"}
+  assert p["tokens_per_second_per_device"] == pytest.approx(r["tokens_per_step"] / p["step_seconds"] / 4)
+  assert "causal-halved" in p["flops_convention"] and "causal-halved" in r["flops_convention"]
+
+
+# The step-time model: a change that must move the prediction moves it the right way.
+MID = ["data.source='synthetic'", "model.num_layers=2", "model.num_heads=4", "data.seq_len=128",
+       "model.max_len=128", "model.d_model=512", "model.d_ff=2048", "model.dtype='bfloat16'",
+       "sharding.preset='fsdp'"]
+
+
+def predicted(*sets):
+  exp = build(*MID, *sets)
+  mesh, setup = dry_run.prepare(exp)
+  compiled = dry_run.compile_step(setup)
+  return stepmodel.predict(compiled, mesh, exp), costs.of_compiled(compiled), mesh, exp
+
+
+@pytest.fixture(scope="module")
+def base():
+  return predicted("train.global_batch=32", "mesh.topology='v5e:2x4'", "mesh.ici=(8,1)")
+
+
+def test_twice_the_batch_takes_longer_but_not_more_than_twice(base):
+  twice = predicted("train.global_batch=64", "mesh.topology='v5e:2x4'", "mesh.ici=(8,1)")[0]
+  assert base[0].step_seconds < twice.step_seconds < 2.05 * base[0].step_seconds
+  assert twice.breakdown["compute_seconds"] == pytest.approx(2 * base[0].breakdown["compute_seconds"], rel=0.1)
+
+
+def test_half_the_devices_take_longer_per_step(base):
+  half = predicted("train.global_batch=32", "mesh.topology='v5e:2x2'", "mesh.ici=(4,1)")[0]
+  assert half.step_seconds > base[0].step_seconds
+  assert half.breakdown["compute_seconds"] == pytest.approx(2 * base[0].breakdown["compute_seconds"], rel=0.1)
+
+
+def test_a_slower_chip_takes_longer_and_mfu_is_model_flops_over_peak(base):
+  pr, cost, mesh, exp = base
+  chip = chips.lookup("TPU v5 lite")
+  slow = dataclasses.replace(chip, peak_bf16_flops=chip.peak_bf16_flops / 2,
+                             hbm_bandwidth=chip.hbm_bandwidth / 2, ici_link_bandwidth=chip.ici_link_bandwidth / 2)
+  slow_links = dataclasses.replace(chip, ici_link_bandwidth=chip.ici_link_bandwidth / 4)
+  assert stepmodel.from_costs(cost, mesh, exp, slow).step_seconds > pr.step_seconds
+  assert stepmodel.from_costs(cost, mesh, exp, slow_links).step_seconds > pr.step_seconds
+  assert pr.mfu == pytest.approx(pr.model_flops_per_step / (8 * chip.peak_bf16_flops * pr.step_seconds))
+  assert pr.hfu * pr.step_seconds * chip.peak_bf16_flops == pytest.approx(cost.flops)
 
 
 def test_twice_the_width_is_about_four_times_the_param_bytes(small, wide):

@@ -19,6 +19,9 @@ Definitions (the same ones the training loop logs):
   tokens_per_s         = global_batch x tokens_per_example / median step time
   tflops_per_device    = model_flops_per_step / median step time / device_count / 1e12
   mfu                  = tflops_per_device / peak_tflops_per_device
+  hardware_flops_per_device = FLOPs of the compiled step, loop bodies x trip counts
+                         (trainer/perf/costs.py): recompute and padding included
+  hfu                  = hardware_flops_per_device / median step time / peak (beside mfu)
 
 Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip table
 (`trainer/perf/chips.py`, each entry with its source), whatever the model dtype, as MaxText
@@ -44,7 +47,8 @@ from mlperf_logging.mllog import constants as C
 from shardax.configs.schema import Experiment
 from shardax.sharding import use_rules
 from shardax.trainer.data import inputs
-from shardax.trainer.perf import mlperf
+from shardax.trainer.perf import costs, mlperf
+from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -57,7 +61,7 @@ KEYS = ("exp", "data_source", "device_kind", "platform", "device_count", "mesh",
         "compile_s", "step_time_s_median", "step_time_s_p10", "step_time_s_p90",
         "step_time_s_mean", "tokens_per_step", "tokens_per_s", "model_flops_per_step",
         "tflops_per_device", "peak_tflops_per_device", "peak_source", "mfu", "eval_loss",
-        "state_donated")
+        "state_donated", "flops_convention", "hardware_flops_per_device", "hfu")
 
 
 def matmul_probe_flops(dtype: str = "float32", n: int = PROBE_SIZE, repeats: int = PROBE_REPEATS,
@@ -183,6 +187,9 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
                         flops_per_step=exp.model.flops_per_example(exp.data) * t.global_batch,
                         device_count=len(devices), peak_per_device=peak),
             "peak_source": peak_source, "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
+  hardware = costs.of_compiled(train_step).flops
+  result.update(flops_convention=CONVENTION, hardware_flops_per_device=hardware,
+                hfu=hardware / result["step_time_s_median"] / peak)
   if jax.process_index() == 0:
     with open(os.path.join(job_dir, "benchmark.json"), "w") as f:
       json.dump(result, f, indent=2)
@@ -204,7 +211,9 @@ def format_table(r: dict[str, Any]) -> str:
       ("model_flops_per_step", f"{r['model_flops_per_step']:.4g}"),
       ("tflops_per_device", f"{r['tflops_per_device']:.4f}"),
       ("peak_tflops_per_device", f"{r['peak_tflops_per_device']:.4f}  [{r['peak_source']}]"),
-      ("mfu", f"{r['mfu']:.1%}"),
+      ("mfu", f"{r['mfu']:.1%}  [model FLOPs: {r.get('flops_convention', '')}]"),
+      ("hfu", f"{r['hfu']:.1%}  [compiled FLOPs, {r['hardware_flops_per_device']:.4g} per device]"
+              if "hfu" in r else "-"),
       ("eval_loss", f"{r['eval_loss']:.4f}"),
   ]
   return "\n".join(f"{k:<24} {v}" for k, v in rows)

@@ -13,7 +13,20 @@ their two cores as one "megacore" device, so per device = per chip.
                    TPU ICI (for v3/v4, whose pages give only pod all-reduce
                    bandwidth, 2 x that / chips, which matches the stated figure on
                    v5e and v6e), GPU NVLink. A rough figure for a roofline, not a
-                   model of the torus.
+                   model of the torus; the step-time model uses the per-link
+                   figures below.
+  ici_link_bandwidth  bytes/s one way over one chip-to-chip link (TPU ICI), or one
+                   GPU's NVLink bandwidth one way (NVSwitch: any peer at full rate).
+  torus_dims       how many dims the slice's torus has (TPU 2 or 3; GPUs 0: NVSwitch).
+  wraparound_from  a slice dim of at least this many chips closes into a ring (its
+                   ends are linked); smaller dims are open chains (half the bandwidth
+                   for a ring algorithm). 0 = never.
+  dcn_bandwidth    bytes/s one way per jax device over the data-center network
+                   between slices (TPU multi-slice) or nodes (GPU hosts).
+  devices_per_chip 2 for TPU v3 (each TensorCore is a jax device; the two share a
+                   chip and talk through it), else 1.
+  matmul_efficiency  the fraction of peak a large bf16 matmul fused by XLA reaches;
+                   the step-time model's one per-chip efficiency (see stepmodel.py).
 
 Sources are the vendors' pages (Cloud TPU system-architecture pages, NVIDIA
 datasheets), as read in 2026; each row names its page.
@@ -36,10 +49,26 @@ class Chip:
   hbm_bandwidth: float
   ici_bandwidth: float
   source: str
+  ici_link_bandwidth: float = 0.0
+  torus_dims: int = 0
+  wraparound_from: int = 0
+  dcn_bandwidth: float = 0.0
+  devices_per_chip: int = 1
+  matmul_efficiency: float = 0.8
 
 
 _TPU = "https://cloud.google.com/tpu/docs/"
 _NV = "https://www.nvidia.com/en-us/data-center/"
+# Per-link ICI (one way) and per-chip DCN figures: "How to scale your model", part 2
+# (https://jax-ml.github.io/scaling-book/tpus): ICI 1e11 B/s (v3), 4.5e10 (v4, v5e),
+# 9e10 (v5p, v6e) per link and direction; DCN ~6.25e9 B/s per chip. A full torus
+# dim (wraparound) needs 16 chips on 2D tori (v5e, v6e: only full 16-chip rows wrap)
+# and 4 on 3D tori (v4, v5p: cube faces join through the optical switches), v3 pods
+# are 2D tori that wrap from 4. GPUs: NVLink 4 is 900 GB/s per H100 both ways; A3 VMs
+# (a3-highgpu-8g) have 4 x 200 Gbit/s NICs (GPUDirect-TCPX) for 8 GPUs = 12.5 GB/s each.
+_TPU_LINKS = {"TPU v3": (1e11, 2, 4, 3.125e9, 2), "TPU v4": (4.5e10, 3, 4, 6.25e9, 1),
+              "TPU v5 lite": (4.5e10, 2, 16, 6.25e9, 1), "TPU v5": (9e10, 3, 4, 6.25e9, 1),
+              "TPU v6 lite": (9e10, 2, 16, 1.25e10, 1)}
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # v3: 123 TFLOPs, 32 GiB, 900 GBps per chip of 2 cores; all-reduce 340 TB/s per 1024-chip pod.
@@ -64,6 +93,23 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     # H200 SXM: 989 TFLOPs bf16 dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
     Chip("NVIDIA H200", 989e12, 141 * GiB, 4800 * GB, 900 * GB, _NV + "h200/"),
 )}
+
+
+def _with_links(chip: Chip) -> Chip:
+  if chip.name in _TPU_LINKS:
+    link, dims, wrap, dcn, per_chip = _TPU_LINKS[chip.name]
+    return dataclasses.replace(chip, ici_link_bandwidth=link, torus_dims=dims, wraparound_from=wrap,
+                               dcn_bandwidth=dcn, devices_per_chip=per_chip)
+  # GPUs: NVLink one way = half the bidirectional figure; network per GPU as for A3.
+  return dataclasses.replace(chip, ici_link_bandwidth=chip.ici_bandwidth / 2, dcn_bandwidth=12.5 * GB,
+                             matmul_efficiency=MATMUL_EFFICIENCY["gpu"])
+
+
+# What large XLA-fused bf16 matmuls reach of the datasheet peak (see stepmodel.py for how
+# these were set: the published runs least bound by anything else, not per row).
+MATMUL_EFFICIENCY = {"tpu": 0.8, "gpu": 0.6}
+
+CHIPS = {name: _with_links(c) for name, c in CHIPS.items()}
 
 # Other spellings jax reports for the same parts (driver and form-factor variants).
 _PREFIXES = (

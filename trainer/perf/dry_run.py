@@ -13,18 +13,19 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
   fits              total <= the chip's HBM (the compiler's own figure when it reports
                     one, else trainer/perf/chips.py). If the TPU compiler itself refuses
                     (RESOURCE_EXHAUSTED), total is the figure from its message.
-  flops_per_device  XLA's cost analysis. It counts a loop body once, so a scanned
-                    layer stack shows about 1/num_layers of the real work; see roofline.
+  flops_per_device  FLOPs of the compiled step per device with every loop body times its
+                    trip count (trainer/perf/costs.py); flops_loop_bodies_once is XLA's
+                    own figure, which counts a scanned layer once.
+  bytes_accessed_per_device  the same for memory traffic (logical bytes).
   model_flops_per_step  the model's formula (`flops_per_example(data) x global_batch`;
-                    for the LM: 6 x matmul params x tokens + causal attention, trainer/perf/flops.py).
-  roofline          a lower bound on step time from the chip table (trainer/perf/chips.py):
-                    compute = model FLOPs x remat factor (4/3 for full remat: the forward
-                    pass runs twice) / devices / peak; hbm = compiler bytes accessed /
-                    HBM bandwidth; ici = bytes each device moves in collectives (ring
-                    algorithms: all-reduce 2(g-1)/g x buffer, all-gather, reduce-scatter,
-                    all-to-all (g-1)/g, permute 1x) / ICI bandwidth. predicted_step_seconds
-                    = max of the three (perfect overlap); predicted_mfu = model FLOPs /
-                    (devices x peak x predicted step). Real steps are slower.
+                    for the LM: 6N + causal-halved attention, trainer/perf/flops.py);
+                    flops_convention says so.
+  collectives       per kind: count and bytes per step, loops unrolled.
+  predicted         the step-time model (trainer/perf/stepmodel.py, assumptions in its
+                    docstring): step_seconds, mfu (model FLOPs), hfu (compiled FLOPs),
+                    tokens_per_second_per_device, and a breakdown into compute, memory,
+                    collectives by kind / mesh axis / link, exposed vs hidden, bubble.
+                    None when the chip is not in trainer/perf/chips.py (e.g. CPU).
 """
 
 from __future__ import annotations
@@ -41,11 +42,11 @@ import numpy as np
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
-from shardax.trainer.perf import chips
+from shardax.trainer.perf import chips, costs as costs_lib, stepmodel
+from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
-REMAT_COMPUTE = {"none": 1.0, "dots": 1.0, "dots_no_batch": 1.0, "full": 4.0 / 3.0}
 _UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
 _OOM_SIZES = re.compile(r"([\d.]+)\s*([KMGT]?)i?B?\b")
 
@@ -76,33 +77,6 @@ def _parse_oom(message: str) -> tuple[int | None, int | None]:
   if len(sizes) < 2:
     return None, None
   return sizes[0], sizes[1]
-
-
-def _ici_bytes(c: report.Collective) -> float:
-  """Bytes one device sends for one execution of `c` (ring algorithms)."""
-  g = max(c.group_size, 2)
-  share = {"all-reduce": 2 * (g - 1) / g, "collective-permute": 1.0}.get(c.kind, (g - 1) / g)
-  return c.bytes * share
-
-
-def roofline(chip: chips.Chip | None, num_devices: int, model_flops: float, remat: str,
-             compiler_flops: float, bytes_accessed: float, ici_bytes: float) -> dict | None:
-  if chip is None:
-    return None
-  work = max(compiler_flops, model_flops * REMAT_COMPUTE.get(remat, 1.0) / num_devices)
-  times = {"compute_seconds": work / chip.peak_bf16_flops,
-           "hbm_seconds": bytes_accessed / chip.hbm_bandwidth,
-           "ici_seconds": ici_bytes / chip.ici_bandwidth}
-  step = max(times.values())
-  mfu = model_flops / (num_devices * chip.peak_bf16_flops * step) if step > 0 else 0.0
-  return {"chip": chip.name, "source": chip.source, **times,
-          "predicted_step_seconds": step, "predicted_mfu": mfu}
-
-
-def _remat(model) -> str:
-  """The remat policy of an LM config, or of the Transformer inside a composite one (MoE)."""
-  inner = getattr(model, "transformer", model)
-  return getattr(model, "remat", None) or getattr(inner, "remat", "none")
 
 
 def hint(mem: dict, hbm: int | None) -> str:
@@ -141,8 +115,9 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
     out["hbm_bytes_per_device"] = available or out["hbm_bytes_per_device"]
     mem.update(temp=None, total=required)
     out.update(bytes_per_device=mem, fits=False, flops_per_device=None,
-               model_flops_per_step=model_flops, collectives={}, roofline=None,
-               error=str(e).splitlines()[0])
+               flops_loop_bodies_once=None, bytes_accessed_per_device=None,
+               model_flops_per_step=model_flops, flops_convention=CONVENTION, collectives={},
+               predicted=None, error=str(e).splitlines()[0])
     out["hint"] = hint(mem, out["hbm_bytes_per_device"])
     return _write(out, job_dir)
   out["compile_seconds"] = time.perf_counter() - start
@@ -154,18 +129,24 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
   hbm = out["hbm_bytes_per_device"]
   fits = None if hbm is None or mem["total"] is None else bool(mem["total"] <= hbm)
   hlo = compiled.as_text()
-  found = report.collectives(hlo)
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, (list, tuple)) and cost else cost) or {}
-  out.update(bytes_per_device=mem, fits=fits, flops_per_device=report.flops(compiled),
-             model_flops_per_step=model_flops, collectives=report.collective_summary(hlo),
-             roofline=roofline(chip, mesh.size, model_flops, _remat(exp.model),
-                               report.flops(compiled), float(cost.get("bytes accessed", 0.0)),
-                               sum(_ici_bytes(c) * c.executions for c in found)),
+  cost = costs_lib.of_hlo_text(hlo)
+  predicted = stepmodel.from_costs(cost, mesh, exp, chip) if chip else None
+  out.update(bytes_per_device=mem, fits=fits, flops_per_device=cost.flops,
+             flops_loop_bodies_once=cost.flops_loop_bodies_once,
+             bytes_accessed_per_device=cost.bytes_accessed,
+             model_flops_per_step=model_flops, flops_convention=CONVENTION,
+             collectives=report.collective_summary(hlo),
+             predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm))
   if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
-    out["networks"] = networks.split_by_network(hlo, mesh, found)
+    out["networks"] = networks.split_by_network(hlo, mesh, report.collectives(hlo))
   return _write(out, job_dir)
+
+
+def _brief(p: dict) -> dict:
+  """The prediction for dry_run.json, without the per-piece table."""
+  p = dict(p, breakdown={k: v for k, v in p["breakdown"].items() if k != "pieces"})
+  return p
 
 
 def _write(out: dict, job_dir: str | None) -> dict:
@@ -199,8 +180,8 @@ def format_report(r: dict) -> str:
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
   if r["flops_per_device"] is not None:
-    lines.append(f"  FLOPs: compiler {r['flops_per_device']:.4g} per device (loop bodies once); "
-                 f"model {r['model_flops_per_step']:.4g} per step")
+    lines.append(f"  FLOPs: hardware (compiled program, loops x trip count) {r['flops_per_device']:.4g} "
+                 f"per device; model ({r['flops_convention']}) {r['model_flops_per_step']:.4g} per step")
   if r["collectives"]:
     lines.append(f"  {'collective':<20}{'count':>8}{'bytes':>22}")
     for kind, c in sorted(r["collectives"].items()):
@@ -208,10 +189,8 @@ def format_report(r: dict) -> str:
   for net, rows in (r.get("networks") or {}).items():
     lines.append(f"  over {net.upper()}: " + (", ".join(
         f"{kind} x{c['count']:,} ({c['bytes']:,} bytes)" for kind, c in sorted(rows.items())) or "none"))
-  if rf := r["roofline"]:
-    lines.append(f"  roofline ({rf['chip']}): compute {rf['compute_seconds']:.3g} s, hbm "
-                 f"{rf['hbm_seconds']:.3g} s, ici {rf['ici_seconds']:.3g} s -> step >= "
-                 f"{rf['predicted_step_seconds']:.3g} s, MFU <= {rf['predicted_mfu']:.1%}")
+  if p := r.get("predicted"):
+    lines.extend(stepmodel.format_prediction(stepmodel.Prediction(**p)))
   if r.get("hint"):
     lines.append(f"  hint: {r['hint']}")
   return "\n".join(lines)
@@ -222,9 +201,9 @@ def markdown_table(reports: list[dict]) -> str:
   rows = ["| experiment | topology (devices) | params | per-device total / HBM | fits | "
           "predicted step | predicted MFU | compile (CPU) |", "|---|---|---|---|---|---|---|---|"]
   for r in reports:
-    m, rf = r["bytes_per_device"], r["roofline"] or {}
-    step = f"{rf['predicted_step_seconds']:.2f} s" if rf else "-"
-    mfu = f"{rf['predicted_mfu']:.0%}" if rf else "-"
+    m, pr = r["bytes_per_device"], r.get("predicted") or {}
+    step = f"{pr['step_seconds']:.2f} s" if pr else "-"
+    mfu = f"{pr['mfu']:.0%}" if pr else "-"
     fits = {True: "yes", False: "**no**", None: "?"}[r["fits"]]
     cpu = f"{r['compile_cpu_seconds']:.0f} s" if r.get("compile_cpu_seconds") else "-"
     rows.append(f"| {r['experiment']} | {r['topology']} ({r['num_devices']}) | {r['num_params'] / 1e9:,.1f}B | "

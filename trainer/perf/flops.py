@@ -14,16 +14,21 @@ from __future__ import annotations
 
 from shardax.configs.schema import TransformerConfig
 
+# How every "model FLOPs" / MFU figure in shardax is counted, said where it is shown.
+CONVENTION = "6N + attention, causal-halved (PaLM app. B)"
+
 
 def matmul_params(cfg: TransformerConfig) -> int:
   d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
   attn = d * h * dh + 2 * d * kv * dh + h * dh * d
-  mlp = 3 * d * cfg.d_ff
+  mlp = (2 if getattr(cfg, "mlp", "gated") == "plain" else 3) * d * cfg.d_ff
   return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
 
 
-def per_token(cfg: TransformerConfig, seq_len: int) -> float:
-  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / 2
+def per_token(cfg: TransformerConfig, seq_len: int, causal: bool = True) -> float:
+  """Training FLOPs per token; causal=False counts every attention score (MaxText before
+  2023-11-29, Megatron's and many papers' figures)."""
+  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
   return 6 * matmul_params(cfg) + attention
 
 

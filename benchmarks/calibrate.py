@@ -1,0 +1,146 @@
+"""Check the step-time model against published training runs; regenerate docs/scale.md's table.
+
+    PYTHONPATH=... python benchmarks/calibrate.py [--runs published-runs/calibration.json]
+        [--rows ID,ID,...] [--compile] [--layers 3] [--write-docs]
+
+Each row of the published-runs table is rebuilt as a shardax experiment
+(experiments/calibration.py) and its train step compiled for the row's TPU topology
+with libtpu, nothing allocated. Compiling 35 pod-sized programs on a small machine is
+expensive, so each row compiles a shallow copy (`--layers`, scanned) and the loop-aware
+costs are deepened to the row's depth (trainer/perf/costs.py `deepen`: the layer loop
+runs L/l times as often; what lies outside it scales with the parameter count). The
+costs of each compile are cached in benchmarks/calibration/<row>.json, so the model
+(trainer/perf/stepmodel.py) can be re-evaluated on every row in seconds; `--compile`
+compiles the rows whose cache is missing. Prints each row and the median and worst
+|log(predicted / published)|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CACHE = os.path.join(HERE, "calibration")
+DOCS = os.path.join(os.path.dirname(HERE), "docs", "scale.md")
+BEGIN, END = "<!-- calibration:begin -->", "<!-- calibration:end -->"
+
+
+def _build(row: dict, layers: int | None):
+  from shardax import configs
+  from shardax.experiments import calibration
+  return configs.build(calibration.from_row(row, layers))
+
+
+def compile_row(row: dict, layers: int) -> dict:
+  """Compile the shallow copy of `row` and cache its loop-aware costs."""
+  from shardax.trainer.perf import costs, dry_run
+  exp = _build(row, layers)
+  mesh, setup = dry_run.prepare(exp)
+  start, cpu = time.perf_counter(), time.process_time()
+  compiled = dry_run.compile_step(setup)
+  if hlo_dir := os.environ.get("CALIBRATE_HLO_DIR"):   # keep the program to inspect (large)
+    import gzip
+    os.makedirs(hlo_dir, exist_ok=True)
+    with gzip.open(os.path.join(hlo_dir, f"{row['id']}.txt.gz"), "wt") as f:
+      f.write(compiled.as_text())
+  entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
+           "compile_seconds": time.perf_counter() - start, "compile_cpu_seconds": time.process_time() - cpu,
+           "num_params_shallow": _params(exp), "costs": costs.to_json(costs.of_compiled(compiled))}
+  os.makedirs(CACHE, exist_ok=True)
+  with open(os.path.join(CACHE, f"{row['id']}.json"), "w") as f:
+    json.dump(entry, f)
+  return entry
+
+
+def _params(exp) -> int:
+  from shardax.trainer.perf import flops
+  m = exp.model
+  return flops.matmul_params(m) + m.vocab_size * m.d_model * m.tied_embedding
+
+
+def predict_row(row: dict, entry: dict):
+  """The model's prediction for the full-depth row from its cached shallow costs."""
+  from shardax.experiments import calibration
+  from shardax.sharding import make_mesh
+  from shardax.trainer.perf import chips, costs, stepmodel
+  exp = _build(row, None)
+  shallow = costs.from_json(entry["costs"])
+  scale = _params(exp) / entry["num_params_shallow"]
+  deep = costs.deepen(shallow, entry["layers"], exp.model.num_layers, scale)
+  mesh = make_mesh(exp.mesh)
+  kind = "NVIDIA H100 80GB HBM3" if calibration.is_gpu(row) else mesh.devices.flat[0].device_kind
+  return stepmodel.from_costs(deep, mesh, exp, chips.lookup(kind))
+
+
+def table(rows: list[dict], results: dict) -> tuple[str, list[float]]:
+  from shardax.experiments import calibration
+  lines = ["| row | chips | predicted step | published step | error | MFU pred / pub-derived | "
+           "exposed comm | shardax approximates |", "|---|---|---|---|---|---|---|---|"]
+  errors = []
+  for row in rows:
+    pr = results.get(row["id"])
+    pub = calibration.published_step_seconds(row)
+    if pr is None:
+      lines.append(f"| {row['id']} | {row['hardware']['total_chips']} | not compiled | {pub:.2f} s | | | | |")
+      continue
+    err = math.log(pr.step_seconds / pub)
+    errors.append(abs(err))
+    pub_mfu = pr.mfu * pr.step_seconds / pub   # the published step under shardax's FLOP count
+    exposed = pr.breakdown["collectives"]["exposed_seconds"] / pr.step_seconds
+    lines.append(f"| {row['id']} | {row['hardware']['total_chips']} | {pr.step_seconds:.2f} s | {pub:.2f} s | "
+                 f"{err:+.1%} | {pr.mfu:.0%} / {pub_mfu:.0%} | {exposed:.0%} | "
+                 f"{', '.join(calibration.approximations(row)) or '-'} |")
+  return "\n".join(lines), errors
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--runs", default="/work/shared/published-runs/calibration.json")
+  p.add_argument("--rows", default="")
+  p.add_argument("--compile", action="store_true")
+  p.add_argument("--layers", type=int, default=3)
+  p.add_argument("--write-docs", action="store_true")
+  a = p.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rows = json.load(open(a.runs))
+  if a.rows:
+    order = a.rows.split(",")
+    rows = sorted([r for r in rows if r["id"] in order], key=lambda r: order.index(r["id"]))
+  results = {}
+  for row in rows:
+    path = os.path.join(CACHE, f"{row['id']}.json")
+    if not os.path.exists(path):
+      if not a.compile:
+        continue
+      entry = compile_row(row, a.layers)
+      print(f"compiled {row['id']} in {entry['compile_seconds']:.0f} s ({entry['compile_cpu_seconds']:.0f} s CPU)",
+            flush=True)
+    results[row["id"]] = predict_row(row, json.load(open(path)))
+  text, errors = table(rows, results)
+  print(text)
+  if errors:
+    summary = (f"{len(errors)} of {len(rows)} rows: median |log(pred/published)| "
+               f"{statistics.median(errors):.1%}, worst {max(errors):.1%}")
+    print(summary)
+    if a.write_docs:
+      _write_docs(text + "\n\n" + summary)
+
+
+def _write_docs(body: str) -> None:
+  doc = open(DOCS).read()
+  block = f"{BEGIN}\n{body}\n{END}"
+  if BEGIN in doc:
+    doc = doc[:doc.index(BEGIN)] + block + doc[doc.index(END) + len(END):]
+  else:
+    doc += "\n" + block + "\n"
+  with open(DOCS, "w") as f:
+    f.write(doc)
+
+
+if __name__ == "__main__":
+  main()

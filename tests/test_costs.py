@@ -1,0 +1,138 @@
+"""Loop-aware costs: a scanned layer stack costs what its unrolled twin costs."""
+
+import pytest
+
+from shardax import configs
+
+pytest.importorskip("libtpu")
+
+from shardax.trainer.perf import costs, dry_run  # noqa: E402
+
+# FSDP with full remat on a v5e:2x2 slice: both programs gather each layer's weights in
+# the forward pass and again in the recomputed backward, so they move the same bytes.
+SETS = ["data.source='synthetic'", "model.num_layers=4", "model.num_heads=2", "data.seq_len=32",
+        "model.max_len=32", "train.global_batch=8", "model.d_model=256", "model.d_ff=1024",
+        "model.remat='full'", "sharding.preset='fsdp'", "mesh.topology='v5e:2x2'", "mesh.ici=(4,1)"]
+
+
+def compiled_for(scan: bool):
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, SETS + [f"model.scan_layers={scan}"])
+  _, setup = dry_run.prepare(configs.build(cfg))
+  return dry_run.compile_step(setup)
+
+
+@pytest.fixture(scope="module")
+def twins():
+  scanned, unrolled = compiled_for(True), compiled_for(False)
+  return costs.of_compiled(scanned), costs.of_compiled(unrolled), scanned
+
+
+def test_scanned_and_unrolled_agree_within_5_percent(twins):
+  scanned, unrolled, _ = twins
+  for name in ("flops", "bytes_accessed", "collective_bytes"):
+    a, b = getattr(scanned, name), getattr(unrolled, name)
+    assert a == pytest.approx(b, rel=0.05), (name, a, b)
+
+
+def test_the_layer_loops_are_found_with_their_trip_count(twins):
+  scanned, unrolled, compiled = twins
+  assert unrolled.loops == ()
+  assert [l.trip_count for l in scanned.loops] == [4, 4]  # forward scan, backward scan
+  # XLA's own figure counts each body once: far below the real work.
+  assert scanned.flops_loop_bodies_once == pytest.approx(
+      dry_run.report.flops(compiled), rel=1e-3)
+  assert scanned.flops > 2.5 * scanned.flops_loop_bodies_once
+
+
+NESTED = """HloModule m
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %s = f32[] add(%a, %b)
+}
+
+%inner_cond (p: (s32[], f32[64,64])) -> pred[] {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(3)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%inner_body (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64,64] get-tuple-element(%p), index=1
+  %d = f32[64,64] dot(%x, %x), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[64,64]) tuple(%j, %d)
+}
+
+%outer_cond (p: (s32[], f32[64,64])) -> pred[] {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %n = s32[] constant(5)
+  ROOT %lt = pred[] compare(%i, %n), direction=LT
+}
+
+%outer_body (p: (s32[], f32[64,64])) -> (s32[], f32[64,64]) {
+  %p = (s32[], f32[64,64]) parameter(0)
+  %i = s32[] get-tuple-element(%p), index=0
+  %x = f32[64,64] get-tuple-element(%p), index=1
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[64,64]) tuple(%zero, %x)
+  %w = (s32[], f32[64,64]) while(%t0), condition=%inner_cond, body=%inner_body
+  %y = f32[64,64] get-tuple-element(%w), index=1
+  %r = f32[64,64] all-reduce(%y), replica_groups={{0,1}}, to_apply=%add
+  %one = s32[] constant(1)
+  %j = s32[] add(%i, %one)
+  ROOT %t = (s32[], f32[64,64]) tuple(%j, %r)
+}
+
+ENTRY %main (x: f32[64,64]) -> f32[64,64] {
+  %x = f32[64,64] parameter(0)
+  %zero = s32[] constant(0)
+  %t0 = (s32[], f32[64,64]) tuple(%zero, %x)
+  %w = (s32[], f32[64,64]) while(%t0), condition=%outer_cond, body=%outer_body
+  ROOT %y = f32[64,64] get-tuple-element(%w), index=1
+}
+"""
+
+
+def test_nested_loops_multiply():
+  c = costs.of_hlo_text(NESTED)
+  dot = 2 * 64 ** 3
+  assert dot * 15 <= c.flops < dot * 15 * 1.01   # 5 outer x 3 inner matmuls (+ loop counters)
+  assert c.flops_loop_bodies_once < dot * 1.01
+  assert c.collective_bytes == 5 * 64 * 64 * 4
+  assert sorted((l.trip_count, l.executions) for l in c.loops) == [(3, 15), (5, 5)]
+
+
+def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
+  # The TPU compiler's bidirectional windowed einsums run `i < N` with i += 2.
+  hlo = NESTED.replace("constant(3)", "constant(6)").replace(  # the first is the inner body's
+      "%one = s32[] constant(1)\n  %j = s32[] add(%i, %one)", "%two = s32[] constant(2)\n  %j = s32[] add(%i, %two)", 1)
+  assert hlo != NESTED and "constant(6)" in hlo
+  assert sorted((l.trip_count, l.executions) for l in costs.of_hlo_text(hlo).loops) == [(3, 15), (5, 5)]
+
+
+def test_deepen_scales_the_layer_loop_and_what_lies_outside_it():
+  c = costs.of_hlo_text(NESTED)                  # outer loop: 5 "layers"
+  deep = costs.deepen(c, shallow=5, deep=20, outside_scale=3.0)
+  dot = 2 * 64 ** 3
+  assert 4 * c.flops * 0.99 < deep.flops < 4 * c.flops * 1.01   # the entry has almost no FLOPs
+  assert deep.collective_bytes == 4 * c.collective_bytes
+  entry = c.pieces[0]
+  assert deep.pieces[0].bytes_accessed == 3.0 * entry.bytes_accessed and deep.pieces[0].executions == 1
+  assert sorted(p.executions for p in deep.pieces if p.trips) == sorted(
+      4 * p.executions for p in c.pieces if p.trips)
+  assert deep.flops >= 60 * dot
+
+
+def test_a_loop_unrolled_by_two_counts_both_adds():
+  hlo = NESTED.replace("constant(3)", "constant(6)").replace(
+      "%one = s32[] constant(1)\n  %j = s32[] add(%i, %one)",
+      "%one = s32[] constant(1)\n  %h = s32[] add(%i, %one)\n  %j = s32[] add(%one, %h)", 1)
+  assert sorted((l.trip_count, l.executions) for l in costs.of_hlo_text(hlo).loops) == [(3, 15), (5, 5)]

@@ -1,0 +1,34 @@
+"""Model options the published runs need: the plain (two-matrix) MLP and the parallel block."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from shardax.configs.schema import TransformerConfig
+from shardax.layers import TransformerLM
+from shardax.layers.transformer import Block
+from shardax.trainer.perf import flops
+
+CFG = TransformerConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, d_ff=64, max_len=16,
+                        mlp="plain", activation="relu", parallel_block=True, tied_embedding=False)
+
+
+def test_parallel_block_adds_both_branches_of_one_norm():
+  with nnx.use_eager_sharding(False):
+    block = Block(CFG, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 16, 32))
+  pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
+  h = block.attn_norm(x)
+  expected = x + block.attn(h, pos) + jax.nn.relu(h @ block.mlp.up.kernel[...]) @ block.mlp.down.kernel[...]
+  np.testing.assert_allclose(block(x, pos), expected, rtol=1e-5, atol=1e-5)
+  assert block.mlp_norm is None
+
+
+def test_plain_mlp_params_are_what_the_flop_count_assumes():
+  with nnx.use_eager_sharding(False):
+    model = TransformerLM(CFG, rngs=nnx.Rngs(0))
+  total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  norms = CFG.num_layers * CFG.d_model + CFG.d_model     # one norm per parallel block + final
+  embed = CFG.vocab_size * CFG.d_model                   # the lookup table (the head is counted)
+  assert flops.matmul_params(CFG) == total - norms - embed

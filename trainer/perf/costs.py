@@ -1,0 +1,268 @@
+"""Costs of one compiled step that count loops: FLOPs, bytes accessed, collectives.
+
+XLA's `compiled.cost_analysis()` adds up every instruction of the module once, so
+the body of a `while` loop (a scan over layers, pipeline iterations, microbatch
+accumulation) counts once however many times it runs: an 8-layer scanned model
+shows about 1/8 of its real work. Here the module is split at its loops and each
+loop body is priced on its own by XLA's own HloCostAnalysis (the same C++ that
+`cost_analysis()` runs), then multiplied by its trip count:
+
+  total(c) = own(c) + sum over loops w started in c of trip(w) x (total(body_w) + total(cond_w))
+  own(c)   = cost(c as a module) - sum over those loops of (cost(body_w) + cost(cond_w))
+
+so nested loops multiply. Trip counts come from the compiler's `known_trip_count`
+or, where the TPU compiler omits it, from the loop condition `i < N`
+(sharding/report.py). A loop whose trip count cannot be read counts once, as before.
+
+Bytes accessed are logical (unpadded) bytes: each loop body is priced by the host
+platform's cost analysis, which does not know the TPU's tiled layouts, so tiny
+dims are not rounded up to tiles; for the dims of real models (multiples of 128)
+the two agree. Collectives come from the HLO with the same loop multipliers
+(`report.collectives`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+
+from shardax.sharding import report
+
+_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
+_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
+_CALLED_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
+_WHILE = re.compile(r"=\s.*?\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_KEYS = ("flops", "transcendentals", "bytes accessed")
+
+
+@dataclasses.dataclass(frozen=True)
+class Loop:
+  """One `while` of the program: its body and how often it runs per step."""
+  body: str
+  trip_count: int
+  executions: int          # times the body runs per step (trip count x enclosing loops)
+  flops: float             # one iteration of the body, nested loops included
+  bytes_accessed: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Piece:
+  """A computation the program's control flow runs (the entry or a loop body), with what
+  it does itself: nested loops excluded, fusions and plain calls included."""
+  computation: str
+  executions: int
+  flops: float
+  bytes_accessed: float
+  transcendentals: float
+  trips: tuple[int, ...] = ()      # trip counts of the loops around it, outermost first
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Per device, per call of the step, every loop body times its trip count."""
+  flops: float
+  transcendentals: float
+  bytes_accessed: float
+  collectives: tuple[report.Collective, ...]
+  loops: tuple[Loop, ...]
+  flops_loop_bodies_once: float    # what `cost_analysis()` says, for comparison
+  pieces: tuple[Piece, ...] = ()
+  owner: dict = dataclasses.field(default_factory=dict)  # computation -> its Piece's computation
+
+  def piece_of(self, c: report.Collective) -> Piece | None:
+    """The entry or loop body a collective runs in."""
+    name = self.owner.get(c.computation)
+    return next((p for p in self.pieces if p.computation == name), None)
+
+  @property
+  def collective_bytes(self) -> float:
+    return float(sum(c.bytes * c.executions for c in self.collectives))
+
+  def summary(self) -> dict:
+    return {"flops": self.flops, "transcendentals": self.transcendentals,
+            "bytes_accessed": self.bytes_accessed, "collective_bytes": self.collective_bytes,
+            "flops_loop_bodies_once": self.flops_loop_bodies_once,
+            "loops": [dataclasses.asdict(l) for l in self.loops]}
+
+
+@dataclasses.dataclass
+class _Module:
+  prefix: str                          # source tables (stack frames) the bodies refer to
+  blocks: dict[str, list[str]]         # computation -> its lines, in file order
+  entry: str
+  callees: dict[str, list[str]]        # computation -> computations it names
+  whiles: dict[str, list[tuple[str, str, int]]]  # computation -> (cond, body, trip)
+
+
+def _split(hlo_text: str) -> _Module:
+  lines = hlo_text.splitlines()
+  blocks: dict[str, list[str]] = {}
+  prefix, current, entry = [], None, ""
+  for line in lines:
+    if current is None:
+      if h := _HEADER.match(line):
+        current = h.group(2)
+        entry = current if h.group(1) else entry
+        blocks[current] = [line]
+      elif not blocks and not line.startswith("HloModule"):
+        prefix.append(line)
+      continue
+    blocks[current].append(line)
+    if line.startswith("}"):
+      current = None
+  trips = report.trip_counts(hlo_text)
+  callees, whiles = {}, {}
+  for name, body in blocks.items():
+    text = "\n".join(body[1:])
+    named = _CALLED.findall(text)
+    for group in _CALLED_LISTS.findall(text):
+      named += [x.strip().lstrip("%") for x in group.split(",") if x.strip()]
+    callees[name] = [c for c in dict.fromkeys(named) if c in blocks]
+    whiles[name] = [(cond, loop_body, trips.get(loop_body, 1))
+                    for line in body[1:] if (w := _WHILE.search(line))
+                    for cond, loop_body in [w.groups()]]
+  return _Module("\n".join(prefix), blocks, entry, callees, whiles)
+
+
+def _reachable(mod: _Module, root: str) -> list[str]:
+  seen, stack = set(), [root]
+  while stack:
+    c = stack.pop()
+    if c not in seen:
+      seen.add(c)
+      stack.extend(mod.callees.get(c, ()))
+  return [c for c in mod.blocks if c in seen]  # file order: callees before callers
+
+
+def _standalone(mod: _Module, root: str) -> str:
+  """The computation `root` and everything it calls, as a module with `root` as entry."""
+  parts = ["HloModule piece", mod.prefix]
+  for c in _reachable(mod, root):
+    block = list(mod.blocks[c])
+    header = block[0].removeprefix("ENTRY ")
+    block[0] = ("ENTRY " + header) if c == root else header
+    parts.append("\n".join(block))
+  return "\n\n".join(parts)
+
+
+def _xla_cost(text: str) -> dict[str, float]:
+  from jax._src.lib import xla_client
+  from jaxlib import _hlo
+  module = _hlo.hlo_module_from_text(text)
+  client = jax.devices("cpu")[0].client
+  cost = xla_client._xla.hlo_module_cost_analysis(client, module)
+  return {k: float(cost.get(k, 0.0)) for k in _KEYS}
+
+
+def _loops_started_in(mod: _Module, comp: str) -> list[tuple[str, str, int]]:
+  """Loops in `comp` or in what it calls without entering another loop."""
+  found, seen, stack = [], set(), [comp]
+  while stack:
+    c = stack.pop()
+    if c in seen:
+      continue
+    seen.add(c)
+    found += mod.whiles.get(c, [])
+    bodies = {x for w in mod.whiles.get(c, []) for x in w[:2]}
+    stack.extend(x for x in mod.callees.get(c, ()) if x not in bodies)
+  return found
+
+
+def of_hlo_text(hlo_text: str) -> Costs:
+  """Loop-aware costs of compiled HLO text (`compiled.as_text()`)."""
+  mod = _split(hlo_text)
+  whole = functools.lru_cache(None)(lambda c: _xla_cost(_standalone(mod, c)))
+  loops: list[Loop] = []
+  pieces: list[Piece] = []
+  owner: dict[str, str] = {}
+
+  def total(comp: str, runs: int, trips: tuple[int, ...] = ()) -> dict[str, float]:
+    out = dict(whole(comp))
+    started = _loops_started_in(mod, comp)
+    own = {k: whole(comp)[k] - sum(whole(b)[k] + whole(c)[k] for c, b, _ in started) for k in _KEYS}
+    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips))
+    for c in _inside(mod, comp):
+      owner.setdefault(c, comp)
+    for cond, body, trip in started:
+      inner_body, inner_cond = total(body, runs * trip, trips + (trip,)), total(cond, runs * trip, trips + (trip,))
+      loops.append(Loop(body, trip, runs * trip, inner_body["flops"], inner_body["bytes accessed"]))
+      for k in _KEYS:
+        out[k] += (trip - 1) * whole(body)[k] + (trip - 1) * whole(cond)[k]
+        out[k] += trip * ((inner_body[k] - whole(body)[k]) + (inner_cond[k] - whole(cond)[k]))
+    return out
+
+  result = total(mod.entry, 1)
+  return Costs(result["flops"], result["transcendentals"], result["bytes accessed"],
+               tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"],
+               tuple(pieces), owner)
+
+
+def _inside(mod: _Module, comp: str) -> set[str]:
+  """Computations run as part of `comp` itself (not inside one of its loops)."""
+  seen, stack = set(), [comp]
+  while stack:
+    c = stack.pop()
+    if c in seen:
+      continue
+    seen.add(c)
+    bodies = {x for w in mod.whiles.get(c, []) for x in w[:2]}
+    stack.extend(x for x in mod.callees.get(c, ()) if x not in bodies)
+  return seen
+
+
+def of_compiled(compiled) -> Costs:
+  """Loop-aware costs of a `jax.jit(...).lower(...).compile()` result."""
+  return of_hlo_text(compiled.as_text())
+
+
+def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs:
+  """The costs of the same program with `deep` layers, from a compile with `shallow`.
+
+  A scanned stack makes per-layer costs exactly linear in depth: every piece inside the
+  layer loop (the outermost loop that runs `shallow` times) runs deep/shallow times as
+  often. Outside the loop, the memory traffic (the optimizer update reads and writes
+  every parameter and its moments) and the collectives (gradient reductions of the
+  stacked weights) scale by `outside_scale`, the caller's ratio of parameter counts;
+  the FLOPs there (embedding, head, loss: independent of depth) do not.
+  """
+  def factor(p: Piece) -> float:
+    return deep / shallow if shallow in p.trips else outside_scale if not p.trips else 1.0
+  pieces = []
+  for p in costs.pieces:
+    f = factor(p)
+    if p.trips:
+      pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
+    else:  # outside every loop: per-parameter traffic scales, it still runs once
+      pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * f))
+  by_name = {p.computation: p for p in costs.pieces}
+  collectives = []
+  for c in costs.collectives:
+    p = by_name.get(costs.owner.get(c.computation, ""))
+    if p is None or not p.trips:
+      collectives.append(dataclasses.replace(c, bytes=int(c.bytes * outside_scale)))
+    else:
+      collectives.append(dataclasses.replace(c, executions=round(c.executions * factor(p))))
+  total = lambda key: sum(getattr(p, key) * p.executions for p in pieces)
+  loops = tuple(dataclasses.replace(l, executions=round(l.executions * deep / shallow))
+                if l.trip_count == shallow else l for l in costs.loops)
+  return Costs(total("flops"), total("transcendentals"), total("bytes_accessed"), tuple(collectives),
+               loops, costs.flops_loop_bodies_once, tuple(pieces), costs.owner)
+
+
+def to_json(costs: Costs) -> dict:
+  """A plain-JSON form of `costs` (cache it; `from_json` gives it back)."""
+  return {"flops": costs.flops, "transcendentals": costs.transcendentals,
+          "bytes_accessed": costs.bytes_accessed, "flops_loop_bodies_once": costs.flops_loop_bodies_once,
+          "collectives": [dataclasses.asdict(c) for c in costs.collectives],
+          "loops": [dataclasses.asdict(l) for l in costs.loops],
+          "pieces": [dataclasses.asdict(p) for p in costs.pieces], "owner": costs.owner}
+
+
+def from_json(d: dict) -> Costs:
+  return Costs(d["flops"], d["transcendentals"], d["bytes_accessed"],
+               tuple(report.Collective(**c) for c in d["collectives"]),
+               tuple(Loop(**l) for l in d["loops"]), d["flops_loop_bodies_once"],
+               tuple(Piece(**dict(p, trips=tuple(p["trips"]))) for p in d["pieces"]), d["owner"])

@@ -1,0 +1,145 @@
+"""Which links a collective crosses, and how long it takes on them.
+
+A collective's replica groups (in the compiled HLO: partition ids, the positions of
+`mesh.devices.flat`) name the devices that talk. From the devices themselves we
+read where they sit: TPU torus coordinates, the TensorCore on a v3 chip, the slice
+(TPU multi-slice) or node (GPU host) index. Then, for one group:
+
+  ICI (one slice): the torus dims along which members differ. A ring collective over
+    one dim uses both directions of its links when the dim closes into a ring
+    (wraparound: the group spans the whole dim, and the dim is long enough for the
+    chip's torus to wrap it), else only one (an open chain): bandwidth per device =
+    link x (2 if wraparound else 1), summed over the dims spanned (XLA runs a
+    multi-dim collective as concurrent rings). TPU v3's two cores share a chip's
+    links: / devices_per_chip. Members on one chip only: on-chip, at HBM speed.
+    GPUs: NVSwitch, every peer at the NVLink rate.
+  DCN: members in g_dcn slices/nodes. Hierarchical: the ICI part runs first, then
+    1/g_ici of the buffer crosses the DCN at the chip's DCN rate.
+
+Time of one execution, B the full buffer (sharding/report.py), g the group size:
+  all-gather, reduce-scatter   B (g-1)/g / bw
+  all-reduce                   2 B (g-1)/g / bw     (reduce-scatter + all-gather)
+  all-to-all                   B (g-1)/g / bw x max(1, g/4) on a torus ring (data
+                               travels g/4 hops on average), x 1 through a switch
+  collective-permute           B / one link
+plus a fixed latency per op (5 us ICI, 50 us DCN): small next to the transfers of
+real models, but it keeps thousands of tiny ops from reading as free.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import re
+
+import numpy as np
+
+from shardax.trainer.perf.chips import Chip
+
+ICI_LATENCY, DCN_LATENCY = 5e-6, 50e-6
+_IOTA = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
+_MESH = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+  """Where one replica group's members sit."""
+  size: int
+  ici_size: int                   # members per slice/node
+  dcn_size: int                   # slices/nodes spanned
+  dims: tuple[tuple[int, bool], ...] = ()  # torus dims spanned: (members along it, wraparound)
+  on_chip: bool = False           # only the cores of one chip (TPU v3)
+  axes: tuple[str, ...] = ()      # mesh axes along which members differ
+
+
+def _ints(text: str) -> list[int]:
+  return [int(x) for x in text.split(",") if x]
+
+
+def first_group(attr: str, num: int) -> list[int]:
+  """Partition ids of the first replica group (or source-target pair) in an HLO attribute."""
+  if attr.startswith("source_target_pairs="):
+    pairs = re.findall(r"\{(\d+),(\d+)\}", attr)
+    moving = [(int(a), int(b)) for a, b in pairs if a != b]
+    return list(moving[0]) if moving else [0]
+  body = attr.split("=", 1)[1] if attr.startswith("replica_groups=") else attr
+  if m := _MESH.search(body):
+    sizes = [(k.strip().strip("'"), int(v)) for k, v in (kv.split("=") for kv in m.group(1).split(","))]
+    ids = np.arange(math.prod(s for _, s in sizes))
+    if m.group(2):
+      ids = ids.reshape(_ints(m.group(2)))
+      if m.group(3):
+        ids = ids.transpose(_ints(m.group(3)))
+    ids = ids.reshape([s for _, s in sizes])
+    varying = {a.strip().strip("'") for a in m.group(4).split(",") if a.strip()}
+    index = tuple(slice(None) if name in varying else 0 for name, _ in sizes)
+    return [int(x) for x in ids[index].ravel()]
+  if m := _IOTA.search(body):
+    groups = _ints(m.group(1))
+    ids = np.arange(math.prod(_ints(m.group(2)))).reshape(_ints(m.group(2)))
+    if m.group(3):
+      ids = ids.transpose(_ints(m.group(3)))
+    return [int(x) for x in ids.reshape(groups)[0]]
+  if m := re.search(r"\{\{([0-9,]*)\}", body):
+    return _ints(m.group(1)) or list(range(num))
+  return list(range(num))
+
+
+def route(devices: np.ndarray, axis_names: tuple[str, ...], group: list[int]) -> Route:
+  """Where the members of `group` (positions in `devices.flat`) sit."""
+  flat = devices.ravel()
+  group = list(dict.fromkeys(group))
+  members = [flat[i] for i in group if i < flat.size]
+  positions = [np.unravel_index(i, devices.shape) for i in group if i < flat.size]
+  axes = tuple(a for k, a in enumerate(axis_names) if len({p[k] for p in positions}) > 1)
+  slice_of = lambda d: getattr(d, "slice_index", 0) or 0
+  slices = {slice_of(d) for d in members}
+  local = [d for d in members if slice_of(d) == slice_of(members[0])]
+  coords = [tuple(getattr(d, "coords", ())) for d in local]
+  extent = _extent(tuple(tuple(getattr(d, "coords", ())) for d in flat))
+  dims = []
+  for k in range(len(coords[0]) if coords and coords[0] else 0):
+    along = len({c[k] for c in coords})
+    if along > 1:
+      dims.append((along, along == extent[k]))
+  on_chip = len(local) > 1 and len(set(coords)) == 1
+  return Route(len(members), len(local), len(slices), tuple(dims), on_chip, axes)
+
+
+@functools.lru_cache(maxsize=64)
+def _extent(coords: tuple[tuple[int, ...], ...]) -> tuple[int, ...]:
+  if not coords or not coords[0]:
+    return ()
+  return tuple(max(c[k] for c in coords) + 1 for k in range(len(coords[0])))
+
+
+def ici_bandwidth(chip: Chip, r: Route) -> float:
+  """Bytes/s one device moves in a ring collective over the ICI part of `r`."""
+  if chip.torus_dims == 0:          # GPU: NVSwitch
+    return chip.ici_link_bandwidth
+  if r.on_chip:
+    return chip.hbm_bandwidth / 2
+  per_link = chip.ici_link_bandwidth / chip.devices_per_chip
+  wraps = lambda size, full: full and size >= chip.wraparound_from
+  return sum(per_link * (2 if wraps(size, full) else 1) for size, full in r.dims) or per_link
+
+
+def seconds(kind: str, nbytes: float, r: Route, chip: Chip) -> float:
+  """Time of one execution of a collective of `kind` moving an `nbytes` buffer over `r`."""
+  if r.size <= 1 or nbytes <= 0:
+    return 0.0
+  if kind == "collective-permute":
+    link = chip.dcn_bandwidth if r.dcn_size > 1 else (
+        chip.hbm_bandwidth / 2 if r.on_chip else chip.ici_link_bandwidth / chip.devices_per_chip)
+    return nbytes / link + (DCN_LATENCY if r.dcn_size > 1 else ICI_LATENCY)
+  factor = {"all-reduce": 2.0}.get(kind, 1.0)
+  t = 0.0
+  if r.ici_size > 1:
+    g = r.ici_size
+    spread = max(1.0, g / 4) if kind == "all-to-all" and chip.torus_dims else 1.0
+    t += factor * nbytes * (g - 1) / g / ici_bandwidth(chip, r) * spread + ICI_LATENCY
+  if r.dcn_size > 1:
+    g = r.dcn_size
+    t += factor * (nbytes / r.ici_size) * (g - 1) / g / chip.dcn_bandwidth + DCN_LATENCY
+  return t

@@ -1,0 +1,164 @@
+"""How long will one training step take on hardware we do not have? A model of the step.
+
+The input is the compiled step itself (for a TPU slice we have never rented, the
+real TPU compiler's program via libtpu's topology description), the mesh it was
+compiled for and the chip table (trainer/perf/chips.py). The program is split into
+the pieces its control flow runs: the entry computation and each loop body (a scan
+over layers, pipeline iterations, microbatch accumulation), each with how many times
+it runs per step and its own FLOPs, bytes and collectives (trainer/perf/costs.py:
+priced by XLA's own cost analysis, loops counted by their trip counts). Then:
+
+Assumptions
+  1. Compute. A piece's FLOPs run at the chip's peak times `matmul_efficiency`: the
+     share of the datasheet peak that large XLA-fused bf16 matmuls reach (MXU/tensor
+     core pipeline fill, operand movement HBM->VMEM/SMEM, layout copies). One number
+     per chip family, not per model; it was set from the published runs that are
+     least bound by anything else (compute-bound, little exposed communication), see
+     docs/scale.md. Elementwise work is counted as FLOPs at the same rate: it is a few
+     percent of a Transformer's FLOPs, and its memory traffic is in the next term.
+  2. Memory. A piece's bytes accessed (logical, from XLA) at the HBM bandwidth. Within
+     a piece, compute and memory traffic overlap (fused matmuls stream their operands),
+     so a piece costs max(compute, memory), not the sum.
+  3. Collectives. Each collective's time comes from its bytes, its replica group and
+     the links the group crosses (trainer/perf/links.py: TPU ICI torus dims with or
+     without wraparound, TPU v3's shared chip links, DCN between slices, NVLink and the
+     network between GPU hosts), plus a small fixed latency.
+  4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
+     scheduler placed) overlap the compute of the piece they run in: in a scanned
+     layer, the next layer's weight all-gather runs behind this layer's matmuls. They
+     are hidden up to the piece's own compute time; the rest is exposed. Synchronous
+     collectives sit on the critical path. So a piece costs
+        max(max(compute, memory), async collectives) + sync collectives.
+  5. Recompute is not a constant: rematerialized layers appear in the compiled program
+     as extra FLOPs, and the ratio hardware FLOPs / model FLOPs says how much.
+  6. Pipeline bubble: in shardax's pipeline (pipeline/), idle stages compute on
+     padding during fill and drain, so the bubble's time is already in the loop's
+     FLOPs; the breakdown names it: (S-1)/(M*R+S-1) of the loop time.
+  7. Not modelled: host input pipeline, stragglers, ICI congestion between
+     collectives that run at once, HBM contention of overlapped collectives, kernel
+     launch gaps on GPUs, and compiler passes that differ between the libtpu version
+     here and the one a real run uses.
+
+step_seconds = sum over pieces of executions x cost(piece). MFU counts model FLOPs
+(trainer/perf/flops.py: 6N + causal-halved attention, the PaLM/MaxText convention);
+HFU counts the compiled program's FLOPs (recompute and padding included).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+from typing import Any
+
+from shardax.trainer.perf import chips as chips_lib
+from shardax.trainer.perf import costs as costs_lib
+from shardax.trainer.perf import flops as flops_lib
+from shardax.trainer.perf import links
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+  """Predicted step time of one compiled step on one chip type, and what it is made of."""
+  step_seconds: float
+  mfu: float                          # model FLOPs / (devices x peak x step)
+  hfu: float                          # compiled (hardware) FLOPs / (peak x step), per device
+  tokens_per_second_per_device: float
+  chip: str
+  model_flops_per_step: float
+  hardware_flops_per_device: float
+  flops_convention: str
+  breakdown: dict[str, Any]
+
+  def as_dict(self) -> dict[str, Any]:
+    return dataclasses.asdict(self)
+
+
+def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Prediction | None:
+  """The step time of `compiled` (the train step of `exp` on `mesh`); None without a chip row."""
+  chip = chip or chips_lib.lookup(mesh.devices.flat[0].device_kind)
+  if chip is None:
+    return None
+  return from_costs(costs_lib.of_compiled(compiled), mesh, exp, chip)
+
+
+def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Prediction:
+  """`predict` from loop-aware costs already read from the program."""
+  n = int(mesh.size)
+  rate = chip.peak_bf16_flops * chip.matmul_efficiency
+  comm = _collective_times(costs, mesh, chip)
+  pieces, totals = [], collections.Counter()
+  for p in costs.pieces:
+    compute, memory = p.flops / rate, p.bytes_accessed / chip.hbm_bandwidth
+    local = max(compute, memory)
+    async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
+    hidden = min(async_t, local)
+    t = max(local, async_t) + sync_t
+    for key, value in (("compute", compute), ("memory", memory), ("hidden", hidden),
+                       ("exposed", async_t - hidden + sync_t), ("step", t)):
+      totals[key] += p.executions * value
+    pieces.append({"computation": p.computation, "executions": p.executions,
+                   "seconds_each": t, "compute_seconds_each": compute,
+                   "memory_seconds_each": memory, "collective_seconds_each": async_t + sync_t})
+  step = totals["step"]
+  model_flops = float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch
+  tokens = exp.model.tokens_per_example(exp.data) * exp.train.global_batch
+  bubble = _bubble_fraction(exp) * (step - (pieces[0]["seconds_each"] if pieces else 0.0))
+  breakdown = {
+      "compute_seconds": totals["compute"], "memory_seconds": totals["memory"],
+      "collectives": {"by_kind": dict(comm["by_kind"]), "by_axis": dict(comm["by_axis"]),
+                      "by_link": dict(comm["by_link"]),
+                      "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},
+      "bubble_seconds": bubble,
+      "recompute_factor": costs.flops * n / model_flops if model_flops else None,
+      "matmul_efficiency": chip.matmul_efficiency,
+      "pieces": pieces}
+  return Prediction(
+      step_seconds=step,
+      mfu=model_flops / (n * chip.peak_bf16_flops * step) if step else 0.0,
+      hfu=costs.flops / (chip.peak_bf16_flops * step) if step else 0.0,
+      tokens_per_second_per_device=tokens / step / n if step else 0.0,
+      chip=chip.name, model_flops_per_step=model_flops, hardware_flops_per_device=costs.flops,
+      flops_convention=flops_lib.CONVENTION, breakdown=breakdown)
+
+
+def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dict[str, dict]:
+  """Seconds of collectives per execution of each piece (async / sync), and per step by kind,
+  mesh axis and link."""
+  out = {k: collections.Counter() for k in ("async", "sync", "by_kind", "by_axis", "by_link")}
+  routes: dict[str, links.Route] = {}
+  for c in costs.collectives:
+    if c.replica_groups not in routes:
+      group = links.first_group(c.replica_groups, mesh.size) if c.replica_groups else list(range(mesh.size))
+      routes[c.replica_groups] = links.route(mesh.devices, tuple(mesh.axis_names), group)
+    r = routes[c.replica_groups]
+    t = links.seconds(c.kind, c.bytes, r, chip)
+    piece = costs.piece_of(c)
+    owner = piece.computation if piece else (costs.pieces[0].computation if costs.pieces else "")
+    out["async" if c.is_async else "sync"][owner] += t
+    out["by_kind"][c.kind] += t * c.executions
+    out["by_axis"]["+".join(r.axes) or "none"] += t * c.executions
+    out["by_link"]["dcn" if r.dcn_size > 1 else "ici"] += t * c.executions
+  return out
+
+
+def _bubble_fraction(exp) -> float:
+  p = getattr(getattr(exp.model, "transformer", exp.model), "pipeline", None)
+  if p is None or p.stages <= 1:
+    return 0.0
+  return (p.stages - 1) / (p.microbatches * p.circular_repeats + p.stages - 1)
+
+
+def format_prediction(pr: Prediction) -> list[str]:
+  """Lines for the dry run's printed report."""
+  b, c = pr.breakdown, pr.breakdown["collectives"]
+  lines = [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
+           f"{pr.step_seconds:.4g} s, {pr.tokens_per_second_per_device:,.1f} tokens/s/device",
+           f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
+           f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
+           f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
+           f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
+           f"bubble {b['bubble_seconds']:.4g} s"]
+  if c["by_kind"]:
+    lines.append("    collectives by kind: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_kind"].items())))
+    lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
+  return lines
