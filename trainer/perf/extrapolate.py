@@ -35,15 +35,19 @@ any depth, so deeper copies cost nothing extra.
 Where it does not hold, the dry run compiles the full model and says why in
 `compile_path_reason`: unscanned stacks (`scan_layers=False`: L copies of the block,
 whose buffers the compiler may share or schedule differently at each depth), models of
-at most 4 units (nothing to save), and the default (`--shallow` asks for this path). Near the HBM line the
+at most 4 units (nothing to save), and by default: `--shallow` asks for this path,
+because a scanned stack compiles in about the same time at any depth, so two shallow
+compiles cost more than one full one (docs/scale.md). Near the HBM line the
 extrapolation is an estimate of what the compiler would *need*: a program over its
 budget makes the TPU compiler rematerialize harder, so a "does not fit" within a few
-percent of HBM deserves a check with the full compile (the default).
+percent of HBM deserves a check with the full compile.
 
 Compile effort: `effort` (jax's `exec_time_optimization_effort`, -1..1) trades the
 compiled program's speed for compile time. The dry run keeps the default (0); the
-planner uses -1, which compiles ~5x faster on this machine and moved the 1T model's
-temp bytes by 0.7% (docs/scale.md, "Plan").
+planner uses -1, which compiles ~4-5x faster on this machine (the TPU backend's code
+scheduling is most of a compile) and changes the compiler's memory plan: +0.7% temp on a
+2-layer copy of pod.lm_1t, -11% total on pod.lm_16b (16.55 vs 18.55 GiB). Rank with
+it; confirm the chosen layout at effort 0 (docs/scale.md, "Plan").
 """
 
 from __future__ import annotations
@@ -212,11 +216,12 @@ def dry_run(exp: Experiment, job_dir: str | None = None, *, full: bool = False,
   if full or isinstance(d, str):
     with compile_effort(effort):
       out = dry_run_lib.dry_run(exp)
-    out.update(compile_path="full", compile_path_reason="asked for (no --shallow)" if full else d)
+    out.update(compile_path="full", compile_path_reason="the default; --shallow extrapolates from shallow copies" if full else d)
   else:
     out = extrapolated(exp, d, effort)
     out["compile_path_reason"] = None
   out["dry_run_seconds"] = time.perf_counter() - start
+  out["compile_effort"] = effort
   if job_dir:
     os.makedirs(job_dir, exist_ok=True)
     with open(os.path.join(job_dir, "dry_run.json"), "w") as f:
@@ -230,5 +235,7 @@ def format_path(r: dict) -> str:
     s = r["shallow"]
     return (f"  compiled shallow copies of {s['layers'][0]} and {s['layers'][1]} layers "
             f"({s['field']}, unit {s['unit']}) and extrapolated to the full depth; "
-            f"dry run {r['dry_run_seconds']:.0f} s (without --shallow: the whole model)")
-  return f"  compiled the full model ({r.get('compile_path_reason')}); dry run {r['dry_run_seconds']:.0f} s"
+            f"dry run {r['dry_run_seconds']:.0f} s at compile effort {r['compile_effort']:g} "
+            f"(without --shallow: the whole model)")
+  return (f"  compiled the full model ({r.get('compile_path_reason')}); dry run "
+          f"{r['dry_run_seconds']:.0f} s at compile effort {r['compile_effort']:g}")

@@ -16,8 +16,9 @@ It prints the best layouts with the exact `--set` line that selects each, and wr
 `plan.json` (every candidate, its status, reason and figures) into the job dir.
 
 Speed: the planner compiles at jax's `exec_time_optimization_effort=-1`, which skips
-most of the TPU backend's code scheduling (the bulk of a compile on a CPU host: ~5x
-faster, memory within ~1% on the 1T model's layer); with `shallow=True` it compiles
+most of the TPU backend's code scheduling (the bulk of a compile on a CPU host: ~4-5x
+less CPU; the memory plan moves by up to ~11%, see extrapolate.py, so confirm the
+winner with `--mode=dry_run`, which compiles at effort 0); with `shallow=True` it compiles
 two shallow copies of a scanned stack and extrapolates instead (extrapolate.py).
 A scanned stack compiles in about the same time at any depth, so on its own the
 shallow path saves time only for unscanned stacks; docs/scale.md has the figures.
