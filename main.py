@@ -1,6 +1,6 @@
 """The command line: `shardax --exp=NAME --job_dir=DIR [--mode=...] [--set PATH=VALUE ...]`.
 
-Modes: train (default), eval, decode, explain, benchmark, dry_run, list. Every mistake a user can
+Modes: train (default), eval, decode, explain, benchmark, dry_run, plan, list. Every mistake a user can
 make here (an unknown experiment, a mistyped --set path, a mesh that does not
 match the devices) ends in one line naming the problem and the fix, before
 anything in the job dir is written.
@@ -19,7 +19,7 @@ logs.quiet_native_logs()
 
 from absl import app, flags, logging  # noqa: E402
 
-MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "list")
+MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "plan", "list")
 
 flags.DEFINE_string("exp", None, "Registered experiment name (see --mode=list).")
 flags.DEFINE_string("job_dir", None, "Directory for config, checkpoints, metrics and reports.")
@@ -34,6 +34,10 @@ flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0..n
 flags.DEFINE_integer("heartbeat_timeout_s", None,
                      "Multi-process: a process that hears nothing from its peers for this many seconds "
                      "exits non-zero (default: SHARDAX_HEARTBEAT_TIMEOUT_S, else 100).")
+flags.DEFINE_bool("shallow", False, "dry_run/plan: compile shallow copies of a scanned stack and "
+                  "extrapolate to full depth (trainer/perf/extrapolate.py) instead of the full model.")
+flags.DEFINE_float("compile_effort", None, "dry_run/plan: jax exec_time_optimization_effort in [-1, 1]; "
+                   "-1 compiles ~5x faster. Default: 0 for dry_run, -1 for plan.")
 FLAGS = flags.FLAGS
 
 
@@ -108,13 +112,20 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
   elif mode == "dry_run":
     from shardax.trainer.perf import dry_run
     write_config(exp, job_dir)
-    result = dry_run.dry_run(exp, job_dir)
-    print(dry_run.format_report(result), flush=True)
+    from shardax.trainer.perf import extrapolate
+    result = extrapolate.dry_run(exp, job_dir, full=not FLAGS.shallow, effort=FLAGS.compile_effort or 0.0)
+    print(dry_run.format_report(result) + "\n" + extrapolate.format_path(result), flush=True)
     if result["fits"] is False:
       print(f"shardax: {exp.name} does not fit on {result['topology'] or 'these devices'}: "
             f"{result['bytes_per_device']['total'] or 0:,} bytes per device needed, "
             f"{result['hbm_bytes_per_device']:,} available. {result['hint']}", file=sys.stderr, flush=True)
       sys.exit(1)
+  elif mode == "plan":
+    from shardax.trainer.perf import plan
+    write_config(exp, job_dir)
+    effort = -1.0 if FLAGS.compile_effort is None else FLAGS.compile_effort
+    result = plan.plan(FLAGS.exp, FLAGS.set, job_dir, effort=effort, shallow=FLAGS.shallow)
+    print(plan.format_plan(result), flush=True)
 
 
 def main(argv) -> None:
@@ -133,9 +144,9 @@ def main(argv) -> None:
     if not FLAGS.job_dir:
       raise UserError("--job_dir is required: the directory for checkpoints and metrics")
     exp = resolve_experiment(FLAGS.exp, FLAGS.set)
-    if exp.mesh.topology and FLAGS.mode not in ("dry_run", "explain"):
+    if exp.mesh.topology and FLAGS.mode not in ("dry_run", "explain", "plan"):
       raise UserError(f"mesh.topology={exp.mesh.topology!r} describes TPUs that are not here; "
-                      f"use it with --mode=dry_run or --mode=explain")
+                      f"use it with --mode=dry_run, --mode=explain or --mode=plan")
     _set_cpu_devices(exp)
     from shardax.trainer import distributed
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,

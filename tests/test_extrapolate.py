@@ -1,0 +1,83 @@
+"""Dry runs from shallow copies of a scanned stack (trainer/perf/extrapolate.py)."""
+
+import json
+
+import pytest
+
+from shardax import configs
+from shardax.trainer.perf import extrapolate as ex
+
+SMALL = ["data.source='synthetic'", "model.num_heads=4", "model.d_model=128", "model.d_ff=512",
+         "data.seq_len=64", "model.max_len=64", "train.global_batch=8", "sharding.preset='2d'",
+         "model.remat='full'", "mesh.topology='v5e:2x2'", "mesh.ici=(2,2)"]
+
+
+def build(name, *overrides):
+  cfg = configs.get(name)
+  configs.apply_overrides(cfg, list(overrides))
+  return configs.build(cfg)
+
+
+def test_affine_is_exact_on_ints_fills_missing_keys_and_clamps():
+  a = {"bytes": 100, "kinds": {"all-gather": {"count": 3}}, "chip": "a"}
+  b = {"bytes": 150, "kinds": {"all-gather": {"count": 5}, "all-reduce": {"count": 2}}, "chip": "b",
+       "fits": True}
+  out = ex.affine(a, b, 3, 4, 104)
+  assert out == {"bytes": 100 + 50 * 101, "chip": "b", "fits": True,
+                 "kinds": {"all-gather": {"count": 3 + 2 * 101}, "all-reduce": {"count": 2 * 101 + 2 - 2}}}
+  assert ex.affine(10**12 + 7, 2 * 10**12 + 7, 1, 2, 104) == 104 * 10**12 + 7  # exact, no float rounding
+  assert ex.affine(1.0, 1.5, 3, 4, 6) == pytest.approx(2.5)
+  assert ex.affine(10, 5, 3, 4, 104) == 0  # a shrinking byte count cannot go negative
+
+
+def test_depth_unit_is_a_layer_a_pipeline_round_or_a_moe_unit():
+  assert ex.depth(build("lm.tiny", "model.num_layers=12")) == ex.Depth(12, 1, "model.num_layers")
+  gpt3 = build("lm.gpt3_175b_pipelined")
+  assert ex.depth(gpt3) == ex.Depth(96, 16, "model.num_layers")  # 8 stages x 2 circular repeats
+  shallow = ex.with_layers(gpt3, 48)
+  assert shallow.model.num_layers == 48 and shallow.model.pipeline == gpt3.model.pipeline
+  assert shallow.mesh == gpt3.mesh and shallow.train == gpt3.train
+  moe = build("moe.gshard_1t")
+  assert ex.depth(moe) == ex.Depth(40, 2, "model.transformer.num_layers")
+  assert ex.with_layers(moe, 6).model.transformer.num_layers == 6
+  assert ex.with_layers(moe, 6).model.moe == moe.model.moe
+  assert "scan_layers=False" in ex.depth(build("lm.tiny", "model.num_layers=12", "model.scan_layers=False"))
+  assert "already as shallow" in ex.depth(build("lm.tiny", "model.num_layers=4"))
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory):
+  """One 12-layer model: extrapolated from 3 and 4 layers, and compiled whole (both at effort -1)."""
+  pytest.importorskip("libtpu")
+  exp = build("lm.tiny", *SMALL, "model.num_layers=12")
+  job = tmp_path_factory.mktemp("extrapolated")
+  shallow = ex.dry_run(exp, str(job), effort=-1.0)
+  full = ex.dry_run(exp, full=True, effort=-1.0)
+  return shallow, full, job
+
+
+def test_extrapolation_matches_the_full_compile_within_5_percent(both):
+  shallow, full, _ = both
+  assert shallow["compile_path"] == "shallow" and shallow["shallow"]["layers"] == [3, 4]
+  assert full["compile_path"] == "full"
+  # Exactly affine in depth: params, optimizer state, parameter count, model FLOPs.
+  for key in ("params", "optimizer_state"):
+    assert shallow["bytes_per_device"][key] == full["bytes_per_device"][key]
+  assert shallow["num_params"] == full["num_params"]
+  assert shallow["model_flops_per_step"] == full["model_flops_per_step"]
+  for key in ("argument", "total"):
+    assert shallow["bytes_per_device"][key] == pytest.approx(full["bytes_per_device"][key], rel=0.05)
+  rs, rf = shallow["roofline"], full["roofline"]
+  assert rs["predicted_step_seconds"] == pytest.approx(rf["predicted_step_seconds"], rel=0.05)
+  assert rs["predicted_step_seconds"] == max(rs["compute_seconds"], rs["hbm_seconds"], rs["ici_seconds"])
+  for kind, c in full["collectives"].items():  # loop-body collectives run once per layer
+    assert shallow["collectives"][kind]["count"] == pytest.approx(c["count"], rel=0.05), kind
+  assert shallow["fits"] is full["fits"] is True
+
+
+def test_report_says_which_path_was_used(both):
+  shallow, _, job = both
+  saved = json.loads((job / "dry_run.json").read_text())
+  assert saved["compile_path"] == "shallow" and saved["compile_path_reason"] is None
+  assert saved["shallow"]["field"] == "model.num_layers" and len(saved["shallow"]["compile_seconds"]) == 2
+  assert "shallow copies of 3 and 4 layers" in ex.format_path(saved)

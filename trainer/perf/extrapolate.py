@@ -1,0 +1,241 @@
+"""Dry runs of deep scanned models from two shallow copies, extrapolated to full depth.
+
+Why it holds. With `scan_layers` the layer stack is one loop body run L times over
+weights stacked [L, ...], so every per-device figure of a dry run is affine in the
+depth, f(L) = f0 + L x f1:
+  argument / output / alias bytes  params and optimizer state: the [L, ...] stacks plus
+                                   the embedding, head and norms (exactly affine);
+  temp bytes                       what the backward pass keeps per layer (the layer input
+                                   under full remat, more under lighter policies) and the
+                                   stacked weight gradients grow with L; one layer's working
+                                   set and the head's logits do not;
+  collectives                      those in the loop body run L times, the rest once;
+  FLOPs, bytes accessed            as the cost model in force counts them (XLA's own cost
+                                   analysis counts a loop body once: then they are constant
+                                   in L and extrapolate to what the full compile reports);
+  model FLOPs, params              the formula and the parameter count: affine by construction.
+Two compiles at depths a < b give f(L) = f(a) + (f(b) - f(a)) (L - a) / (b - a). The
+step-time prediction is re-derived from the extrapolated figures (`_derive`), not
+extrapolated itself, since it takes a max over its terms.
+
+The unit: a shallow copy must keep the model's structure, so depths are multiples of
+  dense LM                        1 layer;
+  pipeline (S stages, R repeats)  S x R layers: one layer per stage per visit, so the
+                                  schedule (M x R + S - 1 iterations, its bubble, the
+                                  circular queue) is unchanged; only the per-visit scan
+                                  of L / (S x R) layers shortens;
+  GShard MoE LM                   `moe.every` layers: (every - 1) dense blocks and one MoE
+                                  block are one scanned unit.
+The copies have 3 and 4 units. Shallower ones mislead: on pod.lm_16b (v4:4x4x4) the
+1-layer copy needs *more* temp than the 2-layer one (11.9 vs 9.3 GB: the compiler drops
+the trip-1 loop and schedules the step differently), and the 2 -> 3 layer step is 1.5x
+the per-layer step from 3 layers on. A scanned stack compiles in about the same time at
+any depth, so deeper copies cost nothing extra.
+
+Where it does not hold, the dry run compiles the full model and says why in
+`compile_path_reason`: unscanned stacks (`scan_layers=False`: L copies of the block,
+whose buffers the compiler may share or schedule differently at each depth), models of
+at most 4 units (nothing to save), and by default: `--shallow` asks for this path,
+because a scanned stack compiles in about the same time at any depth, so two shallow
+compiles cost more than one full one (docs/scale.md). Near the HBM line the
+extrapolation is an estimate of what the compiler would *need*: a program over its
+budget makes the TPU compiler rematerialize harder, so a "does not fit" within a few
+percent of HBM deserves a check with the full compile.
+
+Compile effort: `effort` (jax's `exec_time_optimization_effort`, -1..1) trades the
+compiled program's speed for compile time. The dry run keeps the default (0); the
+planner uses -1, which compiles ~4-5x faster on this machine (the TPU backend's code
+scheduling is most of a compile) and changes the compiler's memory plan: +0.7% temp on a
+2-layer copy of pod.lm_1t, -11% total on pod.lm_16b (16.55 vs 18.55 GiB). Rank with
+it; confirm the chosen layout at effort 0 (docs/scale.md, "Plan").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import time
+from fractions import Fraction
+from typing import Any, Iterator
+
+import jax
+
+from shardax.configs.schema import Experiment
+from shardax.trainer.perf import chips
+from shardax.trainer.perf import dry_run as dry_run_lib
+
+SHALLOW_UNITS = (3, 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class Depth:
+  """How deep the experiment's layer stack is, and in which steps it may be cut."""
+  layers: int
+  unit: int
+  field: str  # the config path of the layer count, for messages
+
+
+def _transformer(model):
+  """The dense TransformerConfig of an LM config, or of the one inside a composite (MoE)."""
+  return getattr(model, "transformer", model)
+
+
+def depth(exp: Experiment) -> Depth | str:
+  """The stack's Depth when shallow copies extrapolate to it, else the reason they do not."""
+  model = exp.model
+  t = _transformer(model)
+  if not hasattr(t, "num_layers"):
+    return f"{type(model).__name__} has no layer stack to cut"
+  field = "model.num_layers" if t is model else "model.transformer.num_layers"
+  if not t.scan_layers:
+    return (f"model.scan_layers=False: an unrolled stack is not one loop body, so its "
+            f"per-layer memory need not be linear in depth")
+  unit = 1
+  if t.pipeline.stages > 1:
+    unit = t.pipeline.stages * t.pipeline.circular_repeats
+  if hasattr(model, "moe"):
+    unit = model.moe.every
+  if t.num_layers <= SHALLOW_UNITS[-1] * unit:
+    return f"{field}={t.num_layers} is already as shallow as the copies ({SHALLOW_UNITS[-1] * unit})"
+  return Depth(t.num_layers, unit, field)
+
+
+def with_layers(exp: Experiment, layers: int) -> Experiment:
+  """The experiment with `layers` layers and everything else unchanged."""
+  model = exp.model
+  t = dataclasses.replace(_transformer(model), num_layers=layers)
+  model = t if _transformer(model) is model else dataclasses.replace(model, transformer=t)
+  return dataclasses.replace(exp, model=model)
+
+
+@contextlib.contextmanager
+def compile_effort(effort: float) -> Iterator[None]:
+  """Compile inside this block with jax's exec_time_optimization_effort = `effort`."""
+  old = jax.config.jax_exec_time_optimization_effort
+  jax.config.update("jax_exec_time_optimization_effort", float(effort))
+  try:
+    yield
+  finally:
+    jax.config.update("jax_exec_time_optimization_effort", old)
+
+
+def affine(a: Any, b: Any, xa: int, xb: int, x: int) -> Any:
+  """f(x) from f(xa) = a and f(xb) = b, leaf by leaf (dicts by key; ints stay ints).
+
+  Non-numbers come from `b`; a dict key only one side has counts as 0 on the other
+  (e.g. a collective the trip-1 copy lost with its loop). Bytes and counts cannot go
+  below zero, so negative results (compiler noise on a flat figure) clamp to 0.
+  """
+  if isinstance(a, dict) or isinstance(b, dict):
+    a, b = a or {}, b or {}
+    return {k: affine(a.get(k, _zero(b.get(k))), b.get(k, _zero(a.get(k))), xa, xb, x)
+            for k in {**a, **b}}
+  if not _number(a) or not _number(b):
+    return b
+  value = Fraction(a) + (Fraction(b) - Fraction(a)) * (x - xa) / (xb - xa)
+  value = max(value, Fraction(0))
+  return round(value) if isinstance(a, int) and isinstance(b, int) else float(value)
+
+
+def _number(v: Any) -> bool:
+  return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _zero(v: Any) -> Any:
+  if isinstance(v, dict):
+    return {k: _zero(x) for k, x in v.items()}
+  return 0 if _number(v) else v
+
+
+def _derive(out: dict, exp: Experiment) -> dict:
+  """Figures that are not affine in depth, recomputed from the extrapolated ones.
+
+  The one place that knows how the prediction is built from its inputs (today the
+  dry run's roofline: the max of compute, HBM and ICI time).
+  """
+  mem, hbm = out["bytes_per_device"], out["hbm_bytes_per_device"]
+  out["fits"] = None if hbm is None or mem.get("total") is None else bool(mem["total"] <= hbm)
+  out["hint"] = None if out["fits"] is not False else dry_run_lib.hint(mem, hbm)
+  chip = chips.lookup(out["device_kind"])
+  rf = out.get("roofline")
+  if rf and chip:
+    out["roofline"] = dry_run_lib.roofline(
+        chip, out["num_devices"], out["model_flops_per_step"], _transformer(exp.model).remat,
+        out["flops_per_device"] or 0.0, rf["hbm_seconds"] * chip.hbm_bandwidth,
+        rf["ici_seconds"] * chip.ici_bandwidth)
+  return out
+
+
+def _shallow_report(exp: Experiment, layers: int, effort: float) -> dict:
+  with compile_effort(effort):
+    return dry_run_lib.dry_run(with_layers(exp, layers))
+
+
+def extrapolated(exp: Experiment, d: Depth, effort: float = 0.0) -> dict:
+  """The dry-run report of `exp` from shallow copies of 1 and 2 units."""
+  xa, xb = (u * d.unit for u in SHALLOW_UNITS)
+  dry_run_lib.prepare(exp)  # the full model's shardings: a mesh or rule error surfaces here
+  a = _shallow_report(exp, xa, effort)
+  b = _shallow_report(exp, xb, effort)
+  shallow = {"layers": [xa, xb], "field": d.field, "unit": d.unit, "effort": effort,
+             "compile_seconds": [a["compile_seconds"], b["compile_seconds"]]}
+  if a["error"] or b["error"]:  # a shallow copy over HBM: the full model is too
+    worst = b if b["error"] else a
+    out = {**worst, "fits": False, "shallow": shallow, "compile_path": "shallow",
+           "error": f"with only {shallow['layers'][worst is b]} layers: {worst['error']}",
+           "compile_seconds": a["compile_seconds"] + b["compile_seconds"],
+           "compile_cpu_seconds": a["compile_cpu_seconds"] + b["compile_cpu_seconds"]}
+    return _with_exact(out, exp)
+  out = affine(a, b, xa, xb, d.layers)  # then the exact and the derived fields
+  out.update(compile_seconds=a["compile_seconds"] + b["compile_seconds"],
+             compile_cpu_seconds=a["compile_cpu_seconds"] + b["compile_cpu_seconds"],
+             compile_path="shallow", shallow=shallow)
+  return _derive(_with_exact(out, exp), exp)
+
+
+def _with_exact(out: dict, exp: Experiment) -> dict:
+  """Fields known from the full config without compiling it."""
+  out.update(experiment=exp.name, global_batch=exp.train.global_batch,
+             model_flops_per_step=float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch,
+             tokens_per_step=exp.model.tokens_per_example(exp.data) * exp.train.global_batch)
+  return out
+
+
+def dry_run(exp: Experiment, job_dir: str | None = None, *, full: bool = False,
+            effort: float = 0.0) -> dict:
+  """`--mode=dry_run`: shallow copies extrapolated when the stack allows, else the full compile.
+
+  The report is the dry run's (trainer/perf/dry_run.py) plus `compile_path` ("shallow" or
+  "full"), `compile_path_reason` (why not shallow) and, on the shallow path, `shallow`
+  (the depths compiled and their compile seconds).
+  """
+  start = time.perf_counter()
+  d = depth(exp)
+  if full or isinstance(d, str):
+    with compile_effort(effort):
+      out = dry_run_lib.dry_run(exp)
+    out.update(compile_path="full", compile_path_reason="the default; --shallow extrapolates from shallow copies" if full else d)
+  else:
+    out = extrapolated(exp, d, effort)
+    out["compile_path_reason"] = None
+  out["dry_run_seconds"] = time.perf_counter() - start
+  out["compile_effort"] = effort
+  if job_dir:
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "dry_run.json"), "w") as f:
+      json.dump(out, f, indent=2)
+  return out
+
+
+def format_path(r: dict) -> str:
+  """One line for the printed report: which compile produced the figures."""
+  if r.get("compile_path") == "shallow":
+    s = r["shallow"]
+    return (f"  compiled shallow copies of {s['layers'][0]} and {s['layers'][1]} layers "
+            f"({s['field']}, unit {s['unit']}) and extrapolated to the full depth; "
+            f"dry run {r['dry_run_seconds']:.0f} s at compile effort {r['compile_effort']:g} "
+            f"(without --shallow: the whole model)")
+  return (f"  compiled the full model ({r.get('compile_path_reason')}); dry run "
+          f"{r['dry_run_seconds']:.0f} s at compile effort {r['compile_effort']:g}")

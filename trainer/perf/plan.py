@@ -1,0 +1,217 @@
+"""`--mode=plan`: which layout should this experiment use on this topology?
+
+For an experiment and its slice (`mesh.topology`, or this process's devices) the
+planner enumerates candidate layouts (a `Grid`: mesh shapes over data / model /
+stage, sharding presets, remat policies, gradient-accumulation microbatches and,
+where the model allows, pipeline stages x microbatches), then for each one:
+  1. rejects it with the reason when the config or the mesh cannot work (an axis that
+     does not divide the heads, the batch or the layers; a preset naming an axis the
+     mesh lacks): the same checks, and messages, as a real run;
+  2. drops it when params + optimizer state alone exceed the chip's HBM (exact, from
+     the shardings, no compile);
+  3. compiles it (the dry run of trainer/perf/extrapolate.py) and drops it when the
+     compiler says it does not fit (RESOURCE_EXHAUSTED, or a peak over HBM);
+  4. ranks what is left by predicted step time (`_predicted_seconds`), then by memory.
+It prints the best layouts with the exact `--set` line that selects each, and writes
+`plan.json` (every candidate, its status, reason and figures) into the job dir.
+
+Speed: the planner compiles at jax's `exec_time_optimization_effort=-1`, which skips
+most of the TPU backend's code scheduling (the bulk of a compile on a CPU host: ~4-5x
+less CPU; the memory plan moves by up to ~11%, see extrapolate.py, so confirm the
+winner with `--mode=dry_run`, which compiles at effort 0); with `shallow=True` it compiles
+two shallow copies of a scanned stack and extrapolates instead (extrapolate.py).
+A scanned stack compiles in about the same time at any depth, so on its own the
+shallow path saves time only for unscanned stacks; docs/scale.md has the figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shlex
+import time
+from typing import Any, Sequence
+
+from shardax import configs
+from shardax.trainer.perf import chips
+from shardax.trainer.perf import dry_run as dry_run_lib
+from shardax.trainer.perf import extrapolate
+
+
+def _predicted_seconds(report: dict) -> float | None:
+  """The step time a dry-run report predicts: THE one place the planner reads it from."""
+  rf = report.get("roofline")
+  return rf["predicted_step_seconds"] if rf else None
+
+
+@dataclasses.dataclass(frozen=True)
+class Grid:
+  """The candidate layouts: every combination of these (tensor axis x remat x microbatches),
+  plus pipelines (stages x model axis, remat of the first entry, one microbatch count)."""
+  model_axis: tuple[int, ...] = (8, 16, 32, 64)     # 2D sharding: model axis size (data = the rest)
+  presets: tuple[str, ...] = ("2d",)
+  remat: tuple[str, ...] = ("full", "dots_no_batch", "none")
+  microbatches: tuple[int, ...] = (1, 2)
+  fsdp: bool = True                                   # + one pure-FSDP layout (data = all devices)
+  tp: bool = True                                     # + one Megatron-only layout (weights replicated over data)
+  pipeline_stages: tuple[int, ...] = (4, 8)           # + pipelines over a `stage` axis (pp_2d)
+  pipeline_model_axis: int = 16
+  pipeline_microbatches_per_stage: int = 2             # M = this x S
+
+
+def _layout(axes: Sequence[str], ici: Sequence[int], preset: str) -> list[str]:
+  return [f"mesh.axes={tuple(axes)!r}", f"mesh.ici={tuple(ici)!r}", f"sharding.preset={preset}"]
+
+
+def _model_prefix(cfg) -> str:
+  """`model.` or `model.transformer.`: where remat and pipeline live in this config tree."""
+  return "model.transformer." if hasattr(cfg.model, "transformer") else "model."
+
+
+def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
+  """`--set` overrides of every candidate layout for the experiment tree `cfg`."""
+  prefix = _model_prefix(cfg)
+  out = []
+  for preset in grid.presets:
+    for m in grid.model_axis:
+      for remat in grid.remat:
+        for micro in grid.microbatches:
+          out.append(_layout(("data", "model"), (-1, m), preset)
+                     + [f"{prefix}remat={remat}", f"train.microbatches={micro}"])
+  base = [f"{prefix}remat={grid.remat[0]}", f"train.microbatches={grid.microbatches[0]}"]
+  if grid.fsdp:
+    out.append(_layout(("data", "model"), (num_devices, 1), "fsdp") + base)
+  if grid.tp:
+    out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp") + base)
+  if not hasattr(cfg.model, "transformer"):  # the MoE LM has no pipeline
+    for s in grid.pipeline_stages:
+      out.append(_layout(("stage", "data", "model"), (s, -1, grid.pipeline_model_axis), "pp_2d")
+                 + base + [f"{prefix}pipeline.stages={s}",
+                           f"{prefix}pipeline.microbatches={grid.pipeline_microbatches_per_stage * s}"])
+  return out
+
+
+def set_line(sets: Sequence[str]) -> str:
+  """The command-line flags that select a candidate, quoted for a POSIX shell.
+
+  Bare words parse as strings (`sharding.preset=2d`); tuples go in double quotes.
+  """
+  return " ".join(f"--set {_quote(s.replace(' ', ''))}" for s in sets)
+
+
+def _quote(s: str) -> str:
+  if re.fullmatch(r"[\w.=,-]+", s):
+    return s
+  return f'"{s}"' if not re.search(r'["$`\\!]', s) else shlex.quote(s)
+
+
+def _state_bytes(setup) -> int:
+  return dry_run_lib._shard_bytes(setup.abstract["params"]) + dry_run_lib._shard_bytes(
+      setup.abstract["opt_state"])
+
+
+def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort: float = -1.0,
+             shallow: bool = False) -> dict[str, Any]:
+  """One candidate's row: status "ok" / "does not fit" / "rejected", the reason, the figures."""
+  row: dict[str, Any] = {"sets": list(sets), "set_line": set_line(sets), "status": "rejected",
+                         "reason": None, "predicted_step_seconds": None, "bytes_per_device": None,
+                         "fits": None, "seconds": 0.0}
+  start = time.perf_counter()
+  try:
+    cfg = configs.get(name)
+    configs.apply_overrides(cfg, [*overrides, *sets])
+    exp = configs.build(cfg)
+    _, setup = dry_run_lib.prepare(exp)
+  except ValueError as e:  # ConfigError, indivisible dims, unknown axes: the user-facing message
+    row["reason"] = str(e).splitlines()[0]
+    return row
+  hbm = _hbm_bytes(setup.mesh)
+  state = _state_bytes(setup)
+  if hbm is not None and state > hbm:
+    row.update(status="does not fit", fits=False, bytes_per_device=state,
+               seconds=time.perf_counter() - start,
+               reason=f"params + optimizer state alone need {state / 2**30:.2f} GiB per device "
+                      f"> {hbm / 2**30:.2f} GiB HBM (not compiled)")
+    return row
+  report = extrapolate.dry_run(exp, full=not shallow, effort=effort)
+  total = report["bytes_per_device"].get("total")
+  row.update(fits=report["fits"], bytes_per_device=total, compile_path=report["compile_path"],
+             predicted_step_seconds=_predicted_seconds(report),
+             compile_seconds=report["compile_seconds"], seconds=time.perf_counter() - start)
+  if report["fits"] is False:
+    row.update(status="does not fit", reason=report["error"] or
+               f"the compiler needs {total / 2**30:.2f} GiB per device > "
+               f"{report['hbm_bytes_per_device'] / 2**30:.2f} GiB HBM")
+  else:
+    row.update(status="ok")
+  return row
+
+
+def _hbm_bytes(mesh) -> int | None:
+  chip = chips.lookup(mesh.devices.flat[0].device_kind)
+  return chip.hbm_bytes if chip else None
+
+
+def rank(rows: list[dict]) -> list[dict]:
+  """The candidates that fit, fastest predicted step first (then least memory)."""
+  ok = [r for r in rows if r["status"] == "ok"]
+  return sorted(ok, key=lambda r: (r["predicted_step_seconds"] if r["predicted_step_seconds"] is not None
+                                   else math.inf, r["bytes_per_device"] or 0))
+
+
+def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *,
+         grid: Grid = Grid(), effort: float = -1.0, shallow: bool = False,
+         log=print) -> dict[str, Any]:
+  """Evaluate every candidate of `grid`, rank them, write plan.json; returns the plan."""
+  start = time.perf_counter()
+  cfg = configs.get(name)
+  configs.apply_overrides(cfg, list(overrides))
+  exp = configs.build(cfg)
+  mesh, _ = dry_run_lib.prepare(exp)
+  rows = []
+  for sets in candidates(cfg, int(mesh.size), grid):
+    rows.append(evaluate(name, overrides, sets, effort=effort, shallow=shallow))
+    r = rows[-1]
+    log(f"  [{len(rows)}] {r['status']:<13} {_seconds(r['predicted_step_seconds']):>9}  "
+        f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}"
+        + (f"\n      {r['reason']}" if r["reason"] else ""))
+  out = {"experiment": name, "overrides": list(overrides), "topology": exp.mesh.topology,
+         "num_devices": int(mesh.size), "device_kind": mesh.devices.flat[0].device_kind,
+         "effort": effort, "shallow": shallow, "grid": dataclasses.asdict(grid),
+         "candidates": rows, "ranked": [rows.index(r) for r in rank(rows)],
+         "compiled": sum(1 for r in rows if "compile_path" in r),
+         "wall_seconds": time.perf_counter() - start}
+  if job_dir:
+    os.makedirs(job_dir, exist_ok=True)
+    with open(os.path.join(job_dir, "plan.json"), "w") as f:
+      json.dump(out, f, indent=2)
+  return out
+
+
+def _seconds(s: float | None) -> str:
+  return "-" if s is None else f"{s:.3g} s"
+
+
+def _gib(b: int | None) -> str:
+  return "-" if b is None else f"{b / 2**30:.2f} GiB"
+
+
+def format_plan(p: dict, top: int = 5) -> str:
+  """The summary `--mode=plan` prints: counts, then the best layouts with their --set lines."""
+  rows = p["candidates"]
+  count = {s: sum(1 for r in rows if r["status"] == s) for s in ("ok", "does not fit", "rejected")}
+  lines = [f"plan for {p['experiment']} on {p['topology'] or 'local devices'} "
+           f"({p['num_devices']} x {p['device_kind']}): {len(rows)} candidates, {p['compiled']} "
+           f"compiled, {count['ok']} fit, {count['does not fit']} do not fit, {count['rejected']} "
+           f"rejected; {p['wall_seconds']:.0f} s",
+           f"  {'#':>3} {'step':>9} {'memory':>10}  layout"]
+  for i, idx in enumerate(p["ranked"][:top]):
+    r = rows[idx]
+    lines.append(f"  {i + 1:>3} {_seconds(r['predicted_step_seconds']):>9} "
+                 f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}")
+  if not p["ranked"]:
+    lines.append("  no candidate fits: see plan.json for each one's reason")
+  return "\n".join(lines)
