@@ -1,38 +1,47 @@
-"""Framework overhead: the shardax train step vs a minimal hand-written jax + optax step.
+"""Framework overhead: the shardax train step vs a train step written by hand, on one
+device and on meshes.
 
-    JAX_PLATFORMS=cpu python benchmarks/overhead.py                 # reduced lm.small
-    JAX_PLATFORMS=cpu python benchmarks/overhead.py --set model.attention='fused'
+    JAX_PLATFORMS=cpu python benchmarks/overhead.py                  # all three: 1, 2d, fsdp
+    JAX_PLATFORMS=cpu python benchmarks/overhead.py --mesh 2d        # one of them
+    JAX_PLATFORMS=cpu python benchmarks/overhead.py --mesh 1 --set model.attention='fused'
 
-Both steps train the same model on one device: the shardax step is
-`trainer.step.train_step_fn` (the one `--mode=train` runs); the minimal step is a
-pure-jax reimplementation of TransformerLM's forward (embed, pre-norm blocks with
-RoPE grouped-query attention and a gated MLP under `lax.scan`, tied head) over the
-same param tree, with the same optax chain (clip + AdamW + schedule), batch, dtype,
-remat policy and buffer donation, and nothing else: `value_and_grad`, `tx.update`,
-`apply_updates`. What shardax adds is the grad-norm / learning-rate metrics, the
-in-graph non-finite guard, sharding annotations (no-ops on one device) and the nnx
-module structure (gone after tracing).
+Modes (`--mesh`): `1` one CPU device; `2d` the `2d` preset on a (data 2, model 4) mesh of
+8 simulated CPU devices; `fsdp` the `fsdp` preset on a (data 8,) mesh; `all` (default)
+runs the three in turn, each in its own process, and prints the three ratios together.
 
-Both start from the same state and see the same batches, so their losses must agree
-step for step: the script checks that before it reports a ratio. The two then
-alternate, `--steps` steps each per round for `--rounds` rounds, every step timed to
-`block_until_ready`; the ratio is shardax median / minimal median step time, also
-given as the median of per-pair ratios (each shardax step against the minimal step
-right after it, which sees the same machine load: the robust figure on a shared
-machine) and as the ratio of the best steps. On a CPU shared with other jobs the wall
-clock swings by tens of percent; the CPU seconds the process spent per step (all its
-threads, `time.process_time`) swing far less, and their ratio is printed too.
+The shardax step is `trainer.step.train_step_fn` (the one `--mode=train` runs). The
+hand-written step (benchmarks/handwritten_step.py) is plain jax + optax: the same model
+over the same param tree, the same optimizer, a `jax.jit` with the in/out shardings and
+activation constraints written out by hand for each mode, and buffer donation; no
+shardax code builds it. Before timing, the script checks that the two are the same
+program where it matters: the hand-written parameter shardings equal the ones shardax
+derives from its rules, the two compiled programs have the same collectives (kind,
+count, bytes), and their losses agree step for step from the same start on the same
+batches. What shardax adds is the grad-norm / learning-rate metrics, the step counter,
+the in-graph non-finite guard and the nnx module structure (gone after tracing).
+
+The two then alternate in ABBA order (neither always runs first), `--steps` steps each
+per round for `--rounds` rounds, every step timed to `block_until_ready`; the ratio is shardax / hand-written step time, as
+the ratio of medians, the median of back-to-back pairs (each shardax step against the
+hand-written step next to it, which sees the same machine load: the robust figure
+on a shared machine), and the ratio of the best steps; also in CPU seconds of the
+process (`time.process_time`, all threads), which other jobs disturb far less than the
+wall clock. The load average before and after is printed with the figures.
 
 The default model is lm.small reduced to fit a small CPU (see REDUCED): lm.small's
 width (d_model 768, 12 heads, d_ff 3072, vocab 256), but 2 layers, seq_len 128 and a
 batch of 8. `--set` overrides apply on top (`--set model.num_layers=12` etc.).
+`--hlo DIR` writes both compiled programs there for a diff.
 """
 
 from __future__ import annotations
 
 import argparse
-import math
+import collections
 import os
+import re
+import subprocess
+import sys
 import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -40,88 +49,98 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-import optax  # noqa: E402
+from jax.sharding import AxisType, Mesh  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import handwritten_step as hand  # noqa: E402
 
 from shardax import configs  # noqa: E402
-from shardax.sharding import make_mesh, use_rules  # noqa: E402
+from shardax.sharding import make_mesh, report, use_rules  # noqa: E402
 from shardax.trainer.data import inputs  # noqa: E402
 from shardax.trainer import state as state_lib  # noqa: E402
 from shardax.trainer import step as step_lib  # noqa: E402
 
 REDUCED = ["model.num_layers=2", "data.seq_len=128", "model.max_len=128", "train.global_batch=8",
            "data.source='synthetic'"]
-POLICIES = {"full": jax.checkpoint_policies.nothing_saveable,
-            "dots": jax.checkpoint_policies.checkpoint_dots,
-            "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable}
+MESHES = {  # mode -> (config overrides, mesh shape, axis names)
+    "1": ([], (1, 1), ("data", "model")),
+    "2d": (["sharding.preset='2d'", "mesh.ici=(2, 4)"], (2, 4), ("data", "model")),
+    "fsdp": (["sharding.preset='fsdp'", "mesh.ici=(8,)", "mesh.axes=('data',)"], (8,), ("data",)),
+}
 
 
-def rms_norm(x, scale, dtype):
-  x32 = x.astype(jnp.float32)
-  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + 1e-6)
-  return (y * scale.astype(jnp.float32)).astype(dtype)
+def build_experiment(mode: str, name: str = "lm.small", overrides: list[str] = (), full: bool = False):
+  cfg = configs.get(name)
+  configs.apply_overrides(cfg, ([] if full else REDUCED) + MESHES[mode][0] + list(overrides))
+  exp = configs.build(cfg)
+  m = exp.model
+  if not (m.scan_layers and exp.train.microbatches == 1 and m.norm == "rms" and m.tied_embedding
+          and m.activation == "silu" and m.pipeline.stages == 1):
+    raise SystemExit("the hand-written step covers scanned, tied, rms/silu models without "
+                     "microbatches or pipelining")
+  return exp
 
 
-def rope(x, theta):
-  d = x.shape[-1]
-  inv = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-  ang = jnp.arange(x.shape[1], dtype=jnp.float32)[:, None] * inv          # [l, d/2]
-  sin, cos = jnp.sin(ang)[:, None, :], jnp.cos(ang)[:, None, :]
-  x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-  return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], -1).astype(x.dtype)
+def hand_mesh(mode: str, devices) -> Mesh:
+  _, shape, axes = MESHES[mode]
+  n = int(np.prod(shape))
+  return Mesh(np.array(devices[:n]).reshape(shape), axes, axis_types=(AxisType.Auto,) * len(axes))
 
 
-def attention(q, k, v, fused):
-  if fused:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
-  b, l, n, d = q.shape
-  kv = k.shape[2]
-  qg = q.reshape(b, l, kv, n // kv, d)
-  s = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-  s = jnp.where(jnp.tril(jnp.ones((l, l), bool)), s, jnp.finfo(jnp.float32).min)
-  p = jax.nn.softmax(s, axis=-1).astype(v.dtype)
-  return jnp.einsum("bkgqs,bskd->bqkgd", p, v).reshape(b, l, n, d)
+def hand_optimizer(exp):
+  o = exp.optimizer
+  return hand.optimizer(o.learning_rate, o.warmup_steps, o.decay_steps or exp.train.steps,
+                        o.end_learning_rate_fraction, o.clip_norm, o.b1, o.b2, o.eps, o.weight_decay)
 
 
-def make_loss(cfg):
-  """(params, batch) -> mean next-token cross entropy, the TransformerLM forward by hand."""
-  dt = jnp.dtype(cfg.dtype)
-  fused = cfg.attention == "fused"
-  c = lambda w: w.astype(dt)
-
-  def block(x, p):
-    h = rms_norm(x, p["attn_norm"]["scale"], dt)
-    a = p["attn"]
-    q = rope(jnp.einsum("bld,dhk->blhk", h, c(a["query"]["kernel"])), cfg.rope_theta)
-    k = rope(jnp.einsum("bld,dhk->blhk", h, c(a["key"]["kernel"])), cfg.rope_theta)
-    v = jnp.einsum("bld,dhk->blhk", h, c(a["value"]["kernel"]))
-    x = x + jnp.einsum("blhk,hkd->bld", attention(q, k, v, fused), c(a["out"]["kernel"]))
-    h = rms_norm(x, p["mlp_norm"]["scale"], dt)
-    m = p["mlp"]
-    g = jax.nn.silu(h @ c(m["gate"]["kernel"])) * (h @ c(m["up"]["kernel"]))
-    return x + g @ c(m["down"]["kernel"]), None
-
-  if cfg.remat != "none":
-    block = jax.checkpoint(block, policy=POLICIES[cfg.remat], prevent_cse=False)
-
-  def loss(params, batch):
-    table = c(params["embed"]["embedding"])
-    x = table[batch["inputs"]] * jnp.asarray(math.sqrt(cfg.d_model), dt)
-    x, _ = jax.lax.scan(block, x, params["layers"]["blocks"])
-    x = rms_norm(x, params["final_norm"]["scale"], dt)
-    logits = jnp.einsum("bld,vd->blv", x, table, preferred_element_type=jnp.float32)
-    return optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]).mean()
-  return loss
+def check_same_layout(setup, mesh: Mesh, mode: str) -> None:
+  """The hand-written param specs are the ones shardax's rules give, on the same devices."""
+  if [d.id for d in mesh.devices.flat] != [d.id for d in setup.mesh.devices.flat]:
+    raise ValueError(f"device order differs: {mesh.devices} vs {setup.mesh.devices}")
+  ours = jax.tree.leaves_with_path(setup.shardings["params"])
+  specs = dict(jax.tree.leaves_with_path(hand.param_specs(mode), is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))
+  for path, sh in ours:
+    shape = next(a.shape for p, a in jax.tree.leaves_with_path(setup.abstract["params"]) if p == path)
+    mine = jax.sharding.NamedSharding(mesh, specs[path])
+    if not mine.is_equivalent_to(sh, len(shape)):
+      raise ValueError(f"{jax.tree_util.keystr(path)}: hand-written {specs[path]} != shardax {sh.spec}")
 
 
-def minimal_step(cfg, tx):
-  loss_fn = make_loss(cfg)
+def compile_both(exp, setup, mode: str):
+  """(shardax compiled, hand-written compiled, hand-written mesh, hand optimizer)."""
+  mesh = hand_mesh(mode, list(setup.mesh.devices.flat))
+  check_same_layout(setup, mesh, mode)
+  tx = hand_optimizer(exp)
+  params_abs = setup.abstract["params"]
+  opt_abs = jax.eval_shape(tx.init, params_abs)
+  theirs = hand.train_step(exp.model, tx, mesh, mode, opt_abs)
+  batch_abs = step_lib.abstract_batch(setup)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+    ours = step_lib.train_step_fn(setup).lower(setup.abstract, batch_abs).compile()
+  with jax.set_mesh(mesh):
+    theirs = theirs.lower((params_abs, opt_abs), batch_abs).compile()
+  return ours, theirs, mesh, tx
 
-  def step(state, batch):
-    params, opt_state = state
-    loss, grads = jax.value_and_grad(loss_fn)(params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params)
-    return (optax.apply_updates(params, updates), opt_state), loss
-  return jax.jit(step, donate_argnums=0)
+
+def collectives_of(compiled) -> dict:
+  return report.collective_summary(compiled.as_text())
+
+
+SCALAR_BYTES = 64  # a collective of at most this many bytes moves a few scalars, not a tensor
+
+
+def tensor_collectives(compiled) -> collections.Counter:
+  """(kind, bytes, group size) -> executions per step, of every collective that moves
+  more than a few scalars: the traffic the sharding layout decides."""
+  found = collections.Counter()
+  for c in report.collectives(compiled.as_text()):
+    if c.bytes > SCALAR_BYTES:
+      found[(c.kind, c.bytes, c.group_size)] += c.executions
+  return found
+
+
+def scalar_collectives(compiled) -> int:
+  return sum(c.executions for c in report.collectives(compiled.as_text()) if c.bytes <= SCALAR_BYTES)
 
 
 def timed(fn, state, batch):
@@ -132,70 +151,129 @@ def timed(fn, state, batch):
   return state, out, time.perf_counter() - t0, time.process_time() - c0
 
 
-def main():
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-  ap.add_argument("--exp", default="lm.small")
-  ap.add_argument("--set", action="append", default=[], help="extra config override PATH=VALUE")
-  ap.add_argument("--full", action="store_true", help="do not apply the REDUCED overrides")
-  ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--steps", type=int, default=3, help="steps of each step function per round")
-  args = ap.parse_args()
-
-  cfg = configs.get(args.exp)
-  configs.apply_overrides(cfg, ([] if args.full else REDUCED) + args.set)
-  exp = configs.build(cfg)
-  if not (exp.model.scan_layers and exp.train.microbatches == 1 and exp.model.norm == "rms"
-          and exp.model.tied_embedding and exp.model.activation == "silu"):
-    raise SystemExit("the hand-written step covers scanned, tied, rms/silu models without microbatches")
-  mesh = make_mesh(exp.mesh, jax.devices()[:1])
-  setup = state_lib.create(exp, mesh)
-  with jax.set_mesh(mesh), use_rules(setup.rules, False):
-    ours = step_lib.train_step_fn(setup)
+def start_states(setup, tx, ours):
+  """Equal starting points: shardax's state and a copy of its params + a fresh optax state."""
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, False):
     state = state_lib.init_fn(setup)(jax.random.key(0))
-    data = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
-                          seed=0, vocab_size=exp.model.vocab_size)
-    ring = [next(data) for _ in range(4)]
-    theirs = minimal_step(exp.model, setup.tx)
-    copy = lambda t: jax.tree.map(jnp.copy, t)
-    a_state = copy(state)
-    b_state = (copy(state["params"]), copy(state["opt_state"]))
-    times = {"shardax": [], "minimal": []}
-    cpu = {"shardax": [], "minimal": []}
-    losses = {"shardax": [], "minimal": []}
-    i = 0
-    for r in range(args.rounds + 1):       # round 0 compiles and warms up, untimed
-      for _ in range(args.steps):
-        batch = ring[i % len(ring)]
+  params = jax.tree.map(jnp.copy, state["params"])
+  opt = jax.jit(tx.init, out_shardings=setup.shardings["opt_state"])(params)
+  return state, (params, opt)
+
+
+def run_pairs(ours, theirs, a_state, b_state, ring, rounds: int, steps: int):
+  times = {"shardax": [], "hand": []}
+  cpu = {"shardax": [], "hand": []}
+  losses = {"shardax": [], "hand": []}
+  i = 0
+  for r in range(rounds + 1):       # round 0 warms up, untimed
+    for _ in range(steps):
+      batch = ring[i % len(ring)]
+      if i % 2 == 0:   # ABBA order: neither step always runs first
         a_state, metrics, ta, ca = timed(ours, a_state, batch)
         b_state, loss, tb, cb = timed(theirs, b_state, batch)
-        losses["shardax"].append(float(metrics["loss"]))
-        losses["minimal"].append(float(loss))
-        if r:
-          times["shardax"].append(ta)
-          times["minimal"].append(tb)
-          cpu["shardax"].append(ca)
-          cpu["minimal"].append(cb)
-        i += 1
-  diff = np.max(np.abs(np.subtract(losses["shardax"], losses["minimal"])))
+      else:
+        b_state, loss, tb, cb = timed(theirs, b_state, batch)
+        a_state, metrics, ta, ca = timed(ours, a_state, batch)
+      losses["shardax"].append(float(metrics["loss"]))
+      losses["hand"].append(float(loss))
+      if r:
+        times["shardax"].append(ta)
+        times["hand"].append(tb)
+        cpu["shardax"].append(ca)
+        cpu["hand"].append(cb)
+      i += 1
+  return times, cpu, losses
+
+
+def measure(mode: str, args) -> None:
+  exp = build_experiment(mode, args.exp, args.set, args.full)
+  devices = jax.devices()[: int(np.prod(MESHES[mode][1]))]
+  setup = state_lib.create(exp, make_mesh(exp.mesh, devices))
+  ours, theirs, _, tx = compile_both(exp, setup, mode)
+  if args.hlo:
+    os.makedirs(args.hlo, exist_ok=True)
+    for name, c in (("shardax", ours), ("hand", theirs)):
+      with open(os.path.join(args.hlo, f"{mode}_{name}.hlo.txt"), "w") as f:
+        f.write(c.as_text())
+  coll = {"shardax": collectives_of(ours), "hand": collectives_of(theirs)}
+  same_tensors = tensor_collectives(ours) == tensor_collectives(theirs)
+  scalars = {"shardax": scalar_collectives(ours), "hand": scalar_collectives(theirs)}
+  a_state, b_state = start_states(setup, tx, ours)
+  data = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
+                        seed=0, vocab_size=exp.model.vocab_size)
+  ring = [next(data) for _ in range(4)]
+  load0 = os.getloadavg()[0]
+  times, cpu, losses = run_pairs(ours, theirs, a_state, b_state, ring, args.rounds, args.steps)
+  load1 = os.getloadavg()[0]
+  print(f"== mesh {mode}: {dict(setup.mesh.shape)} preset {exp.sharding.preset}, "
+        f"{len(devices)} CPU device(s); load average {load0:.1f} -> {load1:.1f}")
   print(f"model: {exp.name} {'' if args.full else '(reduced) '}{state_lib.count_params(setup):,} params, "
         f"layers {exp.model.num_layers}, d_model {exp.model.d_model}, seq {exp.data.seq_len}, "
         f"batch {exp.train.global_batch}, dtype {exp.model.dtype}, attention {exp.model.attention}, "
-        f"remat {exp.model.remat}; device {jax.devices()[0].device_kind}")
-  print(f"losses agree over {i} steps: max |diff| {diff:.2e} "
+        f"remat {exp.model.remat}")
+  for k in ("shardax", "hand"):
+    print(f"collectives {k:<8} " + (", ".join(f"{kind} {v['count']} x ({v['bytes']:,} B)"
+                                              for kind, v in sorted(coll[k].items())) or "none"))
+  print(f"collectives that move tensors identical (kind, bytes, group, count): {same_tensors}; "
+        f"scalar all-reduces: shardax {scalars['shardax']}, hand-written {scalars['hand']}")
+  if not same_tensors:
+    raise SystemExit("the two programs move different tensors: not the same layout; no ratio")
+  diff = np.max(np.abs(np.subtract(losses["shardax"], losses["hand"])))
+  print(f"losses agree over {len(losses['hand'])} steps: max |diff| {diff:.2e} "
         f"(first {losses['shardax'][0]:.4f}, last {losses['shardax'][-1]:.4f})")
-  if not diff < 1e-3 * max(1.0, abs(losses["minimal"][0])):
+  if not diff < 1e-3 * max(1.0, abs(losses["hand"][0])):
     raise SystemExit("the two steps compute different losses: not the same model; no ratio")
   med = {k: float(np.median(v)) for k, v in times.items()}
   for k, v in times.items():
     print(f"{k:<8} step time median {med[k]:.4f} s  p10 {np.percentile(v, 10):.4f}  "
           f"p90 {np.percentile(v, 90):.4f}  ({len(v)} steps)")
-  paired = np.divide(times["shardax"], times["minimal"])
-  print(f"ratio shardax / minimal = {med['shardax'] / med['minimal']:.3f} (medians); "
-        f"{np.median(paired):.3f} (median of back-to-back pairs); "
-        f"{min(times['shardax']) / min(times['minimal']):.3f} (best steps)")
+  paired = np.divide(times["shardax"], times["hand"])
   cmed = {k: float(np.median(v)) for k, v in cpu.items()}
-  print(f"CPU seconds per step (all threads of this process): shardax {cmed['shardax']:.3f}, "
-        f"minimal {cmed['minimal']:.3f}; ratio {cmed['shardax'] / cmed['minimal']:.3f}")
+  print(f"ratio shardax / hand-written [{mode}] = {np.median(paired):.3f} (median of back-to-back "
+        f"pairs); {med['shardax'] / med['hand']:.3f} (medians); "
+        f"{min(times['shardax']) / min(times['hand']):.3f} (best steps); "
+        f"{cmed['shardax'] / cmed['hand']:.3f} (CPU seconds: {cmed['shardax']:.3f} vs {cmed['hand']:.3f})")
+
+
+RATIO = re.compile(r"ratio shardax / hand-written \[(\w+)\] = (.*)")
+
+
+def run_all(argv: list[str]) -> None:
+  """Each mode in its own process (the device count is fixed when jax starts)."""
+  summary = []
+  for mode in MESHES:
+    env = dict(os.environ, JAX_NUM_CPU_DEVICES="1" if mode == "1" else "8")
+    out = subprocess.run([sys.executable, __file__, "--mesh", mode] + argv, env=env,
+                         capture_output=True, text=True)
+    sys.stdout.write(out.stdout)
+    if out.returncode:
+      sys.stdout.write(out.stderr[-3000:])
+      raise SystemExit(f"mesh {mode} failed")
+    summary += [m.groups() for m in RATIO.finditer(out.stdout)]
+  print("== summary (shardax / hand-written step time)")
+  for mode, ratios in summary:
+    print(f"  {mode:<5} {ratios}")
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--exp", default="lm.small")
+  ap.add_argument("--mesh", default="all", choices=["all", *MESHES])
+  ap.add_argument("--set", action="append", default=[], help="extra config override PATH=VALUE")
+  ap.add_argument("--full", action="store_true", help="do not apply the REDUCED overrides")
+  ap.add_argument("--rounds", type=int, default=5)
+  ap.add_argument("--steps", type=int, default=3, help="steps of each step function per round")
+  ap.add_argument("--hlo", default="", help="write both compiled programs to this folder")
+  args = ap.parse_args()
+  if args.mesh == "all":
+    argv = sys.argv[1:]
+    run_all([a for i, a in enumerate(argv) if a != "--mesh" and (i == 0 or argv[i - 1] != "--mesh")
+             and not a.startswith("--mesh=")])
+    return
+  need = int(np.prod(MESHES[args.mesh][1]))
+  if need > 1:
+    jax.config.update("jax_num_cpu_devices", max(need, int(os.environ.get("JAX_NUM_CPU_DEVICES", 1))))
+  measure(args.mesh, args)
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ def test_benchmark_json_has_every_key_and_consistent_values(bench):
   assert r["tflops_per_device"] == pytest.approx(
       r["model_flops_per_step"] / r["step_time_s_median"] / r["device_count"] / 1e12)
   assert r["mfu"] == pytest.approx(r["tflops_per_device"] / r["peak_tflops_per_device"])
-  assert 0 < r["mfu"] < 1
+  _check_mfu_independently(r, os.path.join(job_dir, "mllog.txt"))
   assert r["peak_source"].startswith("measured")  # a CPU's peak comes from the matmul probe
   assert r["eval_loss"] > 0
   assert r["state_donated"] is True
@@ -56,6 +56,28 @@ def test_benchmark_json_has_every_key_and_consistent_values(bench):
   table = benchmark.format_table(r)
   for word in ("step_time_s", "tokens_per_s", "mfu", "peak_tflops_per_device"):
     assert word in table
+
+
+def _check_mfu_independently(r, mllog_path):
+  """MFU = FLOPs / time / peak, each side recomputed here without the benchmark's code:
+  the FLOPs counted by hand for TINY, the median of the raw step times, the peak from
+  the probe's best sample; and the step times checked against the log's own clock."""
+  d, h, dh, ff, v, layers, s, b = 32, 4, 8, 64, 256, 2, 16, 8
+  per_token = 2 * (4 * d * h * dh + 3 * d * ff + 2 * h * dh * s / 2) * layers + 2 * d * v
+  flops_per_step = 3 * per_token * s * b                          # backward = 2 x forward
+  times = sorted(r["step_times_s"])
+  median = (times[len(times) // 2] + times[(len(times) - 1) // 2]) / 2
+  peak = r["probe_best_flops"] / r["device_count"]                # a CPU: the host's best matmul
+  assert r["mfu"] == pytest.approx(flops_per_step / median / r["device_count"] / peak, rel=1e-9)
+  assert r["peak_tflops_per_device"] == pytest.approx(peak / 1e12, rel=1e-9)
+  # The timed steps lie inside the log's run (run_start .. epoch_stop, mlperf's own clock).
+  stamps = {ll.key: ll.timestamp / 1000 for ll in mlperf.read(mllog_path)[0]}  # time_ms
+  assert sum(times) <= stamps["epoch_stop"] - stamps["run_start"] + 0.01
+  # The probe sampled between the steps (one per step after five up front), and no step
+  # ran faster than the host's best matmul rate would allow.
+  assert r["probe_samples"] == r["steps"] + benchmark.PROBE_REPEATS
+  assert r["probe_median_flops"] <= r["probe_best_flops"]
+  assert 0 < r["mfu"] < 1
 
 
 def test_benchmark_mllog_passes_the_mlperf_checker(bench):

@@ -66,13 +66,17 @@ def train_step_fn(setup: Setup) -> Callable:
   def step(state, batch):
     loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
-    params = optimizer.apply_updates(state["params"], updates, opt_state)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    new_state = {"step": state["step"] + 1,
-                 "params": keep(params, state["params"]),
-                 "opt_state": keep(opt_state, state["opt_state"])}
+
+    def update(params, opt_state):
+      updates, opt_state = setup.tx.update(grads, opt_state, params)
+      return optimizer.apply_updates(params, updates, opt_state), opt_state
+
+    # A branch, not a select of new vs old: a select keeps the old optimizer state alive
+    # next to the new one, and XLA then copies every moment buffer each step.
+    params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
+                                     state["params"], state["opt_state"])
+    new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state["step"]),
                "finite": finite, **model_metrics}
     return new_state, metrics

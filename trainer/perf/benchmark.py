@@ -26,10 +26,13 @@ Definitions (the same ones the training loop logs):
 Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip table
 (`trainer/perf/chips.py`, each entry with its source), whatever the model dtype, as MaxText
 and the PaLM paper do. A CPU has no datasheet peak that XLA can reach, so it is
-measured in the same process by a matmul probe: the best of several jitted n x n
-matmuls in the model's compute dtype. One CPU device's matmul already uses every
-host core, so the probe's rate is the host's and is split evenly over the (simulated)
-CPU devices. CPU MFU therefore means "share of this CPU's best matmul rate".
+measured in the same process by a matmul probe (`MatmulProbe`): a jitted n x n matmul in
+the model's compute dtype, sampled 5 times after the warm-up and once after every timed
+step, so it sees the load the steps see; the peak is its best sample, and the report
+gives the number of samples, the best, the median and how far the median lies below
+the best (the probe's spread). One CPU device's matmul already uses every host core,
+so the probe's rate is the host's and is split evenly over the (simulated) CPU devices.
+CPU MFU therefore means "share of this CPU's best matmul rate".
 """
 
 from __future__ import annotations
@@ -64,41 +67,80 @@ KEYS = ("exp", "data_source", "device_kind", "platform", "device_count", "mesh",
         "state_donated", "flops_convention", "hardware_flops_per_device", "hfu")
 
 
+class MatmulProbe:
+  """The CPU's peak FLOP/s, measured: a jitted [n, n] @ [n, n] matmul in the model's compute
+  dtype, sampled between the timed steps (same process, same device, same thread pool and
+  load as the step) and summarized by its best sample. One sample after the run, as
+  before, read 0.09-0.25 TFLOP/s on a shared machine; the best of samples spread over the
+  run moves far less, and `spread` says how much the samples themselves moved."""
+
+  def __init__(self, dtype: str = "float32", n: int = PROBE_SIZE, device: jax.Device | None = None):
+    self.n = n
+    self.dtype = dtype
+    device = device or jax.devices()[0]
+    k1, k2 = jax.random.split(jax.random.key(0))
+    self._a = jax.device_put(jax.random.normal(k1, (n, n), jnp.dtype(dtype)), device)
+    self._b = jax.device_put(jax.random.normal(k2, (n, n), jnp.dtype(dtype)), device)
+    self._mesh = jax.sharding.Mesh(np.array([device]), ("probe",))  # not the step's mesh
+    self._mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.dtype(dtype)))
+    self.samples: list[float] = []
+    with jax.set_mesh(self._mesh):
+      self._mm(self._a, self._b).block_until_ready()   # compile outside the samples
+
+  def sample(self, repeats: int = 1) -> float:
+    """Time `repeats` matmuls; record and return the FLOP/s of each (the last)."""
+    with jax.set_mesh(self._mesh):
+      for _ in range(repeats):
+        t0 = time.perf_counter()
+        self._mm(self._a, self._b).block_until_ready()
+        self.samples.append(2.0 * self.n ** 3 / (time.perf_counter() - t0))
+    return self.samples[-1]
+
+  @property
+  def best(self) -> float:
+    return max(self.samples)
+
+  def summary(self) -> dict[str, Any]:
+    s = np.asarray(self.samples)
+    return {"probe_samples": len(s), "probe_best_flops": float(s.max()),
+            "probe_median_flops": float(np.median(s)), "probe_spread": float(1 - np.median(s) / s.max())}
+
+
 def matmul_probe_flops(dtype: str = "float32", n: int = PROBE_SIZE, repeats: int = PROBE_REPEATS,
                        device: jax.Device | None = None) -> float:
   """FLOP/s of the best of `repeats` jitted [n, n] @ [n, n] matmuls on `device`."""
-  device = device or jax.devices()[0]
-  k1, k2 = jax.random.split(jax.random.key(0))
-  a = jax.device_put(jax.random.normal(k1, (n, n), jnp.dtype(dtype)), device)
-  b = jax.device_put(jax.random.normal(k2, (n, n), jnp.dtype(dtype)), device)
-  mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.dtype(dtype)))
-  mm(a, b).block_until_ready()
-  best = float("inf")
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    mm(a, b).block_until_ready()
-    best = min(best, time.perf_counter() - t0)
-  return 2.0 * n ** 3 / best
+  probe = MatmulProbe(dtype, n, device)
+  probe.sample(repeats)
+  return probe.best
 
 
-def peak_flops_per_device(devices: list[jax.Device], dtype: str) -> tuple[float, str]:
-  """(peak FLOP/s of one device, where the figure comes from)."""
+def chip_peak(dev) -> tuple[float, str] | None:
+  """(published dense bf16 peak FLOP/s, source) of an accelerator in the chip table, or None."""
+  if dev.platform == "cpu":
+    return None
+  from shardax.trainer.perf import chips
+  chip = chips.lookup(dev.device_kind)
+  if chip is None:
+    return None
+  return float(chip.peak_bf16_flops), f"chip table: {chip.name} bf16 dense peak ({chip.source})"
+
+
+def peak_flops_per_device(devices: list[jax.Device], dtype: str,
+                          probe: MatmulProbe | None = None) -> tuple[float, str]:
+  """(peak FLOP/s of one device, where the figure comes from). A CPU or an accelerator
+  missing from the chip table is measured: by `probe`'s best sample when given (the
+  benchmark samples it between its steps), else by a fresh best-of-5."""
   dev = devices[0]
+  if (known := chip_peak(dev)) is not None:
+    return known
+  best = probe.best if probe is not None and probe.samples else matmul_probe_flops(dtype, device=dev)
+  n = len(probe.samples) if probe is not None and probe.samples else PROBE_REPEATS
   if dev.platform != "cpu":
-    try:
-      from shardax.trainer.perf import chips
-      chip = chips.lookup(dev.device_kind)
-    except ImportError:
-      chip = None
-    if chip is not None:
-      return float(chip.peak_bf16_flops), f"chip table: {chip.name} bf16 dense peak ({chip.source})"
-    probe = matmul_probe_flops(dtype, device=dev)
-    return probe, f"measured: {dtype} matmul probe ({dev.device_kind!r} is not in the chip table)"
+    return best, f"measured: best of {n} {dtype} matmul probes ({dev.device_kind!r} is not in the chip table)"
   cpu_devices = [d for d in jax.local_devices() if d.platform == "cpu"]
-  probe = matmul_probe_flops(dtype, device=dev)
-  return (probe / len(cpu_devices),
-          f"measured: best {dtype} {PROBE_SIZE}x{PROBE_SIZE} matmul on this host "
-          f"({probe / 1e9:.1f} GFLOP/s) / {len(cpu_devices)} CPU devices")
+  return (best / len(cpu_devices),
+          f"measured: best of {n} {dtype} {PROBE_SIZE}x{PROBE_SIZE} matmuls between the steps "
+          f"({best / 1e9:.1f} GFLOP/s) / {len(cpu_devices)} CPU devices")
 
 
 def summarize(step_times: list[float], *, tokens_per_step: int, flops_per_step: float,
@@ -143,9 +185,13 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
                             seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     ring = [next(source) for _ in range(RING)]
     first_leaves = jax.tree.leaves(state)
+    devices = list(mesh.devices.flat)
+    probe = None if chip_peak(devices[0]) else MatmulProbe(exp.model.dtype, device=devices[0])
     for i in range(t.benchmark_warmup):
       state, _ = train_step(state, ring[i % RING])
     jax.block_until_ready(state)
+    if probe:
+      probe.sample(PROBE_REPEATS)
     log.end(C.INIT_STOP)
     log.start(C.RUN_START)
     log.start(C.BLOCK_START, samples_count=0, first_epoch_num=0, epoch_count=1)
@@ -158,6 +204,8 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
         state, metrics = train_step(state, ring[i % RING])
         jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - t0)
+      if probe:  # between the timed steps: the same load the steps saw
+        probe.sample()
     donated = all(a.is_deleted() for a in first_leaves)  # the first step reused the state's buffers
     _trace(exp, t.benchmark_steps + 1, job_dir, tracing)
     samples = t.benchmark_steps * t.global_batch
@@ -174,8 +222,7 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
     log.end(C.RUN_STOP, status=C.SUCCESS, samples_count=samples)
   log.close()
 
-  devices = list(mesh.devices.flat)
-  peak, peak_source = peak_flops_per_device(devices, exp.model.dtype)
+  peak, peak_source = peak_flops_per_device(devices, exp.model.dtype, probe)
   result = {"exp": exp.name, "data_source": exp.data.source, "device_kind": devices[0].device_kind,
             "platform": devices[0].platform, "device_count": len(devices),
             "mesh": dict(mesh.shape), "dtype": exp.model.dtype,
@@ -186,7 +233,8 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
             **summarize(times, tokens_per_step=t.global_batch * exp.model.tokens_per_example(exp.data),
                         flops_per_step=exp.model.flops_per_example(exp.data) * t.global_batch,
                         device_count=len(devices), peak_per_device=peak),
-            "peak_source": peak_source, "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
+            "peak_source": peak_source, **(probe.summary() if probe else {}), "eval_loss": eval_loss,
+            "state_donated": donated, "step_times_s": times}
   hardware = costs.of_compiled(train_step).flops
   result.update(flops_convention=CONVENTION, hardware_flops_per_device=hardware,
                 hfu=hardware / result["step_time_s_median"] / peak)
@@ -211,7 +259,11 @@ def format_table(r: dict[str, Any]) -> str:
       ("model_flops_per_step", f"{r['model_flops_per_step']:.4g}"),
       ("tflops_per_device", f"{r['tflops_per_device']:.4f}"),
       ("peak_tflops_per_device", f"{r['peak_tflops_per_device']:.4f}  [{r['peak_source']}]"),
-      ("mfu", f"{r['mfu']:.1%}  [model FLOPs: {r.get('flops_convention', '')}]"),
+      *([("probe", f"{r['probe_samples']} samples, best {r['probe_best_flops'] / 1e9:.1f} GFLOP/s, "
+                   f"median {r['probe_median_flops'] / 1e9:.1f} ({r['probe_spread']:.1%} below best)")]
+        if "probe_samples" in r else []),
+      ("mfu", f"{r['mfu']:.1%}  (= {r['tflops_per_device']:.4f} / {r['peak_tflops_per_device']:.4f} "
+              f"TFLOP/s per device; model FLOPs: {r.get('flops_convention', '')})"),
       ("hfu", f"{r['hfu']:.1%}  [compiled FLOPs, {r['hardware_flops_per_device']:.4g} per device]"
               if "hfu" in r else "-"),
       ("eval_loss", f"{r['eval_loss']:.4f}"),
