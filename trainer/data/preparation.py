@@ -181,7 +181,7 @@ def _write(cfg, directory: str, identity: dict[str, Any]) -> dict[str, Any]:
     bar = tqdm(desc=f"preparing {split}", unit="B", unit_scale=True, file=sys.stderr,
                mininterval=1.0, disable=None)
     for i, text in enumerate(sources.documents(cfg, split)):
-      ids = np.asarray(tok.encode(text), dtype)
+      ids = tok.encode_array(text, dtype)
       size = len(text.encode("utf-8"))
       shard = shards[i % n]
       writers[i % n].write(ids.tobytes())

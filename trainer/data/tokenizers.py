@@ -48,6 +48,10 @@ class Tokenizer:
   def decode(self, ids: Iterable[int]) -> str:
     raise NotImplementedError
 
+  def encode_array(self, text: str, dtype=np.int32) -> np.ndarray:
+    """`encode` as a numpy array (preparation's fast path)."""
+    return np.asarray(self.encode(text), dtype)
+
   def _valid(self, ids: Iterable[int]) -> list[int]:
     """ids without padding/end-of-document and without ids a padded model vocab adds."""
     arr = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).reshape(-1)
@@ -64,6 +68,9 @@ class ByteTokenizer(Tokenizer):
 
   def encode(self, text: str) -> list[int]:
     return list(text.encode("utf-8").replace(b"\0", b""))
+
+  def encode_array(self, text: str, dtype=np.int32) -> np.ndarray:
+    return np.frombuffer(text.encode("utf-8").replace(b"\0", b""), np.uint8).astype(dtype)
 
   def decode(self, ids: Iterable[int]) -> str:
     return bytes(self._valid(ids)).decode("utf-8", errors="replace")
