@@ -224,6 +224,6 @@ def train_sentencepiece(texts: Iterable[str], vocab_size: int, model_prefix: str
       byte_fallback=True, normalization_rule_name="identity", add_dummy_prefix=False,
       remove_extra_whitespaces=False, allow_whitespace_only_pieces=True, split_digits=True,
       user_defined_symbols=["\n"], max_sentence_length=4192, input_sentence_size=2_000_000,
-      shuffle_input_sentence=False, pad_id=SPM_PAD, unk_id=SPM_UNK, eos_id=SPM_EOS, bos_id=-1,
+      hard_vocab_limit=False, shuffle_input_sentence=False, pad_id=SPM_PAD, unk_id=SPM_UNK, eos_id=SPM_EOS, bos_id=-1,
       num_threads=max(1, min(4, os.cpu_count() or 1)), minloglevel=2)
   return model_prefix + ".model"
