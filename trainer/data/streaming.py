@@ -32,14 +32,20 @@ def _ids(record: bytes, dtype: np.dtype) -> np.ndarray:
   return np.frombuffer(record, dtype=dtype)
 
 
+def reader_files(paths: list[str], reader: int, readers: int) -> tuple[list[str], bool]:
+  """(the shard files this reader opens, whether they are all its own): its own files
+  r, r+R, ... when R divides the shard count, else all files (it then takes every R-th record)."""
+  if len(paths) % readers == 0:
+    return paths[reader::readers], True
+  return paths, False
+
+
 def local_documents(prepared: Prepared, split: str, reader: int, readers: int) -> grain.MapDataset:
   """This reader's documents (token-id arrays) of a split, in shard order."""
-  paths = prepared.shard_paths(split)
-  if len(paths) % readers == 0:
-    mine = paths[reader::readers]
-    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(mine))
-  else:
-    ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(paths))[reader::readers]
+  files, own = reader_files(prepared.shard_paths(split), reader, readers)
+  ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files))
+  if not own:
+    ds = ds[reader::readers]
   return ds.map(functools.partial(_ids, dtype=prepared.dtype))
 
 
