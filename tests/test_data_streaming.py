@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from shardax.configs.schema import DataConfig
+from shardax.configs.schema import DataConfig, TrainConfig
 from shardax.trainer.data import inputs, preparation, streaming
 
 WORDS = [f"w{i:03d}" for i in range(1000)]
@@ -86,7 +86,7 @@ def test_eval_covers_the_whole_validation_split_once(small):
 
 RSS_SCRIPT = """
 import json, resource, sys, time
-from shardax.configs.schema import DataConfig
+from shardax.configs.schema import DataConfig, TrainConfig
 from shardax.trainer.data import preparation, streaming
 
 def status_mb(key):
@@ -128,3 +128,32 @@ def test_peak_memory_does_not_grow_with_the_corpus(tmp_path):
   assert 9 < ten["corpus_mb"] / one["corpus_mb"] < 11
   assert ten["val_targets"] > 5 * one["val_targets"]
   assert abs(ten["peak_rss_mb"] - one["peak_rss_mb"]) < 0.2 * one["peak_rss_mb"]
+
+
+def test_periodic_eval_weighs_every_validation_token_and_reports_bits_per_byte(small):
+  """The loop's eval over the whole split: weight = every target token, bits per byte from
+  the loss and the manifest's bytes."""
+  import math
+  import jax
+  from shardax import configs
+  from shardax.sharding import make_mesh, use_rules
+  from shardax.trainer import loop, state as state_lib
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [
+      "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.d_ff=64",
+      "model.max_len=64", "data.seq_len=64", "train.global_batch=8", "mesh.ici=(8, 1)",
+      f"data.source={small.source!r}", f"data.data_dir={small.data_dir!r}", "data.num_shards=4",
+      "data.validation_fraction=0.25", "train.eval_batches=None"])
+  exp = configs.build(cfg)
+  assert TrainConfig().eval_batches is None  # the default: the whole validation split
+  setup = state_lib.create(exp, make_mesh(exp.mesh))
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+    state = state_lib.init_fn(setup)(jax.random.key(0))
+    e = loop._eval(loop.eval_sums_fn(setup), state["params"], loop._eval_batches(setup),
+                   inputs.targets_per_byte(exp.data))
+  counts = preparation.prepare(exp.data).split_counts("validation")
+  assert e["eval_weight"] == counts["tokens"] + counts["documents"]
+  assert abs(e["eval_loss"] - math.log(256)) < 0.5  # an untrained model: about uniform
+  np.testing.assert_allclose(e["eval_bits_per_byte"],
+                             e["eval_loss"] * e["eval_weight"] / counts["bytes"] / math.log(2), rtol=1e-6)
+  assert "whole validation split" in loop.format_eval(0, 1, exp, e)
