@@ -90,8 +90,8 @@ def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
   job, summary = full_run
   exp = small_experiment(data_dir)
   setup, state = loop.restore_latest(exp, job)
-  tok = tokenizers.ByteTokenizer()
-  prompt = [tok.eos_id] + tok.encode("import os\n")  # documents start with eos when packed
+  byte = tokenizers.ByteTokenizer()
+  prompt = [byte.eos_id] + byte.encode("import os\n")  # documents start with eos when packed
   with jax.set_mesh(setup.mesh):
     new = decode.sample(setup, state["params"], prompt, 5, temperature=0.0)
     # Greedy: each new id is the argmax of a full forward pass over prompt + earlier ids.
@@ -101,4 +101,4 @@ def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
       assert tok == int(np.argmax(logits[0, -1]))
       ids.append(tok)
   text = decode.from_job_dir(exp, job, "import os\n", 5, 0.0)
-  assert text == "import os\n" + tok.decode(new)
+  assert text == "import os\n" + byte.decode(new)
