@@ -88,12 +88,31 @@ def test_validation_batches_are_the_packed_documents_in_order(cfg):
   assert set(batch) == set(packing.FIELDS)
   assert batch["inputs"].shape == (8, SEQ) and batch["inputs"].dtype == np.int32
   prepared = preparation.prepare(cfg)
+  # gcd(8 shards, batch 8) = 8 readers of one row each: row r is reader r's first window.
+  assert streaming.reader_layout(8, 8, (0, 8)) == (8, list(range(8)), 1)
+  for r in range(8):
+    docs = streaming.local_documents(prepared, "validation", r, 8)
+    want = packing.pack_documents([docs[i] for i in range(min(3, len(docs)))], SEQ,
+                                  tokenizers.SEPARATOR_ID)
+    for k in packing.FIELDS:
+      np.testing.assert_array_equal(batch[k][r], want[k][0])
   docs = streaming.local_documents(prepared, "validation", 0, 1)
-  want = packing.pack_documents([docs[0]], SEQ, tokenizers.SEPARATOR_ID)
-  for k in packing.FIELDS:  # the first document is longer than 8 windows
-    np.testing.assert_array_equal(batch[k], want[k][:8])
   # Record 0 of shard 0 is the split's first document (documents go round-robin).
   assert tokenizers.ByteTokenizer().decode(docs[0]) == next(sources.documents(cfg, "validation"))
+
+
+def test_the_global_batch_does_not_depend_on_the_process_count(cfg):
+  """Readers are fixed by the config (gcd(num_shards, batch)), so 2 or 4 processes
+  together give exactly one process's batches, train and validation."""
+  for split in ("train", "validation"):
+    whole = take(inputs.Batches(cfg, split, 8, process_index=0, process_count=1), 3)
+    for count in (2, 4):
+      parts = [take(inputs.Batches(cfg, split, 8, process_index=p, process_count=count), 3)
+               for p in range(count)]
+      for step in range(3):
+        for k in packing.FIELDS:
+          joined = np.concatenate([parts[p][step][k] for p in range(count)])
+          np.testing.assert_array_equal(joined, whole[step][k])
 
 
 def test_same_seed_same_batches_other_seed_other_batches(cfg):
@@ -146,7 +165,9 @@ def test_each_epoch_is_a_fresh_permutation_of_all_documents(cfg):
 def test_worker_processes_resume_exactly(cfg):
   """Worker processes each pack their own slice of the documents (so the windows differ
   from one process's), but a run with workers still resumes exactly."""
-  mp_cfg = DataConfig(source="stdlib", data_dir=cfg.data_dir, seq_len=SEQ, seed=3, worker_count=2)
+  # 2 shards: 2 readers with one worker process each.
+  mp_cfg = DataConfig(source="stdlib", data_dir=cfg.data_dir, seq_len=SEQ, seed=3, worker_count=2,
+                      num_shards=2)
   it = inputs.Batches(mp_cfg, "train", 8)  # one spawn of workers: rewind instead of a new one
   try:
     take(it, 2)

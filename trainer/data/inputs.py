@@ -145,6 +145,13 @@ def local_dataset(source, split: str, global_batch: int, seed: int,
   return ds.batch(rows[1] - rows[0], drop_remainder=True).map(_to_example)
 
 
+def _flags_for_workers(cfg: DataConfig) -> None:
+  """grain's worker processes read its absl flags; outside app.run (tests, notebooks)
+  mark them parsed so the defaults apply."""
+  if cfg.worker_count > 0 and not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+
+
 class Batches(grain.DatasetIterator):
   """Iterator of global batches: int32/float32 jax.Arrays [B, seq_len] per field.
 
@@ -183,12 +190,16 @@ class Batches(grain.DatasetIterator):
     else:
       self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
       self.prepared = preparation.prepare(cfg)
-      local = self.rows[1] - self.rows[0]  # reader = which distinct slice of the batch we hold
-      iter_ds = streaming.local_batches(self.prepared, split, cfg.seq_len, local, self.seed,
-                                        self.rows[0] // local, global_batch // local)
-    if cfg.worker_count > 0:
-      if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags; outside
-        flags.FLAGS.mark_as_parsed()   # app.run (tests, notebooks) use their defaults
+      layout = streaming.reader_layout(cfg.num_shards, global_batch, self.rows)
+      if split == "validation":  # finite, no workers: readers padded until all are done
+        self.grain_iterator = streaming.PaddedReaders(self.prepared, cfg.seq_len, *layout)
+        super().__init__(self.grain_iterator)
+        return
+      _flags_for_workers(cfg)
+      iter_ds = streaming.train_batches(self.prepared, cfg.seq_len, self.seed, *layout,
+                                        worker_count=cfg.worker_count)
+    if cfg.worker_count > 0 and self.prepared is None:
+      _flags_for_workers(cfg)
       iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
     self.grain_iterator = iter(iter_ds)
     super().__init__(self.grain_iterator)
