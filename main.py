@@ -90,7 +90,7 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
             f"{last[1]:.4f} (step {last[0]})", flush=True)
   elif mode == "eval":
     from shardax.trainer import loop
-    print(f"eval_loss {loop.evaluate(exp, job_dir):.4f}", flush=True)
+    print(loop.format_eval(0, 0, exp, loop.evaluate(exp, job_dir)).split("| ", 1)[1], flush=True)
   elif mode == "decode":
     from shardax.trainer import decode
     text = decode.from_job_dir(exp, job_dir, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature)

@@ -102,7 +102,11 @@ class TransformerConfig:
   def batch_fields(self, data: DataConfig) -> dict[str, tuple[tuple[int, ...], str, tuple[str, ...]]]:
     """Per-example shape, dtype and logical axes (batch first) of each batch field."""
     tokens = ((data.seq_len,), "int32", ("batch", "length"))
-    return {"inputs": tokens, "targets": tokens}
+    fields = {"inputs": tokens, "targets": tokens}
+    if data.source != "synthetic":  # packed documents: trainer/data/packing.py
+      fields.update(segment_ids=tokens, positions=tokens,
+                    loss_mask=((data.seq_len,), "float32", ("batch", "length")))
+    return fields
 
   def tokens_per_example(self, data: DataConfig) -> int:
     return data.seq_len
@@ -129,14 +133,17 @@ IMAGE_SOURCES = {"shapes3d": (3, 1), "digits": (2, 8)}
 class DataConfig:
   """Where batches come from.
 
-  source: "stdlib"    byte-level text of the Python standard library's sources
-                      (prepared once into ArrayRecord under `data_dir`);
+  source: "stdlib"    the Python standard library's sources;
           "tfds:NAME" any tfds dataset already prepared under `data_dir`, field `text_key`;
+          "files:GLOB" local text / JSONL (field `text_key`) / Parquet files;
           "synthetic" random tokens (for benchmarks and dry runs);
           "shapes3d"  generated volumes of spheres and cubes with per-voxel labels;
           "digits"    scikit-learn's bundled 8x8 handwritten digits, upsampled
                       (image sources: trainer/images.py).
   image_size: spatial shape of image sources, (D, H, W) or (H, W); () = the source's default.
+  Text sources are tokenized once by `tokenizer` ("byte", "spm:PATH", "spm:train:VOCAB",
+  "hf:PATH" / a tokenizer .json) into `num_shards` ArrayRecord files per split under
+  `data_dir/prepared/`, then packed into seq_len windows (trainer/data/).
   """
   source: str = "stdlib"
   data_dir: str = "~/.cache/shardax/datasets"
@@ -146,12 +153,20 @@ class DataConfig:
   seed: int = 0
   worker_count: int = 0
   image_size: tuple[int, ...] = ()
+  tokenizer: str = "byte"
+  num_shards: int = 8                 # ArrayRecord files per split; hosts read disjoint ones
 
   def __post_init__(self):
     _require(self.source in ("stdlib", "synthetic") + tuple(IMAGE_SOURCES)
-             or self.source.startswith("tfds:"),
-             f"data.source={self.source!r}: use 'stdlib', 'synthetic', 'tfds:NAME' or an image "
-             f"source {tuple(IMAGE_SOURCES)}")
+             or self.source.startswith(("tfds:", "files:")),
+             f"data.source={self.source!r}: use 'stdlib', 'synthetic', 'tfds:NAME', 'files:GLOB' "
+             f"or an image source {tuple(IMAGE_SOURCES)}")
+    from shardax.trainer.data.tokenizers import TokenizerError, check_spec
+    try:
+      check_spec(self.tokenizer)
+    except TokenizerError as e:
+      raise ConfigError(str(e)) from None
+    _require(self.num_shards >= 1, f"data.num_shards={self.num_shards} must be >= 1")
     if self.source in IMAGE_SOURCES:
       rank, multiple = IMAGE_SOURCES[self.source]
       size = tuple(self.image_size)
@@ -206,7 +221,7 @@ class TrainConfig:
   global_batch: int = 32              # sequences per optimizer step, over all devices
   microbatches: int = 1               # gradient accumulation: global_batch split into this many
   eval_every: int = 100
-  eval_batches: int = 4
+  eval_batches: int | None = None     # None = the whole validation split
   log_every: int = 10
   seed: int = 0
   nonfinite: str = "skip"             # what a non-finite loss/grad does: "skip" the update | "stop"
@@ -220,6 +235,8 @@ class TrainConfig:
     _require(self.global_batch >= 1, f"train.global_batch={self.global_batch} must be >= 1")
     _require(self.microbatches >= 1 and self.global_batch % self.microbatches == 0,
              f"train.microbatches={self.microbatches} must divide train.global_batch={self.global_batch}")
+    _require(self.eval_batches is None or self.eval_batches >= 1,
+             f"train.eval_batches={self.eval_batches} must be >= 1 (or None: the whole validation split)")
     _require(self.nonfinite in ("skip", "stop"), f"train.nonfinite={self.nonfinite!r}: use 'skip' or 'stop'")
     _require(isinstance(self.profile_steps, (tuple, list)) and len(self.profile_steps) in (0, 2)
              and all(s >= 1 for s in self.profile_steps)
@@ -272,7 +289,9 @@ class Experiment:
                f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}; "
                f"raise model.max_len or lower data.seq_len")
     if hasattr(self.model, "vocab_size") and (self.data.source in ("stdlib",) or
-                                             self.data.source.startswith("tfds:")):
-      _require(self.model.vocab_size >= 256,
-               f"model.vocab_size={self.model.vocab_size} is below 256, the byte vocabulary of "
-               f"data.source={self.data.source!r}")
+                                             self.data.source.startswith(("tfds:", "files:"))):
+      from shardax.trainer.data.tokenizers import BYTE_VOCAB, trained_vocab
+      need = BYTE_VOCAB if self.data.tokenizer == "byte" else trained_vocab(self.data.tokenizer)
+      _require(need is None or self.model.vocab_size >= need,
+               f"model.vocab_size={self.model.vocab_size} is below the {need} ids of data.tokenizer="
+               f"{self.data.tokenizer!r}; set --set model.vocab_size={need}")

@@ -38,3 +38,23 @@ def small():
   cfg.optimizer.warmup_steps = 200
   cfg.checkpoint.every = 500
   return cfg
+
+
+# The subword twins: the same models reading a SentencePiece vocabulary trained on the
+# stdlib's training split at preparation time (stored beside the prepared data). Compare
+# them with the byte-level ones by eval bits per byte, not loss per token.
+
+@register("lm.tiny_spm", "lm.tiny with a 4096-piece SentencePiece vocabulary trained on the stdlib corpus")
+def tiny_spm():
+  cfg = tiny()
+  cfg.data.tokenizer = "spm:train:4096"
+  cfg.model.vocab_size = 4096
+  return cfg
+
+
+@register("lm.small_spm", "lm.small with an 8192-piece SentencePiece vocabulary trained on the stdlib corpus")
+def small_spm():
+  cfg = small()
+  cfg.data.tokenizer = "spm:train:8192"
+  cfg.model.vocab_size = 8192
+  return cfg

@@ -14,6 +14,10 @@ ordinary multi-head attention. Query head h uses kv head h // g, the same groupi
 
 Positions only rotate q and k (RoPE); the causal mask is by sequence index, so a
 shifted `positions` (e.g. a decode offset) changes nothing but the rotation.
+
+Packed documents: with `segment_ids[b, l]` (1, 2, ... per document in a row, 0 for
+padding) a query attends only to keys of its own segment, on both paths: the causal
+mask and the segment mask are combined, so attention never crosses a document boundary.
 """
 
 from __future__ import annotations
@@ -45,23 +49,33 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> j
   return out.astype(x.dtype)
 
 
-def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-  """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]."""
+def segment_mask(segment_ids: jax.Array) -> jax.Array:
+  """bool[b, l, l]: query i may see key j of the same segment (document) only."""
+  return segment_ids[:, :, None] == segment_ids[:, None, :]
+
+
+def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                  segment_ids: jax.Array | None = None) -> jax.Array:
+  """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]; within segments if given."""
   b, l, n, d = q.shape
   kv = k.shape[2]
   qg = q.reshape(b, l, kv, n // kv, d)
   logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
   logits = logits * jnp.float32(d ** -0.5)
-  causal = jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool))
-  logits = jnp.where(causal, logits, jnp.finfo(jnp.float32).min)
+  mask = jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool))[None]     # [1|b, q, s]
+  if segment_ids is not None:
+    mask = mask & segment_mask(segment_ids)
+  logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
   return out.reshape(b, l, n, d)
 
 
-def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                    segment_ids: jax.Array | None = None) -> jax.Array:
   """Causal GQA via jax.nn.dot_product_attention (same layout and grouping)."""
-  return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+  mask = None if segment_ids is None else segment_mask(segment_ids)[:, None]  # [b, 1, q, s]
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True)
 
 
 _ATTENTION_IMPLS = {"xla": xla_attention, "fused": fused_attention}
@@ -89,7 +103,8 @@ class Attention(nnx.Module):
     self.out = DenseGeneral((num_heads, head_dim), d_model, in_axes=("heads", "kv"),
                             out_axes=("embed",), **kw)
 
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
     q = shard(apply_rope(self.query(x), positions, self.rope_theta),
@@ -97,7 +112,7 @@ class Attention(nnx.Module):
     k = shard(apply_rope(self.key(x), positions, self.rope_theta),
               ("batch", "length", "kv_heads", "kv"))
     v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
-    o = _ATTENTION_IMPLS[self.implementation](q, k, v)
+    o = _ATTENTION_IMPLS[self.implementation](q, k, v, segment_ids)
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o)
 

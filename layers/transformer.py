@@ -56,12 +56,13 @@ class Block(nnx.Module):
     mlp = PlainMLP if cfg.mlp == "plain" else GatedMLP
     self.mlp = mlp(cfg.d_model, cfg.d_ff, activation=cfg.activation, dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     x = shard(x, RESIDUAL)
     if self.mlp_norm is None:
       h = self.attn_norm(x)
-      return shard(x + self.attn(h, positions) + self.mlp(h), RESIDUAL)
-    x = shard(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
+      return shard(x + self.attn(h, positions, segment_ids) + self.mlp(h), RESIDUAL)
+    x = shard(x + self.attn(self.attn_norm(x), positions, segment_ids), RESIDUAL)
     return shard(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
 
 
@@ -89,13 +90,14 @@ def stacked_blocks(cfg: TransformerConfig, num: int, *, rngs: nnx.Rngs) -> Block
 
 
 def block_fn(graphdef: nnx.GraphDef, remat: str = "none", *, prevent_cse: bool = True):
-  """(block_state, x, positions) -> x for one block, checkpointed per `remat`.
+  """(block_state, x, positions[, segment_ids]) -> x for one block, checkpointed per `remat`.
 
   prevent_cse=False is right inside scan (the loop already stops XLA from merging
   the recomputation into the forward pass) and saves needless barriers.
   """
-  def apply(state: nnx.State, x: jax.Array, positions: jax.Array) -> jax.Array:
-    return nnx.merge(graphdef, state)(x, positions)
+  def apply(state: nnx.State, x: jax.Array, positions: jax.Array,
+            segment_ids: jax.Array | None = None) -> jax.Array:
+    return nnx.merge(graphdef, state)(x, positions, segment_ids)
   if remat == "none":
     return apply
   if remat not in REMAT_POLICIES:
@@ -104,7 +106,8 @@ def block_fn(graphdef: nnx.GraphDef, remat: str = "none", *, prevent_cse: bool =
 
 
 def apply_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
-                 positions: jax.Array | None = None, *, remat: str = "none") -> jax.Array:
+                 positions: jax.Array | None = None, *, remat: str = "none",
+                 segment_ids: jax.Array | None = None) -> jax.Array:
   """Runs the blocks in `stacked_state` (leading dim = layers) over x in order.
 
   `graphdef, stacked_state = nnx.split(stacked_blocks(...))`; any slice of the
@@ -115,7 +118,7 @@ def apply_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
   body = block_fn(graphdef, remat, prevent_cse=False)
 
   def step(carry, layer_state):
-    return body(layer_state, carry, positions), None
+    return body(layer_state, carry, positions, segment_ids), None
 
   x, _ = jax.lax.scan(step, x, stacked_state)
   return x
@@ -138,19 +141,23 @@ class LayerStack(nnx.Module):
     else:
       self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.num_layers)])
 
-  def __call__(self, x: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def __call__(self, x: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
     if self.schedule is not None:
+      if segment_ids is not None:
+        raise ValueError("packed documents (segment_ids) are not supported with a pipeline "
+                         "(model.pipeline.stages > 1) yet; use data.source='synthetic'")
       graphdef, state = nnx.split(self.blocks)
       stage = lambda w, h, pos: apply_layers(graphdef, w, h, pos, remat=self.remat)
       return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL)
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)
-      return apply_layers(graphdef, state, x, positions, remat=self.remat)
+      return apply_layers(graphdef, state, x, positions, remat=self.remat, segment_ids=segment_ids)
     for block in self.blocks:
       graphdef, state = nnx.split(block)
-      x = block_fn(graphdef, self.remat)(state, x, positions)
+      x = block_fn(graphdef, self.remat)(state, x, positions, segment_ids)
     return x
 
 
@@ -167,9 +174,10 @@ class TransformerLM(nnx.Module):
         cfg.d_model, cfg.vocab_size, in_axes=("embed",), out_axes=("vocab",),
         dtype=dt, param_dtype=pdt, rngs=rngs)
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
     x = shard(self.embed(tokens), RESIDUAL)
-    x = self.layers(x, positions)
+    x = self.layers(x, positions, segment_ids)
     x = self.final_norm(x)
     if self.head is None:
       logits = self.embed.attend(x)
@@ -178,12 +186,27 @@ class TransformerLM(nnx.Module):
     return shard(logits, ("batch", "length", "vocab"))
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
-    """Mean next-token cross entropy over {'inputs', 'targets'}, in float32, plus
-    cfg.z_loss x mean(logsumexp(logits)^2) when set (PaLM's z-loss: keeps the softmax
-    normalizer near 1, so bf16 logits stay in range)."""
-    logits = self(batch["inputs"]).astype(jnp.float32)
-    ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+    """Next-token cross entropy (float32) per target token, over {'inputs', 'targets'}.
+
+    Packed batches (trainer/data/packing.py) also carry 'positions' and 'segment_ids'
+    (attention stays within a document) and 'loss_mask' (0 on padding): the loss is the
+    mean over unmasked tokens, and `loss_weight` (their count) lets evaluation weigh
+    batches by tokens. With cfg.z_loss set, adds z_loss x mean(logsumexp(logits)^2) over
+    the same tokens (PaLM's z-loss: keeps the softmax normalizer near 1, so bf16 logits
+    stay in range).
+    """
+    logits = self(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch.get("loss_mask")
+    if mask is None:
+      weight = jnp.float32(ce.size)
+      mean = jnp.mean
+    else:
+      mask = mask.astype(jnp.float32)
+      weight = jnp.sum(mask)
+      mean = lambda v: jnp.sum(v * mask) / jnp.maximum(weight, 1.0)
+    loss = mean(ce)
     if not self.cfg.z_loss:
-      return ce, {}
-    z = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-    return ce + self.cfg.z_loss * z, {"ce_loss": ce, "z_loss": z}
+      return loss, {"loss_weight": weight}
+    z = mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+    return loss + self.cfg.z_loss * z, {"loss_weight": weight, "ce_loss": loss, "z_loss": z}

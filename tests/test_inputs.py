@@ -1,5 +1,6 @@
 """The data pipeline: corpus splits, windows, grain batching, sharding, resumption."""
 
+import dataclasses
 import json
 import os
 import re
@@ -14,16 +15,16 @@ import tensorflow_datasets as tfds
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from shardax.configs.schema import DataConfig
-from shardax.trainer.data import corpus, inputs
+from shardax.trainer.data import inputs, packing, preparation, sources, streaming, tokenizers
 
 SEQ = 32
 
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory):
-  """One prepared stdlib corpus for the whole module."""
+  """One prepared stdlib corpus (byte tokenizer) for the whole module."""
   d = str(tmp_path_factory.mktemp("datasets"))
-  corpus.prepare_stdlib(d, 0.05)
+  preparation.prepare(DataConfig(source="stdlib", data_dir=d))
   return d
 
 
@@ -44,54 +45,74 @@ def assert_same(a, b):
       np.testing.assert_array_equal(x[k], y[k])
 
 
-def split_paths(data_dir, split):
-  ds = corpus.prepare_stdlib(data_dir, 0.05).as_data_source(split=split)
-  return [ds[i]["path"].decode() for i in range(len(ds))]
+# --- the stdlib corpus ---------------------------------------------------------------
 
-
-# --- corpus ------------------------------------------------------------------------
-
-def test_splits_are_disjoint_cover_the_stdlib_and_follow_the_path_hash(data_dir):
-  train, val = split_paths(data_dir, "train"), split_paths(data_dir, "validation")
-  assert train == sorted(train) and val == sorted(val)  # deterministic document order
-  assert not set(train) & set(val)
-  files = corpus.stdlib_files(corpus.stdlib_root())
-  assert sorted(train + val) == files and len(files) > 500
-  assert not any("site-packages" in p for p in files)
-  assert all(corpus.split_of(p, 0.05) == "validation" for p in val)
+def test_splits_are_disjoint_cover_the_stdlib_and_follow_the_path_hash(cfg):
+  files = sources.stdlib_files(sources.stdlib_root())
+  val = [p for p in files if sources.split_of(p, 0.05) == "validation"]
+  assert len(files) > 500 and not any("site-packages" in p for p in files)
   assert 0.01 < len(val) / len(files) < 0.15
+  counts = {s: preparation.prepare(cfg).split_counts(s) for s in ("train", "validation")}
+  assert counts["validation"]["documents"] == len(val)
+  assert counts["train"]["documents"] + len(val) == len(files)
+  first_val = next(sources.documents(cfg, "validation"))
+  assert first_val == sources.read_source(os.path.join(sources.stdlib_root(), val[0]))
 
 
-def test_prepare_twice_gives_identical_token_streams(data_dir, tmp_path):
-  other = corpus.prepare_stdlib(str(tmp_path), 0.05)
-  first = corpus.prepare_stdlib(data_dir, 0.05)
+def test_prepared_data_is_reused_and_identical_when_prepared_again(cfg, tmp_path):
+  first = preparation.prepare(cfg)
+  stamp = os.path.getmtime(os.path.join(first.directory, "manifest.json"))
+  preparation._prepare.cache_clear()  # a new process: reads the manifest, writes nothing
+  again = preparation.prepare(cfg)
+  assert again.directory == first.directory
+  assert os.path.getmtime(os.path.join(again.directory, "manifest.json")) == stamp
+  other = preparation.prepare(dataclasses.replace(cfg, data_dir=str(tmp_path)))
   for split in ("train", "validation"):
-    a = corpus.token_stream(first.as_data_source(split=split), "text")
-    b = corpus.token_stream(other.as_data_source(split=split), "text")
-    np.testing.assert_array_equal(a, b)
-    assert a[0] == inputs.SEPARATOR_ID and a.dtype == np.uint8
+    for a, b in zip(first.shard_paths(split), other.shard_paths(split)):
+      assert open(a, "rb").read() == open(b, "rb").read()
 
 
 def test_encode_decode_roundtrip():
+  tok = tokenizers.ByteTokenizer()
   text = "def f(x):\n  return 'héllo ✓'\n"
-  ids = inputs.encode(text)
-  assert ids.dtype == np.int32 and ids.min() > 0 and ids.max() < 256
-  assert inputs.decode(ids) == text
-  assert inputs.decode(np.concatenate([[0], ids, [0, 300]])) == text  # SEP/padded ids dropped
+  ids = tok.encode(text)
+  assert min(ids) > 0 and max(ids) < 256
+  assert tok.decode(ids) == text
+  assert tok.decode([0] + ids + [0, 300]) == text  # end-of-document / padded ids dropped
 
 
 # --- batches -------------------------------------------------------------------------
 
-def test_batches_are_shifted_byte_windows_of_the_stream(cfg):
+def test_validation_batches_are_the_packed_documents_in_order(cfg):
   batch = take(inputs.Batches(cfg, "validation", 8), 1)[0]
-  x, y = batch["inputs"], batch["targets"]
-  assert x.shape == y.shape == (8, SEQ) and x.dtype == y.dtype == np.int32
-  assert x.min() >= 0 and x.max() <= 255
-  np.testing.assert_array_equal(x[:, 1:], y[:, :-1])
-  stream = inputs.split_tokens(cfg, "validation")  # validation is in order: row r = window r
+  assert set(batch) == set(packing.FIELDS)
+  assert batch["inputs"].shape == (8, SEQ) and batch["inputs"].dtype == np.int32
+  prepared = preparation.prepare(cfg)
+  # gcd(8 shards, batch 8) = 8 readers of one row each: row r is reader r's first window.
+  assert streaming.reader_layout(8, 8, (0, 8)) == (8, list(range(8)), 1)
   for r in range(8):
-    np.testing.assert_array_equal(x[r], stream[r * SEQ:(r + 1) * SEQ])
-    np.testing.assert_array_equal(y[r], stream[r * SEQ + 1:(r + 1) * SEQ + 1])
+    docs = streaming.local_documents(prepared, "validation", r, 8)
+    want = packing.pack_documents([docs[i] for i in range(min(3, len(docs)))], SEQ,
+                                  tokenizers.SEPARATOR_ID)
+    for k in packing.FIELDS:
+      np.testing.assert_array_equal(batch[k][r], want[k][0])
+  docs = streaming.local_documents(prepared, "validation", 0, 1)
+  # Record 0 of shard 0 is the split's first document (documents go round-robin).
+  assert tokenizers.ByteTokenizer().decode(docs[0]) == next(sources.documents(cfg, "validation"))
+
+
+def test_the_global_batch_does_not_depend_on_the_process_count(cfg):
+  """Readers are fixed by the config (gcd(num_shards, batch)), so 2 or 4 processes
+  together give exactly one process's batches, train and validation."""
+  for split in ("train", "validation"):
+    whole = take(inputs.Batches(cfg, split, 8, process_index=0, process_count=1), 3)
+    for count in (2, 4):
+      parts = [take(inputs.Batches(cfg, split, 8, process_index=p, process_count=count), 3)
+               for p in range(count)]
+      for step in range(3):
+        for k in packing.FIELDS:
+          joined = np.concatenate([parts[p][step][k] for p in range(count)])
+          np.testing.assert_array_equal(joined, whole[step][k])
 
 
 def test_same_seed_same_batches_other_seed_other_batches(cfg):
@@ -130,37 +151,31 @@ def test_orbax_checkpoint_through_grain_handler(cfg, tmp_path):
   assert_same(take(fresh, 2), want)
 
 
-def test_each_epoch_is_a_fresh_permutation_of_all_windows():
-  stream = np.arange(1, 10 * 4 + 2, dtype=np.uint8)  # 10 windows of 4 (+1) tokens
-  ds = inputs.local_dataset(inputs.WindowSource(stream, 4, "toy"), "train", 2, seed=0,
-                            rows=(0, 2))
-  firsts = [int(b["inputs"][r, 0]) for b in ds[:10] for r in range(2)]
-  e1, e2 = firsts[:10], firsts[10:]
-  assert sorted(e1) == sorted(e2) == list(range(1, 41, 4))
+def test_each_epoch_is_a_fresh_permutation_of_all_documents(cfg):
+  prepared = preparation.prepare(cfg)
+  n = prepared.split_counts("validation")["documents"]
+  docs = streaming.local_documents(prepared, "validation", 0, 1)
+  shuffled = docs.shuffle(seed=0).repeat()  # what streaming.local_batches does for train
+  key = lambda d: d.tobytes()
+  e1, e2 = [key(shuffled[i]) for i in range(n)], [key(shuffled[n + i]) for i in range(n)]
+  assert sorted(e1) == sorted(e2) == sorted(key(docs[i]) for i in range(n))
   assert e1 != e2
 
 
-@pytest.mark.parametrize("split", ["train", "validation"])
-def test_processes_take_contiguous_rows_of_each_global_batch(cfg, split):
-  whole = take(inputs.Batches(cfg, split, 8, process_index=0, process_count=1), 3)
-  parts = [take(inputs.Batches(cfg, split, 8, process_index=p, process_count=4), 3)
-           for p in range(4)]
-  for step in range(3):
-    for k in ("inputs", "targets"):
-      joined = np.concatenate([parts[p][step][k] for p in range(4)])
-      np.testing.assert_array_equal(joined, whole[step][k])
-
-
-def test_worker_processes_give_the_same_batches_and_resume(cfg):
-  mp_cfg = DataConfig(source="stdlib", data_dir=cfg.data_dir, seq_len=SEQ, seed=3, worker_count=2)
-  want = take(inputs.Batches(cfg, "train", 8), 4)
+def test_worker_processes_resume_exactly(cfg):
+  """Worker processes each pack their own slice of the documents (so the windows differ
+  from one process's), but a run with workers still resumes exactly."""
+  # 2 shards: 2 readers with one worker process each.
+  mp_cfg = DataConfig(source="stdlib", data_dir=cfg.data_dir, seq_len=SEQ, seed=3, worker_count=2,
+                      num_shards=2)
   it = inputs.Batches(mp_cfg, "train", 8)  # one spawn of workers: rewind instead of a new one
   try:
-    assert_same(take(it, 2), want[:2])
+    take(it, 2)
     state = json.loads(json.dumps(it.get_state()))
-    assert_same(take(it, 2), want[2:])
+    want = take(it, 2)
     it.set_state(state)
-    assert_same(take(it, 2), want[2:])
+    assert_same(take(it, 2), want)
+    assert want[0]["loss_mask"].sum() == 8 * SEQ
   finally:
     it.close()
 
@@ -181,7 +196,8 @@ def test_global_arrays_on_an_8_device_mesh(cfg):
   sharding = NamedSharding(mesh, P("data"))
   batch = next(inputs.Batches(cfg, "train", 16, sharding))
   plain = take(inputs.Batches(cfg, "train", 16), 1)[0]
-  for k in ("inputs", "targets"):
+  assert set(batch) == set(packing.FIELDS)
+  for k in packing.FIELDS:
     arr = batch[k]
     assert arr.shape == (16, SEQ) and arr.sharding == sharding
     assert {s.data.shape for s in arr.addressable_shards} == {(2, SEQ)}
@@ -226,13 +242,12 @@ def test_any_prepared_tfds_dataset_reads_by_text_key(tmp_path):
   ShardaxTinyTexts(data_dir=str(tmp_path), file_format="array_record").download_and_prepare(
       download_config=tfds.download.DownloadConfig(try_download_gcs=False))
   cfg = DataConfig(source="tfds:shardax_tiny_texts", data_dir=str(tmp_path), text_key="body",
-                   seq_len=16)
-  val = inputs.split_tokens(cfg, "validation")  # no 'validation' split: falls back to 'test'
-  assert inputs.decode(val).startswith("document 40: abcabc")
+                   seq_len=16, num_shards=2)
+  val = next(sources.documents(cfg, "validation"))  # no 'validation' split: falls back to 'test'
+  assert val == "document 40: " + "abc" * 40
   assert next(inputs.Batches(cfg, "train", 4))["inputs"].shape == (4, 16)
   with pytest.raises(KeyError, match="no field 'text'"):
-    inputs.split_tokens(DataConfig(source="tfds:shardax_tiny_texts", data_dir=str(tmp_path)),
-                        "train")
+    inputs.Batches(DataConfig(source="tfds:shardax_tiny_texts", data_dir=str(tmp_path)), "train", 4)
 
 
 def test_synthetic_is_deterministic_learnable_and_needs_no_files(tmp_path):

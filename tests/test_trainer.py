@@ -89,12 +89,13 @@ def test_checkpoint_from_2x4_restores_on_other_meshes(full_run, data_dir, ici):
 
 
 def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
-  from shardax.trainer.data import corpus
+  from shardax.trainer.data import tokenizers
   from shardax.trainer import decode
   job, summary = full_run
   exp = small_experiment(data_dir)
   setup, state = loop.restore_latest(exp, job)
-  prompt = corpus.encode("import os\n")
+  byte = tokenizers.ByteTokenizer()
+  prompt = [byte.eos_id] + byte.encode("import os\n")  # documents start with eos when packed
   with jax.set_mesh(setup.mesh):
     new = decode.sample(setup, state["params"], prompt, 5, temperature=0.0)
     # Greedy: each new id is the argmax of a full forward pass over prompt + earlier ids.
@@ -104,7 +105,7 @@ def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
       assert tok == int(np.argmax(logits[0, -1]))
       ids.append(tok)
   text = decode.from_job_dir(exp, job, "import os\n", 5, 0.0)
-  assert text == "import os\n" + corpus.decode(new)
+  assert text == "import os\n" + byte.decode(new)
 
 
 # The curve of this seed (synthetic data, 2 x 4 mesh), recorded 2026-11-23 with jax 0.10.2 on

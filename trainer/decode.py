@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import Experiment
-from shardax.trainer.data import corpus
+from shardax.trainer.data import tokenizers
 from shardax.trainer import state as state_lib
 
 
@@ -28,7 +28,7 @@ def sample(setup: state_lib.Setup, params, prompt_ids: np.ndarray, max_new_token
       return jnp.argmax(logits).astype(jnp.int32)
     return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
 
-  ids = list(int(i) for i in prompt_ids) or [corpus.SEPARATOR_ID]
+  ids = list(int(i) for i in prompt_ids) or [tokenizers.SEPARATOR_ID]
   key = jax.random.key(seed)
   out = []
   for _ in range(max_new_tokens):
@@ -49,7 +49,8 @@ def from_job_dir(exp: Experiment, job_dir: str, prompt: str, max_new_tokens: int
   setup, state = loop.restore_latest(exp, job_dir)
   # No sharding rules here: one sequence does not split over a data axis, and the
   # compiler gathers what it needs from the sharded params.
+  tok = tokenizers.load(exp.data)  # documents start with eos in training (packing.py)
   with jax.set_mesh(setup.mesh):
-    new = sample(setup, state["params"], corpus.encode(prompt), max_new_tokens, temperature,
-                 seed=exp.train.seed)
-  return prompt + corpus.decode(new)
+    new = sample(setup, state["params"], [tok.eos_id] + tok.encode(prompt), max_new_tokens,
+                 temperature, seed=exp.train.seed)
+  return prompt + tok.decode(new)

@@ -7,16 +7,17 @@ non-finite step (already kept out of the weights in-graph) is noticed.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from absl import logging
-from clu import metrics as clu_metrics
 
-from shardax.configs.schema import Experiment
+from shardax.configs.schema import IMAGE_SOURCES, Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
 from shardax.trainer.data import inputs
@@ -29,20 +30,49 @@ class NonFiniteError(RuntimeError):
   pass
 
 
-def _eval_batches(setup) -> list[dict]:
-  """The same first validation batches at every eval, so eval losses compare."""
+def _eval_batches(setup):
+  """The validation batches: the whole split (train.eval_batches=None) or its first
+  train.eval_batches, the same at every eval, read afresh (nothing held in memory)."""
   exp = setup.exp
-  return inputs.eval_batches(exp.data, exp.train.global_batch, exp.train.eval_batches,
-                             setup.batch_sharding, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
+  return inputs.iter_eval_batches(exp.data, exp.train.global_batch, exp.train.eval_batches,
+                                  setup.batch_sharding,
+                                  vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
 
 
-def _eval(eval_step, params, batches) -> float:
-  """Mean eval loss over `batches`, aggregated with clu metrics (one host sync at the end)."""
-  total = None
+def eval_sums_fn(setup) -> Callable:
+  """A jitted `(params, batch) -> (loss x weight, weight)`: weight = the batch's target
+  tokens (its loss mask) where the model reports it, else 1, so batches (and padding)
+  weigh what they hold."""
+  def sums(params, batch):
+    loss, metrics = step_lib.loss_fn(setup)(params, batch)
+    weight = metrics.get("loss_weight", jnp.float32(1.0))
+    return loss * weight, weight
+  return jax.jit(sums, in_shardings=(setup.shardings["params"], setup.batch_sharding),
+                 out_shardings=setup.replicated)
+
+
+def _eval(eval_sums, params, batches, targets_per_byte: float | None) -> dict[str, float]:
+  """Loss per target token over `batches` (one host sync at the end) and, for text,
+  bits per byte: loss x targets per byte / ln 2 (comparable across tokenizers)."""
+  total = weight = jnp.float32(0.0)
+  n = 0
   for batch in batches:
-    m = clu_metrics.Average.from_model_output(eval_step(params, batch))
-    total = m if total is None else total.merge(m)
-  return float(total.compute())
+    s, w = eval_sums(params, batch)
+    total, weight, n = total + s, weight + w, n + 1
+  total, weight = float(total), float(weight)
+  out = {"eval_loss": total / max(weight, 1.0), "eval_weight": weight, "eval_batches": n}
+  if targets_per_byte is not None:
+    out["eval_bits_per_byte"] = out["eval_loss"] * targets_per_byte / math.log(2)
+  return out
+
+
+def format_eval(step: int, total_steps: int, exp: Experiment, e: dict[str, float]) -> str:
+  """One line: the loss, bits per byte, and what the eval covered."""
+  what = ("whole validation split" if exp.train.eval_batches is None
+          else f"first {exp.train.eval_batches} validation batches")
+  bpb = f" | bits/byte {e['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in e else ""
+  return (f"step {step:>6}/{total_steps} | eval_loss {e['eval_loss']:.4f}{bpb} "
+          f"({what}: {e['eval_batches']} batches, {e['eval_weight']:.0f} tokens)")
 
 
 def restore_or_init(setup, checkpointer, data_iter=None):
@@ -70,11 +100,21 @@ def restore_latest(exp: Experiment, job_dir: str):
   return setup, state
 
 
-def evaluate(exp: Experiment, job_dir: str) -> float:
-  """Validation loss of the latest checkpoint in `job_dir`."""
+def evaluate(exp: Experiment, job_dir: str) -> dict[str, float]:
+  """Validation loss per token (and bits per byte) of the latest checkpoint in `job_dir`."""
+  check_tokenizer(exp)
   setup, state = restore_latest(exp, job_dir)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-    return _eval(step_lib.eval_step_fn(setup), state["params"], _eval_batches(setup))
+    return _eval(eval_sums_fn(setup), state["params"], _eval_batches(setup),
+                 inputs.targets_per_byte(exp.data))
+
+
+def check_tokenizer(exp: Experiment) -> None:
+  """The model's vocabulary must hold the tokenizer's ids (prepares the data if needed)."""
+  if hasattr(exp.model, "vocab_size") and exp.data.source != "synthetic" \
+     and exp.data.source not in IMAGE_SOURCES:
+    from shardax.trainer.data import tokenizers
+    tokenizers.check_vocab(tokenizers.load(exp.data), exp.model.vocab_size, exp.data.tokenizer)
 
 
 def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
@@ -87,6 +127,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
   setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     # Data first: a missing dataset must fail before anything is created in the job dir.
+    check_tokenizer(exp)
     train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
                                 seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
@@ -94,28 +135,34 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     state = restore_or_init(setup, checkpointer, train_iter)
     if on_ready is not None:
       on_ready()
-    eval_batches = None
     train_step = step_lib.train_step_fn(setup)
-    eval_step = step_lib.eval_step_fn(setup)
+    eval_sums = eval_sums_fn(setup)
+    per_byte = inputs.targets_per_byte(exp.data)
     writer = MetricsWriter(job_dir, exp.train.steps)
     tokens_per_step = exp.train.global_batch * exp.model.tokens_per_example(exp.data)
     flops_per_device = exp.train.global_batch * exp.model.flops_per_example(exp.data) / mesh.size
     start = int(state["step"])
     logging.info("training %s: %s params, steps %d -> %d on mesh %s",
                  exp.name, f"{state_lib.count_params(setup):,}", start, exp.train.steps, dict(mesh.shape))
-    summary: dict[str, Any] = {"start_step": start, "losses": {}, "eval_losses": {}, "skipped_steps": []}
+    summary: dict[str, Any] = {"start_step": start, "losses": {}, "eval_losses": {}, "skipped_steps": [],
+                               "eval_bits_per_byte": {}}
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
     step = start
     # train.profile_steps=(first, last): a jax profiler trace of those steps in job_dir/profile
     trace_first, trace_last = exp.train.profile_steps or (0, 0)
     tracing = False
-    if start == 0:  # the untrained model's eval loss: the baseline the run improves on
-      eval_batches = _eval_batches(setup)
-      summary["eval_losses"][0] = _eval(eval_step, state["params"], eval_batches)
-      writer.write(0, {"eval_loss": summary["eval_losses"][0]})
-      logging.info(line := f"step {0:>6}/{exp.train.steps} | eval_loss {summary['eval_losses'][0]:.4f}")
+    def run_eval(at: int) -> None:
+      e = _eval(eval_sums, state["params"], _eval_batches(setup), per_byte)
+      summary["eval_losses"][at] = e["eval_loss"]
+      if "eval_bits_per_byte" in e:
+        summary["eval_bits_per_byte"][at] = e["eval_bits_per_byte"]
+      writer.write(at, {k: v for k, v in e.items() if k != "eval_batches"})
+      logging.info(line := format_eval(at, exp.train.steps, exp, e))
       print(line, flush=True)
+
+    if start == 0:  # the untrained model's eval loss: the baseline the run improves on
+      run_eval(0)
     try:
       while step < exp.train.steps:
         if step + 1 == trace_first:
@@ -134,12 +181,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
           _log(writer, pending, exp, summary, tokens_per_step, flops_per_device)
           pending = []
         if step % exp.train.eval_every == 0 or last:
-          eval_batches = eval_batches or _eval_batches(setup)
-          eval_loss = _eval(eval_step, state["params"], eval_batches)
-          summary["eval_losses"][step] = eval_loss
-          writer.write(step, {"eval_loss": eval_loss})
-          logging.info(line := f"step {step:>6}/{exp.train.steps} | eval_loss {eval_loss:.4f}")
-          print(line, flush=True)
+          run_eval(step)
           writer.reset_clock()
         if checkpointer is not None and (checkpointer.should_save(step) or last):
           checkpointer.save(step, state, train_iter.get_state(), force=last or checkpointer.preempted())

@@ -1,20 +1,17 @@
-"""Training and eval batches: byte windows -> grain -> global jax arrays.
+"""The loader: training and eval batches as global jax arrays, one iterator per split.
 
-The pipeline, one concept per step:
+Text sources (stdlib, tfds:NAME, files:GLOB):
 
-  token stream (corpus.py; or synthetic)      one uint8 array per split, docs SEP-joined
-  -> windows of seq_len+1 at stride seq_len   every next-token pair appears exactly once
-  -> train: grain shuffle(seed) + repeat()    reshuffled per epoch (grain folds the epoch
-                                              into the shuffle seed); validation: in order, once
-  -> this process's rows of each global batch process p takes rows [p*B/P, (p+1)*B/P)
-                                              (with a sharding: the rows its devices hold)
-  -> batch(B/P) -> {'inputs', 'targets'}      int32 [B/P, seq_len], targets = inputs shifted
-  -> Batches                                  global jax.Arrays [B, seq_len] on a sharding
+  preparation.py   tokenized once into sharded ArrayRecord files (+ manifest), reused
+  streaming.py     this process's shards -> documents (train: shuffled per epoch, repeated)
+  packing.py       -> windows {inputs, targets, segment_ids, positions, loss_mask} of seq_len
+  -> batch(rows this process holds) -> Batches: global jax.Arrays [B, seq_len] on a sharding
 
-Everything before `Batches` is a grain `MapDataset` (random access by index), so the
-iterator state is one integer per process ({'next_index': k}): a resumed run sees exactly
-the batches an uninterrupted one would. `Batches` is itself a grain `DatasetIterator`,
-so grain's orbax handler saves it directly:
+`synthetic` skips all that: seeded random windows ({inputs, targets}) by index.
+
+The iterator state is grain's ({'grain': ...}, JSON), so a resumed run sees exactly the
+batches an uninterrupted one would. `Batches` is a grain `DatasetIterator`, so grain's
+orbax handler saves it directly:
 
     ckpt.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(train_state),
@@ -22,11 +19,16 @@ so grain's orbax handler saves it directly:
     ckpt.restore(step, args=ocp.args.Composite(
         state=ocp.args.StandardRestore(abstract_state),
         data=grain.checkpoint.CheckpointRestore(batches)))   # sets batches' state in place
+
+Evaluation (`iter_eval_batches`) reads the whole validation split by default: each process
+its own documents, once, in order; a process that runs out first feeds all-padding
+batches (loss_mask 0) until every process is done, so all run the same number of steps.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import grain
@@ -36,34 +38,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import IMAGE_SOURCES, DataConfig
-from shardax.trainer.data import corpus
-from shardax.trainer.data.corpus import (BYTE_VOCAB, SEPARATOR_ID, MissingDatasetError,  # noqa: F401
-                                    decode, encode)
+from shardax.trainer.data import packing, preparation, streaming
+from shardax.trainer.data.sources import SPLITS, MissingDatasetError  # noqa: F401
+from shardax.trainer.data.tokenizers import BYTE_VOCAB, SEPARATOR_ID  # noqa: F401
 
-SPLITS = ("train", "validation")
-SYNTHETIC_WINDOWS = {"train": 1 << 24, "validation": 1 << 14}
-
-
-class WindowSource:
-  """Random access to fixed windows of a token stream: window i = tokens[iL : iL+L+1].
-
-  A grain random-access source (`__len__`, `__getitem__`); windows are views, copied
-  only when grain stacks a batch.
-  """
-
-  def __init__(self, stream: np.ndarray, seq_len: int, name: str):
-    self._stream, self._seq_len = stream, seq_len
-    self._repr = f"WindowSource({name}, tokens={len(stream)}, seq_len={seq_len})"
-
-  def __len__(self) -> int:
-    return max(0, (len(self._stream) - 1) // self._seq_len)
-
-  def __getitem__(self, i: int) -> np.ndarray:
-    start = int(i) * self._seq_len
-    return self._stream[start:start + self._seq_len + 1]
-
-  def __repr__(self) -> str:
-    return self._repr
+SYNTHETIC_WINDOWS = {"train": 1 << 24, "validation": 1 << 10}
 
 
 class SyntheticSource:
@@ -89,20 +68,6 @@ class SyntheticSource:
 
   def __repr__(self) -> str:
     return f"SyntheticSource(key={self._key}, seq_len={self._seq_len}, vocab={self._vocab})"
-
-
-def split_tokens(cfg: DataConfig, split: str) -> np.ndarray:
-  """The whole token stream of a split (uint8), preparing the stdlib corpus if needed."""
-  if split not in SPLITS:
-    raise ValueError(f"split={split!r}: use one of {SPLITS}")
-  return corpus.split_stream(cfg.source, os.path.expanduser(cfg.data_dir), split,
-                             cfg.text_key, cfg.validation_fraction)
-
-
-def window_source(cfg: DataConfig, split: str, vocab_size: int = BYTE_VOCAB):
-  if cfg.source == "synthetic":
-    return SyntheticSource(cfg.seed, split, cfg.seq_len, vocab_size)
-  return WindowSource(split_tokens(cfg, split), cfg.seq_len, f"{cfg.source}:{split}")
 
 
 def process_rows(global_batch: int, seq_len: int,
@@ -180,13 +145,22 @@ def local_dataset(source, split: str, global_batch: int, seed: int,
   return ds.batch(rows[1] - rows[0], drop_remainder=True).map(_to_example)
 
 
-class Batches(grain.DatasetIterator):
-  """Iterator of global batches {'inputs', 'targets'}: int32 jax.Arrays [B, seq_len].
+def _flags_for_workers(cfg: DataConfig) -> None:
+  """grain's worker processes read its absl flags; outside app.run (tests, notebooks)
+  mark them parsed so the defaults apply."""
+  if cfg.worker_count > 0 and not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
 
-  With `sharding`, arrays are global (`jax.make_array_from_process_local_data`), each
-  process supplying its rows; without, plain `jnp` arrays of this process's rows.
+
+class Batches(grain.DatasetIterator):
+  """Iterator of global batches: int32/float32 jax.Arrays [B, seq_len] per field.
+
+  With `sharding` (one, or a dict per field), arrays are global
+  (`jax.make_array_from_process_local_data`), each process supplying its rows, and only
+  the fields the dict names are kept; without, plain `jnp` arrays of this process's rows.
   Checkpointable: `get_state()`/`set_state()` (JSON-serializable dicts), and being a
   grain `DatasetIterator`, grain's orbax handler saves/restores it as is.
+  A finite split (validation) ends with StopIteration.
   """
 
   def __init__(self, cfg: DataConfig, split: str, global_batch: int,
@@ -201,39 +175,59 @@ class Batches(grain.DatasetIterator):
       raise ValueError(f"split={split!r}: use one of {SPLITS}")
     self.cfg, self.split, self.global_batch, self.sharding = cfg, split, global_batch, sharding
     self.seed = cfg.seed if seed is None else seed
+    self.prepared = None
     row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
     if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/data/images.py
       from shardax.trainer.data import images
-      ds, num_examples, self.rows = images.local_dataset(
+      ds, _, self.rows = images.local_dataset(
           cfg, split, global_batch, self.seed, row_sharding, process_index, process_count)
+      iter_ds = ds.to_iter_dataset(streaming.READ_OPTIONS)
+    elif cfg.source == "synthetic":
+      self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
+      source = SyntheticSource(cfg.seed, split, cfg.seq_len, vocab_size)
+      ds = local_dataset(source, split, global_batch, self.seed, self.rows)
+      iter_ds = ds.to_iter_dataset(streaming.READ_OPTIONS)
     else:
       self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
-      source = window_source(cfg, split, vocab_size)
-      ds = local_dataset(source, split, global_batch, self.seed, self.rows)
-      num_examples = len(source)
-    iter_ds = ds.to_iter_dataset(grain.ReadOptions(num_threads=2, prefetch_buffer_size=4))
-    if cfg.worker_count > 0:
-      if not flags.FLAGS.is_parsed():  # grain's workers read its absl flags; outside
-        flags.FLAGS.mark_as_parsed()   # app.run (tests, notebooks) use their defaults
+      self.prepared = preparation.prepare(cfg)
+      layout = streaming.reader_layout(cfg.num_shards, global_batch, self.rows)
+      if split == "validation":  # finite, no workers: readers padded until all are done
+        self.grain_iterator = streaming.PaddedReaders(self.prepared, cfg.seq_len, *layout)
+        super().__init__(self.grain_iterator)
+        return
+      _flags_for_workers(cfg)
+      iter_ds = streaming.train_batches(self.prepared, cfg.seq_len, self.seed, *layout,
+                                        worker_count=cfg.worker_count)
+    if cfg.worker_count > 0 and self.prepared is None:
+      _flags_for_workers(cfg)
       iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
-    self.num_windows = num_examples
     self.grain_iterator = iter(iter_ds)
     super().__init__(self.grain_iterator)
 
   def __next__(self) -> dict[str, jax.Array]:
-    local = next(self.grain_iterator)
+    return self.to_global(next(self.grain_iterator))
+
+  def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
+    """This process's rows -> the batch the step takes (global arrays with a sharding)."""
     if self.sharding is None:
       return {k: jnp.asarray(v) for k, v in local.items()}
-    # One sharding for every field, or a dict of them (fields split differently).
-    shard_of = self.sharding.get if isinstance(self.sharding, dict) else lambda _: self.sharding
-    return {k: jax.make_array_from_process_local_data(shard_of(k), v, (self.global_batch,) + v.shape[1:])
+    if isinstance(self.sharding, dict):  # one sharding per field the model takes
+      return {k: jax.make_array_from_process_local_data(s, local[k], (self.global_batch,) + local[k].shape[1:])
+              for k, s in self.sharding.items()}
+    return {k: jax.make_array_from_process_local_data(self.sharding, v, (self.global_batch,) + v.shape[1:])
             for k, v in local.items()}
+
+  def padding(self) -> dict[str, np.ndarray]:
+    """This process's rows of an all-padding batch (text sources): no loss, no tokens."""
+    w = packing.padding_window(self.cfg.seq_len)
+    return {k: np.stack([v] * (self.rows[1] - self.rows[0])) for k, v in w.items()}
 
   def _identity(self) -> dict[str, Any]:
     """What a saved state is only valid for; set_state refuses a mismatch."""
     return {"source": self.cfg.source, "split": self.split, "seed": self.seed,
             "global_batch": self.global_batch, "seq_len": self.cfg.seq_len,
             "validation_fraction": self.cfg.validation_fraction,
+            "tokenizer": self.cfg.tokenizer, "num_shards": self.cfg.num_shards,
             "worker_count": self.cfg.worker_count}  # its grain state has another format
 
   def get_state(self) -> dict[str, Any]:
@@ -250,25 +244,50 @@ class Batches(grain.DatasetIterator):
     return f"Batches({self.cfg.source}, {self.split}, B={self.global_batch}, seed={self.seed})"
 
 
-def eval_batches(cfg: DataConfig, global_batch: int, n: int,
-                 sharding: jax.sharding.Sharding | None = None,
-                 **kwargs) -> list[dict[str, jax.Array]]:
-  """The first n validation batches from a fresh iterator: the same batches every eval
-  (fewer if the split runs out)."""
+def _any_process(flag: bool, simulated: bool) -> bool:
+  """Whether `flag` holds on any process (a tiny all-gather across hosts)."""
+  if simulated or jax.process_count() == 1:
+    return flag
+  from jax.experimental import multihost_utils
+  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+
+
+def iter_eval_batches(cfg: DataConfig, global_batch: int, n: int | None = None,
+                      sharding: jax.sharding.Sharding | None = None,
+                      **kwargs) -> Iterator[dict[str, jax.Array]]:
+  """Validation batches from a fresh iterator: the whole split (n=None) or its first n
+  batches; the same ones at every call. A process out of data before the others (text
+  sources) feeds all-padding batches, so every process takes the same number of steps."""
   it = Batches(cfg, "validation", global_batch, sharding, **kwargs)
+  simulated = kwargs.get("process_index") is not None
   try:
-    return [batch for _, batch in zip(range(n), it)]
+    count = 0
+    while n is None or count < n:
+      local = next(it.grain_iterator, None)
+      if not _any_process(local is not None, simulated):
+        return
+      yield it.to_global(it.padding() if local is None else local)
+      count += 1
   finally:
     it.close()
 
 
-def split_token_count(cfg: DataConfig, split: str) -> int:
-  """Tokens in a split's stream (documents plus one separator each); for logs."""
-  if cfg.source == "synthetic":
-    return SYNTHETIC_WINDOWS[split] * cfg.seq_len
-  return int(split_tokens(cfg, split).size)
+def eval_batches(cfg: DataConfig, global_batch: int, n: int | None,
+                 sharding: jax.sharding.Sharding | None = None,
+                 **kwargs) -> list[dict[str, jax.Array]]:
+  """`iter_eval_batches` as a list (for a few batches kept on device, e.g. benchmarks)."""
+  return list(iter_eval_batches(cfg, global_batch, n, sharding, **kwargs))
 
 
-__all__ = ["Batches", "eval_batches", "encode", "decode", "split_tokens", "split_token_count",
-           "window_source", "local_dataset", "process_rows", "WindowSource", "SyntheticSource",
-           "MissingDatasetError", "SEPARATOR_ID", "BYTE_VOCAB"]
+def targets_per_byte(cfg: DataConfig, split: str = "validation") -> float | None:
+  """Predicted tokens (document tokens + one end-of-document each) per utf-8 byte of a
+  text split, from the manifest; loss per token x this / ln 2 = bits per byte, a figure
+  that compares models with different tokenizers. None for non-text sources."""
+  if cfg.source == "synthetic" or cfg.source in IMAGE_SOURCES:
+    return None
+  c = preparation.prepare(cfg).split_counts(split)
+  return (c["tokens"] + c["documents"]) / max(c["bytes"], 1)
+
+
+__all__ = ["Batches", "eval_batches", "iter_eval_batches", "targets_per_byte", "local_dataset",
+           "process_rows", "SyntheticSource", "MissingDatasetError", "SEPARATOR_ID", "BYTE_VOCAB"]

@@ -89,7 +89,7 @@ class RunLog:
     self.event(C.OPT_LR_WARMUP_STEPS, exp.optimizer.warmup_steps)
     self.event(C.MAX_SEQUENCE_LENGTH, exp.data.seq_len)
     self.event(C.TRAIN_SAMPLES, t.steps * t.global_batch)
-    self.event(C.EVAL_SAMPLES, t.eval_batches * t.global_batch)
+    self.event(C.EVAL_SAMPLES, (t.eval_batches or 0) * t.global_batch)  # 0: the whole split
     p = _precision(exp.model.dtype)
     self.event(C.LOWEST_NUMERICAL_PRECISION_IN_LINEAR, p)
     self.event(C.LOWEST_NUMERICAL_PRECISION_IN_ATTN, p)
