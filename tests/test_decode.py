@@ -27,10 +27,11 @@ def experiment(*overrides, name="lm.tiny"):
 
 
 def params_of(exp, seed=0):
-  """Params initialized on one device (the same numbers for every mesh)."""
-  one = dataclasses.replace(exp, mesh=dataclasses.replace(exp.mesh, ici=(1,) * len(exp.mesh.ici)))
-  setup = state_lib.create(one, make_mesh(one.mesh, jax.devices()[:1]))
-  return jax.device_get(state_lib.init_fn(setup)(jax.random.key(seed))["params"])
+  """Params initialized on one device, unsharded (the same numbers for every mesh)."""
+  from flax import nnx
+  make = lambda key: nnx.to_pure_dict(nnx.state(exp.model.make(nnx.Rngs(params=key)), nnx.Param))
+  with nnx.use_eager_sharding(False):
+    return jax.device_get(jax.jit(make)(jax.random.key(seed)))
 
 
 def generator(exp, params, devices=None, **kw):
@@ -62,50 +63,67 @@ def assert_greedy_matches_full_forward(exp, params, batch, new_ids):
     np.testing.assert_array_equal(new_ids[i], want, err_msg=f"row {i} (prompt of {p.size})")
 
 
-@pytest.mark.parametrize("heads", ["mha", "gqa"])
-def test_greedy_cached_decode_equals_full_forward_argmax(heads):
-  exp1 = experiment(*SMALL, *(GQA if heads == "gqa" else []), "mesh.ici=(1, 1)")
-  params = params_of(exp1)
-  batch = prompts()
-  one = generator(exp1, params, jax.devices()[:1]).run(batch, decode.Sampling(max_new_tokens=NEW))
-  assert one.steps == NEW and (one.counts == NEW).all() and not one.stopped.any()
-  assert_greedy_matches_full_forward(exp1, params, batch, one.ids)
-  # The same on a (2, 4) mesh with the 2d preset: batch over data, heads over model.
-  exp2 = experiment(*SMALL, *(GQA if heads == "gqa" else []), "mesh.ici=(2, 4)", "sharding.preset='2d'")
-  sharded = generator(exp2, params).run(batch, decode.Sampling(max_new_tokens=NEW))
-  np.testing.assert_array_equal(sharded.ids, one.ids)
+@pytest.fixture(scope="module")
+def mha():
+  """(exp, params, one-device generator) shared by the tests below (one compile each)."""
+  exp = experiment(*SMALL, "mesh.ici=(1, 1)")
+  params = params_of(exp)
+  return exp, params, generator(exp, params, jax.devices()[:1])
 
 
-def test_cache_sharding_on_2x4_is_the_rules_and_its_size_the_formula():
+@pytest.fixture(scope="module")
+def greedy(mha):
+  return mha[2].run(prompts(), decode.Sampling(max_new_tokens=NEW))
+
+
+def test_greedy_cached_decode_equals_full_forward_argmax(mha, greedy):
+  exp, params, _ = mha
+  assert greedy.steps == NEW and (greedy.counts == NEW).all() and not greedy.stopped.any()
+  assert_greedy_matches_full_forward(exp, params, prompts(), greedy.ids)
+
+
+def test_sharded_2d_decode_equals_one_device(mha, greedy):
+  """(2, 4) mesh, 2d preset: batch and cache over data, heads and kv heads over model."""
+  exp = experiment(*SMALL, "mesh.ici=(2, 4)", "sharding.preset='2d'")
+  sharded = generator(exp, mha[1]).run(prompts(), decode.Sampling(max_new_tokens=NEW))
+  np.testing.assert_array_equal(sharded.ids, greedy.ids)
+
+
+def test_gqa_on_2x4_matches_full_forward_and_its_cache_is_sharded_by_the_rules():
+  """Grouped-query (8 heads, 4 kv heads) on (2, 4) with 2d: tokens equal the full forward
+  argmax; the cache the compiled prefill returns is split as the rules give, and its
+  bytes (in all and per device) are the formula's."""
   exp = experiment(*SMALL, *GQA, "mesh.ici=(2, 4)", "sharding.preset='2d'")
-  gen = generator(exp, params_of(exp))
-  rows, length = 8, 40
-  tokens = jax.ShapeDtypeStruct((rows, 16), np.int32)
-  lengths = jax.ShapeDtypeStruct((rows,), np.int32)
-  with gen._context():
-    compiled = gen._fn("prefill", rows, length).lower(gen.params, tokens, lengths).compile()
-  cache_sh = compiled.output_shardings[0]
-  leaves = jax.tree.leaves(cache_sh)
+  params = params_of(exp)
+  gen = generator(exp, params)
+  batch = prompts()
+  out = gen.run(batch, decode.Sampling(max_new_tokens=NEW))
+  assert_greedy_matches_full_forward(exp, params, batch, out.ids)
+
+  tokens, lengths = gen.padded(batch, NEW)
+  rows, length = tokens.shape                      # 8 rows, 24 prompt slots + 12 new
+  cache, _ = gen.prefill(tokens, lengths, NEW)
+  leaves = jax.tree.leaves(cache)
   assert len(leaves) == 2  # k and v of the scanned stack: [layers, batch, length, kv_heads, kv]
-  want = PartitionSpec(None, "data", None, "model", None)   # 2d: batch -> data, kv heads -> model
-  for sh in leaves:
-    assert sh.spec == want
   L, kv, d = 2, 4, 64 // 8
+  want = PartitionSpec(None, "data", None, "model", None)   # 2d: batch -> data, kv heads -> model
+  for a in leaves:
+    assert a.shape == (L, rows, length, kv, d)
+    assert a.sharding.spec == want, a.sharding
+    assert a.addressable_shards[0].data.shape == (L, rows // 2, length, kv // 4, d)
   assert decode.cache_bytes(gen.cache_spec(rows, length)) == 2 * L * rows * length * kv * d * 4
-  per_device = sum(int(np.prod(sh.shard_shape((L, rows, length, kv, d)))) * 4 for sh in leaves)
+  per_device = sum(a.addressable_shards[0].data.nbytes for a in leaves)
   assert per_device == 2 * L * (rows // 2) * length * (kv // 4) * d * 4
 
 
-def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy():
-  exp = experiment(*SMALL, "mesh.ici=(1, 1)")
-  gen = generator(exp, params_of(exp), jax.devices()[:1])
+def test_seeded_sampling_is_reproducible_and_top_k_1_is_greedy(mha, greedy):
+  gen = mha[2]
   batch = prompts()
   hot = decode.Sampling(temperature=1.5, top_p=0.95, max_new_tokens=NEW, seed=7)
   a, b = gen.run(batch, hot), gen.run(batch, hot)
   np.testing.assert_array_equal(a.ids, b.ids)
-  other = gen.run(batch, decode.Sampling(temperature=1.5, top_p=0.95, max_new_tokens=NEW, seed=8))
+  other = gen.run(batch, dataclasses.replace(hot, seed=8))
   assert (other.ids != a.ids).any()
-  greedy = gen.run(batch, decode.Sampling(max_new_tokens=NEW))
   assert (a.ids != greedy.ids).any()
   top1 = gen.run(batch, decode.Sampling(temperature=1.5, top_k=1, max_new_tokens=NEW, seed=7))
   np.testing.assert_array_equal(top1.ids, greedy.ids)
@@ -122,11 +140,10 @@ def test_top_k_and_top_p_keep_the_right_tokens():
     decode.Sampling(top_p=0.0)
 
 
-def test_stop_tokens_end_rows_and_uncached_decode_agrees():
-  exp = experiment(*SMALL, "mesh.ici=(1, 1)")
-  params = params_of(exp)
-  gen = generator(exp, params, jax.devices()[:1])
+def test_stop_tokens_end_rows_and_uncached_decode_agrees(mha, greedy):
+  exp, params, gen = mha
   batch = prompts()
+  free = greedy
   free = gen.run(batch, decode.Sampling(max_new_tokens=NEW))
   stop = int(free.ids[0, 4])                    # row 0's fifth token
   first = [int(np.argmax(r == stop)) if (r == stop).any() else None for r in free.ids]
@@ -138,7 +155,7 @@ def test_stop_tokens_end_rows_and_uncached_decode_agrees():
       assert done.stopped[i] and done.counts[i] == at + 1
       np.testing.assert_array_equal(done.ids[i, :at + 1], free.ids[i, :at + 1])
       assert (done.ids[i, at + 1:] == decode.PAD_ID).all()
-  uncached = generator(exp, params, jax.devices()[:1], use_cache=False)
+  uncached = decode.Generator(exp.model, params, use_cache=False)   # no mesh at all
   again = uncached.run(batch, decode.Sampling(max_new_tokens=NEW, stop_tokens=(stop,)))
   np.testing.assert_array_equal(again.ids, done.ids)
 

@@ -269,6 +269,7 @@ class Generator:
     return jax.jit(loop)
 
   def _fn(self, kind: str, batch: int, length: int, s: Sampling | None = None):
+    s = s and dataclasses.replace(s, seed=0)   # the seed is an argument, not compiled in
     key = (kind, batch, length, s)
     if key not in self._compiled:
       make = {"prefill": self._prefill_fn, "generate": self._generate_fn,
@@ -305,24 +306,34 @@ class Generator:
       return jnp.asarray(x)
     return jax.device_put(x, NamedSharding(self.mesh, self._spec(logical, x.shape, "prompt batch")))
 
+  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int):
+    """(cache, logits of each row's last prompt token) for padded `tokens` [rows, width]
+    (width = prompt part + max_new, as `padded` makes them); the cache is sharded as the
+    rules say (`cache_shardings`)."""
+    rows, width = tokens.shape
+    with self._context():
+      return self._fn("prefill", rows, width)(
+          self.params, self._put(tokens[:, :width - max_new], ("batch", "length")),
+          self._put(lengths, ("batch",)))
+
   def run(self, prompts: Sequence[Sequence[int]], s: Sampling) -> Result:
     """Decode a batch of id sequences; rows beyond len(prompts) are padding."""
     tokens, lengths = self.padded(prompts, s.max_new_tokens)
     rows, width = tokens.shape
     key = jax.random.key(s.seed)
+    start = time.perf_counter()
+    if self.use_cache:
+      cache, logits = self.prefill(tokens, lengths, s.max_new_tokens)
+      jax.block_until_ready(logits)
+    prefill_s = time.perf_counter() - start if self.use_cache else 0.0
+    start = time.perf_counter()
     with self._context():
-      tok_dev, len_dev = self._put(tokens, ("batch", "length")), self._put(lengths, ("batch",))
-      start = time.perf_counter()
-      if not self.use_cache:
-        prefill_s = 0.0
-        out = self._fn("uncached", rows, width, s)(self.params, tok_dev, len_dev, key)
-      else:
-        prompt_len = width - s.max_new_tokens
-        cache, logits = self._fn("prefill", rows, width)(self.params, tok_dev[:, :prompt_len], len_dev)
-        jax.block_until_ready(logits)
-        prefill_s = time.perf_counter() - start
-        start = time.perf_counter()
+      len_dev = self._put(lengths, ("batch",))
+      if self.use_cache:
         out = self._fn("generate", rows, width, s)(self.params, cache, logits, len_dev, key)
+      else:
+        tok_dev = self._put(tokens, ("batch", "length"))
+        out = self._fn("uncached", rows, width, s)(self.params, tok_dev, len_dev, key)
       ids, counts, stopped, steps = jax.device_get(out)
     generate_s = time.perf_counter() - start
     n = len(prompts)
