@@ -84,20 +84,23 @@ def test_checkpoint_from_2x4_restores_on_other_meshes(full_run, data_dir, ici):
   assert leaf.sharding.mesh.devices.size == len(devices)
 
 
-def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
-  from shardax.trainer.data import corpus
+def test_decode_continues_prompts_from_the_checkpoint(full_run, data_dir):
+  """The trained 2 x 4 checkpoint decodes a batch of prompts greedily; each new token is
+  the argmax of a full forward pass, and the completions land in the job dir as JSONL."""
   from shardax.trainer import decode
+  from shardax.trainer.data import corpus
   job, summary = full_run
   exp = small_experiment(data_dir)
+  texts = ["import os\n", "def ", "class Foo(object):\n    "]
+  completions = decode.from_job_dir(exp, job, texts, decode.Sampling(max_new_tokens=6))
+  assert [c.prompt for c in completions] == texts
   setup, state = loop.restore_latest(exp, job)
-  prompt = corpus.encode("import os\n")
   with jax.set_mesh(setup.mesh):
-    new = decode.sample(setup, state["params"], prompt, 5, temperature=0.0)
-    # Greedy: each new id is the argmax of a full forward pass over prompt + earlier ids.
-    ids = list(prompt)
-    for tok in new:
-      logits = setup.model(state["params"])(np.asarray([ids], np.int32))
-      assert tok == int(np.argmax(logits[0, -1]))
-      ids.append(tok)
-  text = decode.from_job_dir(exp, job, "import os\n", 5, 0.0)
-  assert text == "import os\n" + corpus.decode(new)
+    for c in completions:
+      assert c.finish_reason == "length" and len(c.ids) == 6
+      ids = list(corpus.encode(c.prompt)) + c.ids
+      logits = setup.model(state["params"])(np.asarray([ids], np.int32))[0]
+      np.testing.assert_array_equal(np.argmax(logits[len(ids) - 7:-1], -1), c.ids)
+      assert c.text == corpus.decode(np.asarray(c.ids))
+  lines = [json.loads(l) for l in open(os.path.join(job, "completions.jsonl"))]
+  assert [l["prompt"] for l in lines] == texts and lines[0]["ids"] == completions[0].ids
