@@ -3,11 +3,13 @@
 import json
 import os
 import shutil
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+import clitools
 from shardax import configs
 from shardax.sharding import make_mesh
 from shardax.trainer import checkpoint as ckpt_lib
@@ -15,16 +17,17 @@ from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 
 STEPS = 8
+SMALL_OVERRIDES = [
+    "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.d_ff=128",
+    "model.max_len=32", "data.seq_len=32", "train.global_batch=8", f"train.steps={STEPS}",
+    "train.eval_every=4", "train.eval_batches=2", "train.log_every=2", "checkpoint.every=4",
+    "optimizer.warmup_steps=2", "optimizer.learning_rate=3e-3",
+    "mesh.ici=(2, 4)", "sharding.preset='2d'"]
 
 
 def small_experiment(tmp_data_dir, *overrides):
   cfg = configs.get("lm.tiny")
-  configs.apply_overrides(cfg, [
-      "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.d_ff=128",
-      "model.max_len=32", "data.seq_len=32", "train.global_batch=8", f"train.steps={STEPS}",
-      "train.eval_every=4", "train.eval_batches=2", "train.log_every=2", "checkpoint.every=4",
-      "optimizer.warmup_steps=2", "optimizer.learning_rate=3e-3",
-      "mesh.ici=(2, 4)", "sharding.preset='2d'", f"data.data_dir={tmp_data_dir!r}", *overrides])
+  configs.apply_overrides(cfg, SMALL_OVERRIDES + [f"data.data_dir={tmp_data_dir!r}", *overrides])
   return configs.build(cfg)
 
 
@@ -104,3 +107,17 @@ def test_decode_continues_prompts_from_the_checkpoint(full_run, data_dir):
       assert c.text == corpus.decode(np.asarray(c.ids))
   lines = [json.loads(l) for l in open(os.path.join(job, "completions.jsonl"))]
   assert [l["prompt"] for l in lines] == texts and lines[0]["ids"] == completions[0].ids
+  # The command line: the same prompts from a JSONL file, the same completions on stdout.
+  os.remove(os.path.join(job, "completions.jsonl"))
+  prompts_file = os.path.join(job, "prompts.jsonl")
+  with open(prompts_file, "w") as f:
+    f.writelines(json.dumps({"prompt": t}) + "\n" for t in texts)
+  args = [sys.executable, "-m", "shardax.main", "--exp=lm.tiny", f"--job_dir={job}", "--mode=decode",
+          f"--prompts_file={prompts_file}", "--max_new_tokens=6"]
+  for override in SMALL_OVERRIDES + [f"data.data_dir={data_dir!r}"]:
+    args += ["--set", override]
+  proc = clitools.run(args, devices=8)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  want = [c.to_json() for c in completions]
+  assert proc.stdout.strip().splitlines() == want
+  assert open(os.path.join(job, "completions.jsonl")).read().splitlines() == want
