@@ -58,7 +58,7 @@ def main():
 
   cfg = configs.get(args.exp)
   window = args.prompt_len + args.new_tokens
-  configs.apply_overrides(cfg, [f"model.max_len={window}", "data.source='synthetic'",
+  configs.apply_overrides(cfg, [f"model.max_len={window}", f"data.seq_len={window}", "data.source='synthetic'",
                                 f"mesh.ici=({args.devices}, 1)", *args.set])
   exp = configs.build(cfg)
   setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:args.devices]))

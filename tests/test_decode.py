@@ -26,12 +26,15 @@ def experiment(*overrides, name="lm.tiny"):
   return configs.build(cfg)
 
 
-def params_of(exp, seed=0):
-  """Params initialized on one device, unsharded (the same numbers for every mesh)."""
+def params_of(exp, seed=0, scale=2.0):
+  """Params initialized on one device, unsharded (the same numbers for every mesh), times
+  `scale`: at init scale a model's next token hardly depends on the context (it repeats
+  one token), so a broken mask or cache would go unnoticed; doubled weights give sharp
+  attention and varied, context-dependent tokens."""
   from flax import nnx
   make = lambda key: nnx.to_pure_dict(nnx.state(exp.model.make(nnx.Rngs(params=key)), nnx.Param))
   with nnx.use_eager_sharding(False):
-    return jax.device_get(jax.jit(make)(jax.random.key(seed)))
+    return jax.device_get(jax.tree.map(lambda a: a * scale, jax.jit(make)(jax.random.key(seed))))
 
 
 def generator(exp, params, devices=None, **kw):
