@@ -83,11 +83,8 @@ def main():
         r = uncached.run(prompts, s)
         best_u = r if best_u is None or r.generate_s < best_u.generate_s else best_u
     tokens, _ = cached.padded(prompts, args.new_tokens)
-    shardings = cached.cache_shardings(*tokens.shape)
-    spec = cached.cache_spec(*tokens.shape)
-    per_device = sum(int(np.prod(sh.shard_shape(c.shape))) * np.dtype(c.dtype).itemsize
-                     for sh, c in zip(jax.tree.leaves(shardings),
-                                      jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, decode.CacheSpec))))
+    per_device = decode.cache_bytes_per_device(cached.cache_spec(*tokens.shape),
+                                               cached.cache_shardings(*tokens.shape))
     row = {"batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "steps": best_c.steps,
            "prefill_tok_s": b * args.prompt_len / best_c.prefill_s,

@@ -196,3 +196,13 @@ def test_prompts_file_jsonl_and_text(tmp_path):
   bad.write_text('{"text": 1}\n')
   with pytest.raises(ValueError, match="bad.jsonl:1"):
     decode.read_prompts(str(bad))
+
+
+def test_explain_line_reports_the_cache_bytes_per_device():
+  exp = experiment(*SMALL, *GQA, "mesh.ici=(2, 4)", "sharding.preset='2d'")
+  mesh = make_mesh(exp.mesh)
+  from shardax.sharding import rules as rules_lib
+  line = decode.cache_summary(exp, mesh, rules_lib.resolve("2d"))
+  total = 2 * 2 * 8 * 64 * 4 * 8 * 4            # k+v, layers, rows, max_len slots, kv heads, d, f32
+  assert f"{total:,} bytes, {total // 8:,} per device" in line, line
+  assert "P(None, 'data', None, 'model', None)" in line

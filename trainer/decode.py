@@ -139,6 +139,32 @@ def cache_bytes(spec) -> int:
   return sum(int(np.prod(c.shape)) * jnp.dtype(c.dtype).itemsize for c in leaves)
 
 
+def cache_bytes_per_device(spec, shardings) -> int:
+  """Bytes of the cache on one device: each array's shard shape under its sharding."""
+  leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, CacheSpec))
+  return sum(int(np.prod(sh.shard_shape(c.shape))) * jnp.dtype(c.dtype).itemsize
+             for c, sh in zip(leaves, jax.tree.leaves(shardings), strict=True))
+
+
+def cache_summary(exp, mesh, rules) -> str | None:
+  """One line for explain / dry-run reports: the decode cache for train.global_batch rows
+  of model.max_len slots, its split and bytes per device (None for models without one)."""
+  cfg = decode_config(exp.model)
+  model = nnx.eval_shape(lambda: cfg.make(nnx.Rngs(0)))
+  if not hasattr(model, "cache_spec"):
+    return None
+  rows, length = exp.train.global_batch, cfg.max_len
+  spec = model.cache_spec(rows, length)
+  shape = dict(mesh.shape)
+  shardings = jax.tree.map(
+      lambda c: NamedSharding(mesh, rules_lib.logical_to_spec(c.axes, rules, shape, c.shape, "KV cache",
+                                                              exp.sharding.allow_uneven)),
+      spec, is_leaf=lambda x: isinstance(x, CacheSpec))
+  specs = sorted({str(s.spec) for s in jax.tree.leaves(shardings)})
+  return (f"decode KV cache ({rows} rows x {length} slots): {cache_bytes(spec):,} bytes, "
+          f"{cache_bytes_per_device(spec, shardings):,} per device, split {', '.join(specs)}")
+
+
 class Generator:
   """Samples continuations of batches of prompts from a model's params.
 
