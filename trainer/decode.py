@@ -22,6 +22,7 @@ text depends on its prompt, its row and the seed, not on the batch size or mesh.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import sys
@@ -215,8 +216,8 @@ class Generator:
     axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
     return int(np.prod([self.mesh.shape[a] for a in axes]))
 
-  def _context(self):
-    import contextlib
+  def _context(self) -> contextlib.ExitStack:
+    """The mesh and rules in force while tracing and running (nothing without a mesh)."""
     stack = contextlib.ExitStack()
     if self.mesh is not None:
       stack.enter_context(jax.set_mesh(self.mesh))
