@@ -172,6 +172,15 @@ def test_pipelined_model_decodes_its_stages_in_order():
   assert_greedy_matches_full_forward(exp, params, batch, out.ids)
 
 
+def test_unscanned_layers_decode_with_a_cache_per_block():
+  exp = experiment(*SMALL, "model.scan_layers=False", "mesh.ici=(1, 1)")
+  params = params_of(exp)
+  gen = generator(exp, params, jax.devices()[:1])
+  assert isinstance(gen.cache_spec(8, 16), list)   # one {'k', 'v'} per block
+  out = gen.run(prompts(), decode.Sampling(max_new_tokens=NEW))
+  assert_greedy_matches_full_forward(exp, params, prompts(), out.ids)
+
+
 def test_moe_decodes_without_dropping_tokens():
   t = ["model.transformer.num_layers=2", "model.transformer.d_model=64",
        "model.transformer.num_heads=4", "model.transformer.d_ff=128",
