@@ -25,9 +25,14 @@ flags.DEFINE_string("exp", None, "Registered experiment name (see --mode=list)."
 flags.DEFINE_string("job_dir", None, "Directory for config, checkpoints, metrics and reports.")
 flags.DEFINE_enum("mode", "train", MODES, "What to do.")
 flags.DEFINE_multi_string("set", [], "Config override PATH=VALUE (repeatable), e.g. train.steps=10.")
-flags.DEFINE_string("prompt", "def ", "decode: text to continue.")
-flags.DEFINE_integer("max_new_tokens", 200, "decode: how many tokens to sample.")
+flags.DEFINE_multi_string("prompt", [], "decode: text to continue (repeatable: one batch).")
+flags.DEFINE_string("prompts_file", None, "decode: prompts, JSONL ({\"prompt\": ...} per line) or text lines.")
+flags.DEFINE_integer("max_new_tokens", 128, "decode: at most this many new tokens per prompt.")
 flags.DEFINE_float("temperature", 0.0, "decode: 0 = greedy, else softmax temperature.")
+flags.DEFINE_integer("top_k", 0, "decode: sample among the k most likely tokens (0 = all).")
+flags.DEFINE_float("top_p", 1.0, "decode: sample from the smallest set with this probability (1 = all).")
+flags.DEFINE_multi_string("stop", [], "decode: a text of one token that ends a completion (repeatable).")
+flags.DEFINE_integer("seed", None, "decode: sampling seed (default: train.seed).")
 flags.DEFINE_string("coordinator_address", None, "Multi-process: HOST:PORT of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-process: how many processes in the job.")
 flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0..num_processes-1.")
@@ -93,8 +98,7 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     print(loop.format_eval(0, 0, exp, loop.evaluate(exp, job_dir)).split("| ", 1)[1], flush=True)
   elif mode == "decode":
     from shardax.trainer import decode
-    text = decode.from_job_dir(exp, job_dir, FLAGS.prompt, FLAGS.max_new_tokens, FLAGS.temperature)
-    print(text, flush=True)
+    decode.print_completions(decode.from_job_dir(exp, job_dir, _prompts(), _sampling(exp)))
   elif mode == "benchmark":  # throughput; with train.target_eval_loss set: time to train
     write_config(exp, job_dir)
     if exp.train.target_eval_loss is None:
@@ -126,6 +130,27 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     effort = -1.0 if FLAGS.compile_effort is None else FLAGS.compile_effort
     result = plan.plan(FLAGS.exp, FLAGS.set, job_dir, effort=effort, shallow=FLAGS.shallow)
     print(plan.format_plan(result), flush=True)
+
+
+def _prompts() -> list[str]:
+  if FLAGS.prompt and FLAGS.prompts_file:
+    raise UserError("give --prompt (repeatable) or --prompts_file, not both")
+  if FLAGS.prompts_file:
+    from shardax.trainer import decode
+    return decode.read_prompts(FLAGS.prompts_file)
+  return FLAGS.prompt or ["def "]
+
+
+def _sampling(exp):
+  from shardax.trainer import decode
+  stops = []
+  for text in FLAGS.stop:
+    ids = decode.tokenizer(exp).encode(text)
+    if len(ids) != 1:
+      raise UserError(f"--stop={text!r} is {len(ids)} tokens; each stop must be exactly one token")
+    stops.append(int(ids[0]))
+  return decode.Sampling(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p, FLAGS.max_new_tokens,
+                         tuple(stops), exp.train.seed if FLAGS.seed is None else FLAGS.seed)
 
 
 def main(argv) -> None:

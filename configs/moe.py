@@ -90,6 +90,19 @@ class MoELMConfig:
     _require(t.pipeline.stages == 1,
              "model.transformer.pipeline.stages > 1 is not supported for the MoE LM; use 1")
 
+  def for_decode(self) -> "MoELMConfig":
+    """The same model (same params) as decoding runs it: no token is ever dropped.
+
+    One gating group per sequence of the call (prefill: the padded prompt; a generate
+    step: its one token) and capacity = group size (`capacity_factor = E/2` reaches the
+    cap S: an expert gets each token at most once), so padding and the other rows of the
+    batch cannot change a sequence's output; the second expert is always used ('all'),
+    so a token's output does not depend on random gating or on how calls group tokens.
+    """
+    moe = dataclasses.replace(self.moe, group_size=None, second_expert="all",
+                              capacity_factor=self.moe.num_experts / 2)
+    return dataclasses.replace(self, moe=moe)
+
   # Fields the trainer and Experiment read from any LM config.
   @property
   def vocab_size(self) -> int:

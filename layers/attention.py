@@ -18,9 +18,20 @@ shifted `positions` (e.g. a decode offset) changes nothing but the rotation.
 Packed documents: with `segment_ids[b, l]` (1, 2, ... per document in a row, 0 for
 padding) a query attends only to keys of its own segment, on both paths: the causal
 mask and the segment mask are combined, so attention never crosses a document boundary.
+
+Decoding (`Attention.cached`) keeps a KV cache {'k', 'v'}: [b, S, k, d] per layer,
+logical axes (`cache_batch`, `cache_length`, `kv_heads`, `kv`), so the rules split it
+like any tensor (batch over data, kv heads over model). Prompts are right-padded:
+slot j of row b holds that sequence's position j. Prefill (positions 0..l-1) writes
+slots 0..l-1 and attends causally within the block; a generate step (l = 1) writes
+each row's slot `positions[b]` and attends to the slots j <= positions[b]. Slots past
+a sequence's length (padding, or not yet written) are masked, never read.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -115,6 +126,74 @@ class Attention(nnx.Module):
     o = _ATTENTION_IMPLS[self.implementation](q, k, v, segment_ids)
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o)
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """(out, cache after writing this block's k/v): a prefill (x[b, l > 1], positions
+    0..l-1) or one generate step (x[b, 1] at positions[b, 0]); see the module docstring."""
+    q = shard(apply_rope(self.query(x), positions, self.rope_theta),
+              ("batch", "length", "heads", "kv"))
+    k = apply_rope(self.key(x), positions, self.rope_theta)
+    v = self.value(x)
+    cache = {"k": shard(write_cache(cache["k"], k, positions), CACHE_AXES),
+             "v": shard(write_cache(cache["v"], v, positions), CACHE_AXES)}
+    if x.shape[1] > 1:  # prefill: the block's own keys are all it may see (causal from 0)
+      k = shard(k, ("batch", "length", "kv_heads", "kv"))
+      v = shard(v, ("batch", "length", "kv_heads", "kv"))
+      o = _ATTENTION_IMPLS[self.implementation](q, k, v)
+    else:
+      o = cached_attention(q, cache["k"], cache["v"], positions)
+    o = shard(o, ("batch", "length", "heads", "kv"))
+    return self.out(o), cache
+
+
+CACHE_AXES = ("cache_batch", "cache_length", "kv_heads", "kv")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheSpec:
+  """Shape, dtype and logical axes of one cache array (a pytree leaf: not registered)."""
+  shape: tuple[int, ...]
+  dtype: Any
+  axes: tuple[str | None, ...]
+
+  def stacked(self, num: int, axis: str = "layers") -> "CacheSpec":
+    """The same array for `num` stacked layers: leading dim `num`, logical name `axis`."""
+    return CacheSpec((num,) + self.shape, self.dtype, (axis,) + self.axes)
+
+
+def kv_cache_spec(batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> dict:
+  """{'k', 'v'}: CacheSpec [batch, length, kv_heads, head_dim] of one attention layer."""
+  one = CacheSpec((batch, length, kv_heads, head_dim), jnp.dtype(dtype), CACHE_AXES)
+  return {"k": one, "v": one}
+
+
+def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
+  """cache[b, S, k, d] with `new`[b, l, k, d] written at each row's `positions`.
+
+  l > 1 is a prefill from position 0 (slots 0..l-1); l = 1 writes slot positions[b]
+  of each row, as an elementwise select, which splits over any cache sharding.
+  """
+  new = new.astype(cache.dtype)
+  if new.shape[1] > 1:
+    return jax.lax.dynamic_update_slice_in_dim(cache, new, 0, axis=1)
+  slots = jnp.arange(cache.shape[1], dtype=jnp.int32)
+  hit = (slots[None, :] == positions[:, :1])[:, :, None, None]       # [b, S, 1, 1]
+  return jnp.where(hit, new, cache)
+
+
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
+  """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position."""
+  b, l, n, d = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, l, kv, n // kv, d)
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * jnp.float32(d ** -0.5)
+  slots = jnp.arange(k.shape[1], dtype=jnp.int32)
+  visible = (slots[None, None, :] <= positions[:, :, None])[:, None, None]   # [b,1,1,l,S]
+  logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+  return out.reshape(b, l, n, d)
 
 
 def default_positions(batch: int, length: int) -> jax.Array:

@@ -28,7 +28,8 @@ from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.moe import MoEFeedForward
 from shardax.layers.norm import make_norm
-from shardax.layers.transformer import REMAT_POLICIES, RESIDUAL, Block, stacked
+from shardax.layers.transformer import (REMAT_POLICIES, RESIDUAL, Block, block_cache_spec,
+                                        scan_cached, stacked)
 from shardax.sharding import shard
 
 
@@ -53,6 +54,15 @@ class MoEBlock(nnx.Module):
     y, stats = self.moe(self.mlp_norm(x), key, deterministic)
     return shard(x + y, RESIDUAL), stats
 
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """The block at decode (the model's config makes the MoE FFN drop nothing there:
+    see `configs.moe.MoELMConfig.for_decode`)."""
+    x = shard(x, RESIDUAL)
+    y, cache = self.attn.cached(self.attn_norm(x), positions, cache)
+    x = shard(x + y, RESIDUAL)
+    y, _ = self.moe(self.mlp_norm(x))
+    return shard(x + y, RESIDUAL), cache
+
 
 class Unit(nnx.Module):
   """(moe.every - 1) dense blocks, then one MoE block: the stack's repeating unit."""
@@ -66,6 +76,14 @@ class Unit(nnx.Module):
     for block in self.dense:
       x = block(x, positions)
     return self.moe_block(x, positions, key, deterministic)
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    dense = []
+    for block, block_cache in zip(self.dense, cache["dense"]):
+      x, block_cache = block.cached(x, positions, block_cache)
+      dense.append(block_cache)
+    x, moe_cache = self.moe_block.cached(x, positions, cache["moe"])
+    return x, {"dense": dense, "moe": moe_cache}
 
 
 def stacked_units(cfg, num: int, *, rngs: nnx.Rngs) -> Unit:
@@ -132,6 +150,31 @@ class MoELM(nnx.Module):
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     return self.forward(tokens, jax.random.key(self.cfg.moe.seed), positions)[0]
+
+  def cache_spec(self, batch: int, length: int):
+    """The decode cache: per unit {'dense': [one per dense block], 'moe': ...}, stacked
+    on a leading 'layers' dim when the units are scanned."""
+    t = self.cfg.transformer
+    one = block_cache_spec(t, batch, length)
+    unit = {"dense": [one] * (self.cfg.moe.every - 1), "moe": one}
+    if t.scan_layers:
+      return jax.tree.map(lambda c: c.stacked(self.cfg.num_moe_layers), unit)
+    return [unit for _ in range(self.cfg.num_moe_layers)]
+
+  def cached(self, tokens: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
+    """(logits, cache): a prefill or one generate step, as `TransformerLM.cached`."""
+    x = shard(self.embed(tokens), RESIDUAL)
+    if self.cfg.transformer.scan_layers:
+      x, cache = scan_cached(*nnx.split(self.units), x, positions, cache)
+    else:
+      out = []
+      for unit, unit_cache in zip(self.units, cache):
+        x, unit_cache = unit.cached(x, positions, unit_cache)
+        out.append(unit_cache)
+      cache = out
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
+    return shard(logits, ("batch", "length", "vocab")), cache
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
     """Cross entropy + weighted balance and z losses; metrics under 'moe/...'."""

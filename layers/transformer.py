@@ -26,7 +26,7 @@ from flax import nnx
 
 from shardax import pipeline
 from shardax.configs.schema import TransformerConfig
-from shardax.layers.attention import Attention, default_positions
+from shardax.layers.attention import Attention, default_positions, kv_cache_spec
 from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.mlp import GatedMLP, PlainMLP
@@ -64,6 +64,31 @@ class Block(nnx.Module):
       return shard(x + self.attn(h, positions, segment_ids) + self.mlp(h), RESIDUAL)
     x = shard(x + self.attn(self.attn_norm(x), positions, segment_ids), RESIDUAL)
     return shard(x + self.mlp(self.mlp_norm(x)), RESIDUAL)
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """The block at decode: (x, its attention cache updated)."""
+    x = shard(x, RESIDUAL)
+    h = self.attn_norm(x)
+    y, cache = self.attn.cached(h, positions, cache)
+    if self.mlp_norm is None:  # parallel block: both branches read the same norm
+      return shard(x + y + self.mlp(h), RESIDUAL), cache
+    x = shard(x + y, RESIDUAL)
+    return shard(x + self.mlp(self.mlp_norm(x)), RESIDUAL), cache
+
+
+def block_cache_spec(cfg: TransformerConfig, batch: int, length: int) -> dict:
+  """The KV cache of one block's attention (in the compute dtype)."""
+  return kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype)
+
+
+def scan_cached(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
+                positions: jax.Array, cache) -> tuple[jax.Array, object]:
+  """Decode through stacked modules (leading dim = layers) with their stacked cache:
+  one compiled layer body, the cache scanned alongside the weights."""
+  def step(carry, layer):
+    state, layer_cache = layer
+    return nnx.merge(graphdef, state).cached(carry, positions, layer_cache)
+  return jax.lax.scan(step, x, (stacked_state, cache))
 
 
 def stacked(make_one: Callable[[nnx.Rngs], nnx.Module], num: int, *, rngs: nnx.Rngs) -> nnx.Module:
@@ -160,6 +185,28 @@ class LayerStack(nnx.Module):
       x = block_fn(graphdef, self.remat)(state, x, positions, segment_ids)
     return x
 
+  def cache_spec(self, cfg: TransformerConfig, batch: int, length: int):
+    """Stacked [L, ...] cache for scanned and pipelined stacks, else one per block."""
+    one = block_cache_spec(cfg, batch, length)
+    if self.schedule is None and not self.scan_layers:
+      return [one for _ in range(cfg.num_layers)]
+    return jax.tree.map(lambda c: c.stacked(cfg.num_layers), one)
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
+    """Decode through the stack. A pipelined stack runs its stages in order, on its
+    weights unstacked to [L, ...] (one token per step leaves nothing to pipeline)."""
+    if self.schedule is not None:
+      graphdef, state = nnx.split(self.blocks)
+      state = jax.tree.map(lambda a: pipeline.from_stages(a, self.schedule.repeats), state)
+      return scan_cached(graphdef, state, x, positions, cache)
+    if self.scan_layers:
+      return scan_cached(*nnx.split(self.blocks), x, positions, cache)
+    out = []
+    for block, block_cache in zip(self.blocks, cache):
+      x, block_cache = block.cached(x, positions, block_cache)
+      out.append(block_cache)
+    return x, out
+
 
 class TransformerLM(nnx.Module):
   """tokens int32[b, l] -> logits float32[b, l, vocab]: embed, blocks, norm, head."""
@@ -177,12 +224,22 @@ class TransformerLM(nnx.Module):
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
     x = shard(self.embed(tokens), RESIDUAL)
-    x = self.layers(x, positions, segment_ids)
+    return self.logits(self.layers(x, positions, segment_ids))
+
+  def cache_spec(self, batch: int, length: int):
+    """Tree of `CacheSpec` (shape, dtype, logical axes) of the decode cache."""
+    return self.layers.cache_spec(self.cfg, batch, length)
+
+  def cached(self, tokens: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
+    """(logits float32[b, l, vocab], cache): a prefill or a generate step (attention.py)."""
+    x = shard(self.embed(tokens), RESIDUAL)
+    x, cache = self.layers.cached(x, positions, cache)
+    return self.logits(x), cache
+
+  def logits(self, x: jax.Array) -> jax.Array:
+    """Final norm and head (or the tied embedding): [b, l, embed] -> float32 [b, l, vocab]."""
     x = self.final_norm(x)
-    if self.head is None:
-      logits = self.embed.attend(x)
-    else:
-      logits = self.head(x, out_dtype=jnp.float32)
+    logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
     return shard(logits, ("batch", "length", "vocab"))
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:

@@ -56,6 +56,12 @@ PRESETS: dict[str, Rules] = {
 # buffer's leading `stage` dim on the `stage` mesh axis, combined with the modes above.
 PRESETS.update({f"pp_{name}": (("stage", "stage"),) + PRESETS[name] for name in ("dp", "tp", "2d")})
 
+# The decode KV cache [cache_batch, cache_length, kv_heads, kv] (layers/attention.py):
+# its batch dim goes where the preset sends `batch` (data), its kv heads follow the
+# `kv_heads` rule (model, in the Megatron presets); its length and head dim stay whole.
+PRESETS = {name: rules + tuple(("cache_batch", axes) for n, axes in rules if n == "batch")
+           for name, rules in PRESETS.items()}
+
 # (rules, allow_uneven) in force for `shard()`; set by `use_rules`.
 _current: contextvars.ContextVar[tuple[Rules | None, bool]] = contextvars.ContextVar(
     "shardax_rules", default=(None, False))

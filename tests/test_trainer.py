@@ -5,11 +5,13 @@ import json
 import os
 import re
 import shutil
+import sys
 
 import jax
 import numpy as np
 import pytest
 
+import clitools
 from shardax import configs
 from shardax.sharding import make_mesh
 from shardax.trainer import checkpoint as ckpt_lib
@@ -18,17 +20,17 @@ from shardax.trainer import state as state_lib
 from meshtools import loss_and_grads, setup_for
 
 STEPS = 8
+SMALL_OVERRIDES = [
+    "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.d_ff=128",
+    "model.max_len=32", "data.seq_len=32", "train.global_batch=8", f"train.steps={STEPS}",
+    "train.eval_every=4", "train.eval_batches=2", "train.log_every=2", "checkpoint.every=4",
+    "optimizer.warmup_steps=2", "optimizer.learning_rate=3e-3",
+    "mesh.ici=(2, 4)", "sharding.preset='2d'", "data.source='synthetic'"]
 
 
 def small_experiment(tmp_data_dir, *overrides):
   cfg = configs.get("lm.tiny")
-  configs.apply_overrides(cfg, [
-      "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.d_ff=128",
-      "model.max_len=32", "data.seq_len=32", "train.global_batch=8", f"train.steps={STEPS}",
-      "train.eval_every=4", "train.eval_batches=2", "train.log_every=2", "checkpoint.every=4",
-      "optimizer.warmup_steps=2", "optimizer.learning_rate=3e-3",
-      "mesh.ici=(2, 4)", "sharding.preset='2d'", "data.source='synthetic'",
-      f"data.data_dir={tmp_data_dir!r}", *overrides])
+  configs.apply_overrides(cfg, SMALL_OVERRIDES + [f"data.data_dir={tmp_data_dir!r}", *overrides])
   return configs.build(cfg)
 
 
@@ -88,24 +90,40 @@ def test_checkpoint_from_2x4_restores_on_other_meshes(full_run, data_dir, ici):
   assert leaf.sharding.mesh.devices.size == len(devices)
 
 
-def test_decode_continues_a_prompt_from_the_checkpoint(full_run, data_dir):
-  from shardax.trainer.data import tokenizers
+def test_decode_continues_prompts_from_the_checkpoint(full_run, data_dir):
+  """The trained 2 x 4 checkpoint decodes a batch of prompts greedily; each new token is
+  the argmax of a full forward pass, and the completions land in the job dir as JSONL."""
   from shardax.trainer import decode
   job, summary = full_run
   exp = small_experiment(data_dir)
+  texts = ["import os\n", "def ", "class Foo(object):\n    "]
+  completions = decode.from_job_dir(exp, job, texts, decode.Sampling(max_new_tokens=6))
+  assert [c.prompt for c in completions] == texts
   setup, state = loop.restore_latest(exp, job)
-  byte = tokenizers.ByteTokenizer()
-  prompt = [byte.eos_id] + byte.encode("import os\n")  # documents start with eos when packed
+  tok = decode.tokenizer(exp)
   with jax.set_mesh(setup.mesh):
-    new = decode.sample(setup, state["params"], prompt, 5, temperature=0.0)
-    # Greedy: each new id is the argmax of a full forward pass over prompt + earlier ids.
-    ids = list(prompt)
-    for tok in new:
-      logits = setup.model(state["params"])(np.asarray([ids], np.int32))
-      assert tok == int(np.argmax(logits[0, -1]))
-      ids.append(tok)
-  text = decode.from_job_dir(exp, job, "import os\n", 5, 0.0)
-  assert text == "import os\n" + byte.decode(new)
+    for c in completions:
+      assert c.finish_reason == "length" and len(c.ids) == 6
+      ids = [tok.eos_id, *tok.encode(c.prompt)] + c.ids
+      logits = setup.model(state["params"])(np.asarray([ids], np.int32))[0]
+      np.testing.assert_array_equal(np.argmax(logits[len(ids) - 7:-1], -1), c.ids)
+      assert c.text == tok.decode(np.asarray(c.ids))
+  lines = [json.loads(l) for l in open(os.path.join(job, "completions.jsonl"))]
+  assert [l["prompt"] for l in lines] == texts and lines[0]["ids"] == completions[0].ids
+  # The command line: the same prompts from a JSONL file, the same completions on stdout.
+  os.remove(os.path.join(job, "completions.jsonl"))
+  prompts_file = os.path.join(job, "prompts.jsonl")
+  with open(prompts_file, "w") as f:
+    f.writelines(json.dumps({"prompt": t}) + "\n" for t in texts)
+  args = [sys.executable, "-m", "shardax.main", "--exp=lm.tiny", f"--job_dir={job}", "--mode=decode",
+          f"--prompts_file={prompts_file}", "--max_new_tokens=6"]
+  for override in SMALL_OVERRIDES + [f"data.data_dir={data_dir!r}"]:
+    args += ["--set", override]
+  proc = clitools.run(args, devices=8)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  want = [c.to_json() for c in completions]
+  assert proc.stdout.strip().splitlines() == want
+  assert open(os.path.join(job, "completions.jsonl")).read().splitlines() == want
 
 
 # The curve of this seed (synthetic data, 2 x 4 mesh), recorded 2026-11-23 with jax 0.10.2 on
@@ -155,7 +173,6 @@ def test_gradient_accumulation_equals_the_full_batch_step(data_dir):
 def test_terminal_shows_progress_lines_and_the_job_dir_keeps_the_full_log(tmp_path):
   """`shardax` prints its progress lines and nothing else (no orbax/absl INFO records, no
   TensorFlow oneDNN notice); job_dir/log.txt has the INFO records; `-v 0` brings them back."""
-  import clitools
   job, data = tmp_path / "job", tmp_path / "data"
   sets = ("train.steps=2", "checkpoint.every=2", "data.source='synthetic'")
   r = clitools.run(clitools.command(job, data, *sets))

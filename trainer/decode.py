@@ -1,56 +1,422 @@
-"""Sampling text from a trained language model.
+"""Decoding with a KV cache: batches of prompts, sharded like training, one compiled step.
 
-The model has no KV cache yet, so each new token reruns the model over a fixed
-window of `max_len` tokens (one compiled shape, then cheap calls). That is
-quadratic in the window, fine for the small models one samples on a laptop.
+    prompts --tokenizer()--> ids, right-padded to [b, P] (b rounded up to the data-parallel
+      degree with empty rows, P to a multiple of 8, so few shapes compile)
+    prefill:  one pass over [b, P] fills the cache [.., b, S = P + max_new, kv_heads, d]
+              and returns the logits of each row's last prompt token
+    generate: a `lax.while_loop` inside one jit, one token per row per step: sample
+              (greedy / temperature / top-k / top-p, a key per row and step), stop rows that
+              emit a stop token, write each row's next cache slot at its own position;
+              it ends at max_new_tokens or when every row has stopped
+
+The cache is a plain pytree whose leaves carry logical axes (`CacheSpec`), so the
+experiment's rules shard it like the params (batch over data, kv heads over model)
+and it is the jitted functions' output with that sharding. Without a cache
+(`Generator(..., use_cache=False)`: the benchmark's baseline and a check) each step
+reruns the model over the whole [b, P + max_new] window instead: same tokens,
+quadratic work.
+
+Sampling keys: row r, step t uses fold_in(fold_in(key(seed), r), t), so a row's
+text depends on its prompt, its row and the seed, not on the batch size or mesh.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import json
+import sys
+import time
+from typing import Sequence
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+from absl import logging
+from flax import nnx
+from jax.sharding import NamedSharding
 
-from shardax.configs.schema import Experiment
+from shardax.layers.attention import CacheSpec, default_positions
+from shardax.sharding import rules as rules_lib
+from shardax.sharding import shard
 from shardax.trainer.data import tokenizers
-from shardax.trainer import state as state_lib
+
+PAD_ID = 0
 
 
-def sample(setup: state_lib.Setup, params, prompt_ids: np.ndarray, max_new_tokens: int,
-           temperature: float = 0.0, seed: int = 0) -> np.ndarray:
-  """Continue `prompt_ids`; greedy when temperature is 0. Returns the new ids only."""
-  window = setup.exp.model.max_len
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+  """How to pick each new token. temperature 0 = greedy (top_k/top_p then unused);
+  top_k 0 = off; top_p 1.0 = off; stop_tokens end a row (the stop token is not part
+  of the completion's text)."""
+  temperature: float = 0.0
+  top_k: int = 0
+  top_p: float = 1.0
+  max_new_tokens: int = 64
+  stop_tokens: tuple[int, ...] = ()
+  seed: int = 0
 
-  @jax.jit
-  def next_token(params, tokens, last, key):
-    logits = setup.model(params)(tokens)[0, last]
-    if temperature <= 0:
-      return jnp.argmax(logits).astype(jnp.int32)
-    return jax.random.categorical(key, logits / temperature).astype(jnp.int32)
-
-  ids = list(int(i) for i in prompt_ids) or [tokenizers.SEPARATOR_ID]
-  key = jax.random.key(seed)
-  out = []
-  for _ in range(max_new_tokens):
-    ctx = ids[-window:]
-    buf = np.zeros((1, window), np.int32)
-    buf[0, :len(ctx)] = ctx
-    key, sub = jax.random.split(key)
-    tok = int(next_token(params, buf, len(ctx) - 1, sub))
-    ids.append(tok)
-    out.append(tok)
-  return np.asarray(out, np.int32)
+  def __post_init__(self):
+    if self.temperature < 0:
+      raise ValueError(f"temperature={self.temperature} must be >= 0 (0 = greedy)")
+    if self.top_k < 0:
+      raise ValueError(f"top_k={self.top_k} must be >= 0 (0 = no top-k filter)")
+    if not 0.0 < self.top_p <= 1.0:
+      raise ValueError(f"top_p={self.top_p} must be in (0, 1] (1 = no nucleus filter)")
+    if self.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={self.max_new_tokens} must be >= 1")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
 
-def from_job_dir(exp: Experiment, job_dir: str, prompt: str, max_new_tokens: int,
-                 temperature: float) -> str:
-  """Prompt plus sampled continuation, from the latest checkpoint in `job_dir`."""
-  from shardax.trainer import loop
-  setup, state = loop.restore_latest(exp, job_dir)
-  # No sharding rules here: one sequence does not split over a data axis, and the
-  # compiler gathers what it needs from the sharded params.
-  tok = tokenizers.load(exp.data)  # documents start with eos in training (packing.py)
-  with jax.set_mesh(setup.mesh):
-    new = sample(setup, state["params"], [tok.eos_id] + tok.encode(prompt), max_new_tokens,
-                 temperature, seed=exp.train.seed)
-  return prompt + tok.decode(new)
+@dataclasses.dataclass(frozen=True)
+class Completion:
+  prompt: str
+  text: str
+  ids: list[int]          # the new ids, stop token excluded
+  finish_reason: str      # "stop" (a stop token) or "length" (max_new_tokens)
+
+  def to_json(self) -> str:
+    return json.dumps(dataclasses.asdict(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+  """New ids [rows, max_new] (PAD after a row stopped), how many each row made
+  (counting its stop token), whether it stopped, and the wall times of the two phases."""
+  ids: np.ndarray
+  counts: np.ndarray
+  stopped: np.ndarray
+  prefill_s: float
+  generate_s: float
+  steps: int
+
+
+def tokenizer(exp=None) -> tokenizers.Tokenizer:
+  """The one place decoding turns text into ids and back: the experiment's data tokenizer
+  (trainer/data/tokenizers.py), byte-level when no experiment is given."""
+  return tokenizers.load(exp.data) if exp is not None else tokenizers.ByteTokenizer()
+
+
+def filter_logits(logits: jax.Array, s: Sampling) -> jax.Array:
+  """float32 [b, V] / temperature, with tokens outside top-k / top-p set to -inf."""
+  logits = logits.astype(jnp.float32) / s.temperature
+  if s.top_k:
+    kth = jax.lax.top_k(logits, min(s.top_k, logits.shape[-1]))[0][:, -1:]
+    logits = jnp.where(logits < kth, -jnp.inf, logits)
+  if s.top_p < 1.0:  # smallest set of most likely tokens whose probability reaches top_p
+    desc = jnp.sort(logits, axis=-1)[:, ::-1]
+    probs = jax.nn.softmax(desc, axis=-1)
+    before = jnp.cumsum(probs, axis=-1) - probs        # mass of the more likely tokens
+    keep = jnp.sum(before < s.top_p, axis=-1, keepdims=True)   # >= 1
+    cutoff = jnp.take_along_axis(desc, keep - 1, axis=-1)
+    logits = jnp.where(logits < cutoff, -jnp.inf, logits)
+  return logits
+
+
+def next_tokens(logits: jax.Array, key: jax.Array, step: jax.Array, s: Sampling) -> jax.Array:
+  """int32 [b]: each row's next token (keys per row and step, see the module docstring)."""
+  if s.temperature == 0:
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+  rows = jnp.arange(logits.shape[0])
+  keys = jax.vmap(lambda r: jax.random.fold_in(jax.random.fold_in(key, r), step))(rows)
+  filtered = filter_logits(logits, s)
+  return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
+
+
+def decode_config(model_cfg):
+  """The model config as decoding runs it (MoE: no token dropping; see `for_decode`)."""
+  return model_cfg.for_decode() if hasattr(model_cfg, "for_decode") else model_cfg
+
+
+def cache_bytes(spec) -> int:
+  """Total bytes of a cache described by a tree of `CacheSpec`."""
+  leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, CacheSpec))
+  return sum(int(np.prod(c.shape)) * jnp.dtype(c.dtype).itemsize for c in leaves)
+
+
+def cache_bytes_per_device(spec, shardings) -> int:
+  """Bytes of the cache on one device: each array's shard shape under its sharding."""
+  leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, CacheSpec))
+  return sum(int(np.prod(sh.shard_shape(c.shape))) * jnp.dtype(c.dtype).itemsize
+             for c, sh in zip(leaves, jax.tree.leaves(shardings), strict=True))
+
+
+def cache_summary(exp, mesh, rules) -> str | None:
+  """One line for explain / dry-run reports: the decode cache for train.global_batch rows
+  of model.max_len slots, its split and bytes per device (None for models without one)."""
+  cfg = decode_config(exp.model)
+  model = nnx.eval_shape(lambda: cfg.make(nnx.Rngs(0)))
+  if not hasattr(model, "cache_spec"):
+    return None
+  rows, length = exp.train.global_batch, cfg.max_len
+  spec = model.cache_spec(rows, length)
+  shape = dict(mesh.shape)
+  shardings = jax.tree.map(
+      lambda c: NamedSharding(mesh, rules_lib.logical_to_spec(c.axes, rules, shape, c.shape, "KV cache",
+                                                              exp.sharding.allow_uneven)),
+      spec, is_leaf=lambda x: isinstance(x, CacheSpec))
+  specs = sorted({str(s.spec) for s in jax.tree.leaves(shardings)})
+  return (f"decode KV cache ({rows} rows x {length} slots): {cache_bytes(spec):,} bytes, "
+          f"{cache_bytes_per_device(spec, shardings):,} per device, split {', '.join(specs)}")
+
+
+class Generator:
+  """Samples continuations of batches of prompts from a model's params.
+
+  Build it with `Generator.from_job_dir(exp, job_dir)` (latest checkpoint, on the
+  experiment's mesh and rules) or `Generator(model_cfg, params, mesh, rules)`; then
+  `complete(["def f(", ...], Sampling(...))` -> list of `Completion`.
+  """
+
+  def __init__(self, model_cfg, params, mesh=None, rules: rules_lib.Rules | None = None,
+               allow_uneven: bool = False, use_cache: bool = True, tok: tokenizers.Tokenizer | None = None):
+    self.model_cfg = decode_config(model_cfg)
+    self.params, self.mesh, self.rules = params, mesh, rules
+    self.allow_uneven, self.use_cache = allow_uneven, use_cache
+    self.tokenizer = tok or tokenizer()
+    abstract = nnx.eval_shape(lambda: self.model_cfg.make(nnx.Rngs(0)))
+    self.graphdef = nnx.split(abstract, nnx.Param, ...)[0]
+    self._abstract_model = abstract
+    self._compiled: dict = {}
+
+  @classmethod
+  def from_job_dir(cls, exp, job_dir: str, **kw) -> "Generator":
+    from shardax.trainer import loop
+    setup, state = loop.restore_latest(exp, str(job_dir))
+    kw.setdefault("tok", tokenizer(exp))
+    return cls(exp.model, state["params"], setup.mesh, setup.rules, exp.sharding.allow_uneven, **kw)
+
+  # --- shapes and shardings -------------------------------------------------------------
+
+  def cache_spec(self, batch: int, length: int):
+    """Tree of `CacheSpec` for `batch` rows and `length` slots."""
+    return self._abstract_model.cache_spec(batch, length)
+
+  def _spec(self, logical, shape, name):
+    return rules_lib.logical_to_spec(logical, self.rules, dict(self.mesh.shape), shape,
+                                     name=name, allow_uneven=self.allow_uneven)
+
+  def cache_shardings(self, batch: int, length: int):
+    """NamedSharding of each cache array, from the rules (None without a mesh)."""
+    if self.mesh is None or self.rules is None:
+      return None
+    return jax.tree.map(lambda c: NamedSharding(self.mesh, self._spec(c.axes, c.shape, "KV cache")),
+                        self.cache_spec(batch, length), is_leaf=lambda x: isinstance(x, CacheSpec))
+
+  def row_multiple(self) -> int:
+    """Rows must split evenly over the batch's mesh axes: the data-parallel degree."""
+    if self.mesh is None or self.rules is None:
+      return 1
+    axes = self._spec(("cache_batch",), None, "KV cache")[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return int(np.prod([self.mesh.shape[a] for a in axes]))
+
+  def _context(self) -> contextlib.ExitStack:
+    """The mesh and rules in force while tracing and running (nothing without a mesh)."""
+    stack = contextlib.ExitStack()
+    if self.mesh is not None:
+      stack.enter_context(jax.set_mesh(self.mesh))
+      stack.enter_context(rules_lib.use_rules(self.rules, self.allow_uneven))
+    return stack
+
+  # --- the compiled phases --------------------------------------------------------------
+
+  def _prefill_fn(self, batch: int, length: int):
+    spec = self.cache_spec(batch, length)
+
+    def prefill(params, tokens, lengths):
+      cache = jax.tree.map(lambda c: shard(jnp.zeros(c.shape, c.dtype), c.axes), spec,
+                           is_leaf=lambda x: isinstance(x, CacheSpec))
+      model = nnx.merge(self.graphdef, params)
+      positions = default_positions(*tokens.shape)
+      logits, cache = model.cached(tokens, positions, cache)
+      last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
+      return cache, last
+
+    return jax.jit(prefill, out_shardings=(self.cache_shardings(batch, length), None))
+
+  def _generate_fn(self, batch: int, length: int, s: Sampling):
+    """(params, cache, logits, lengths, key) -> (ids, counts, stopped, steps)."""
+    n = s.max_new_tokens
+    stop = jnp.asarray(s.stop_tokens or (-1,), jnp.int32)
+
+    def loop(params, cache, logits, lengths, key):
+      model = nnx.merge(self.graphdef, params)
+
+      def body(carry):
+        t, cache, logits, ids, counts, stopped = carry
+        tok = jnp.where(stopped, PAD_ID, next_tokens(logits, key, t, s))
+        ids = ids.at[:, t].set(tok)
+        counts = counts + (~stopped).astype(jnp.int32)
+        stopped = stopped | jnp.isin(tok, stop)
+        logits, cache = model.cached(tok[:, None], (lengths + t)[:, None], cache)
+        return t + 1, cache, logits[:, 0], ids, counts, stopped
+
+      def more(carry):
+        return (carry[0] < n) & ~jnp.all(carry[5])
+
+      init = (jnp.int32(0), cache, logits, jnp.full((batch, n), PAD_ID, jnp.int32),
+              jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool))
+      t, _, _, ids, counts, stopped = jax.lax.while_loop(more, body, init)
+      return ids, counts, stopped, t
+
+    return jax.jit(loop)
+
+  def _uncached_fn(self, batch: int, length: int, s: Sampling):
+    """The baseline: every step reruns the model over the whole [batch, length] window."""
+    n = s.max_new_tokens
+    stop = jnp.asarray(s.stop_tokens or (-1,), jnp.int32)
+
+    def loop(params, tokens, lengths, key):
+      model = nnx.merge(self.graphdef, params)
+      rows = jnp.arange(batch)
+
+      def body(carry):
+        t, tokens, ids, counts, stopped = carry
+        logits = model(tokens)[rows, lengths + t - 1]
+        tok = jnp.where(stopped, PAD_ID, next_tokens(logits, key, t, s))
+        tokens = tokens.at[rows, lengths + t].set(tok)
+        ids = ids.at[:, t].set(tok)
+        counts = counts + (~stopped).astype(jnp.int32)
+        return t + 1, tokens, ids, counts, stopped | jnp.isin(tok, stop)
+
+      def more(carry):
+        return (carry[0] < n) & ~jnp.all(carry[4])
+
+      init = (jnp.int32(0), tokens, jnp.full((batch, n), PAD_ID, jnp.int32),
+              jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool))
+      t, _, ids, counts, stopped = jax.lax.while_loop(more, body, init)
+      return ids, counts, stopped, t
+
+    return jax.jit(loop)
+
+  def _fn(self, kind: str, batch: int, length: int, s: Sampling | None = None):
+    s = s and dataclasses.replace(s, seed=0)   # the seed is an argument, not compiled in
+    key = (kind, batch, length, s)
+    if key not in self._compiled:
+      make = {"prefill": self._prefill_fn, "generate": self._generate_fn,
+              "uncached": self._uncached_fn}[kind]
+      self._compiled[key] = make(batch, length) if s is None else make(batch, length, s)
+    return self._compiled[key]
+
+  # --- running --------------------------------------------------------------------------
+
+  def padded(self, prompts: Sequence[Sequence[int]], max_new: int) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [rows, width], lengths [rows]): right-padded, rows a multiple of the
+    data-parallel degree (extra rows hold one PAD), width = P rounded up to 8 + max_new."""
+    if not prompts:
+      raise ValueError("no prompts to decode: give at least one (--prompt or --prompts_file)")
+    ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+    ids = [p if p.size else np.asarray([PAD_ID], np.int32) for p in ids]  # '' continues a document start
+    mult = self.row_multiple()
+    rows = -(-len(ids) // mult) * mult
+    prompt_len = -(-max(p.size for p in ids) // 8) * 8
+    width = prompt_len + max_new
+    max_len = getattr(self.model_cfg, "max_len", width)
+    if max(p.size for p in ids) + max_new > max_len:
+      logging.warning("decode: prompt (%d tokens) + max_new_tokens (%d) exceeds model.max_len=%d, "
+                      "the length the model was trained on", max(p.size for p in ids), max_new, max_len)
+    tokens = np.full((rows, width), PAD_ID, np.int32)
+    lengths = np.ones((rows,), np.int32)
+    for i, p in enumerate(ids):
+      tokens[i, :p.size] = p
+      lengths[i] = p.size
+    return tokens, lengths
+
+  def _put(self, x: np.ndarray, logical) -> jax.Array:
+    if self.mesh is None or self.rules is None:
+      return jnp.asarray(x)
+    return jax.device_put(x, NamedSharding(self.mesh, self._spec(logical, x.shape, "prompt batch")))
+
+  def prefill(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int):
+    """(cache, logits of each row's last prompt token) for padded `tokens` [rows, width]
+    (width = prompt part + max_new, as `padded` makes them); the cache is sharded as the
+    rules say (`cache_shardings`)."""
+    rows, width = tokens.shape
+    with self._context():
+      return self._fn("prefill", rows, width)(
+          self.params, self._put(tokens[:, :width - max_new], ("batch", "length")),
+          self._put(lengths, ("batch",)))
+
+  def run(self, prompts: Sequence[Sequence[int]], s: Sampling) -> Result:
+    """Decode a batch of id sequences; rows beyond len(prompts) are padding."""
+    tokens, lengths = self.padded(prompts, s.max_new_tokens)
+    rows, width = tokens.shape
+    key = jax.random.key(s.seed)
+    start = time.perf_counter()
+    if self.use_cache:
+      cache, logits = self.prefill(tokens, lengths, s.max_new_tokens)
+      jax.block_until_ready(logits)
+    prefill_s = time.perf_counter() - start if self.use_cache else 0.0
+    start = time.perf_counter()
+    with self._context():
+      len_dev = self._put(lengths, ("batch",))
+      if self.use_cache:
+        out = self._fn("generate", rows, width, s)(self.params, cache, logits, len_dev, key)
+      else:
+        tok_dev = self._put(tokens, ("batch", "length"))
+        out = self._fn("uncached", rows, width, s)(self.params, tok_dev, len_dev, key)
+      ids, counts, stopped, steps = jax.device_get(out)
+    generate_s = time.perf_counter() - start
+    n = len(prompts)
+    return Result(ids[:n], counts[:n], stopped[:n], prefill_s, generate_s, int(steps))
+
+  def complete(self, prompts: Sequence[str], s: Sampling) -> list[Completion]:
+    """Text in, `Completion`s out (one per prompt, in order). Each prompt starts with the
+    tokenizer's end-of-document id, as every document does in the packed training windows."""
+    tok = self.tokenizer
+    result = self.run([[tok.eos_id, *tok.encode(p)] for p in prompts], s)
+    out = []
+    for prompt, ids, count, stopped in zip(prompts, result.ids, result.counts, result.stopped):
+      new = [int(i) for i in ids[:count - 1 if stopped else count]]
+      out.append(Completion(prompt, self.tokenizer.decode(np.asarray(new, np.int32)), new,
+                            "stop" if stopped else "length"))
+    return out
+
+
+def read_prompts(path: str) -> list[str]:
+  """Prompts from a file: JSONL ({"prompt": ...} or a JSON string per line) or plain text
+  lines (one prompt per line, '\\n' escapes kept as text). Blank lines are skipped."""
+  from etils import epath
+  lines = [l for l in epath.Path(path).read_text().splitlines() if l.strip()]
+  if path.endswith(".jsonl") or (lines and lines[0].lstrip().startswith(("{", '"'))):
+    prompts = []
+    for i, line in enumerate(lines, 1):
+      try:
+        item = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{i}: not JSON ({e}); use one JSON object or string per line, "
+                         f"or a .txt file with one prompt per line") from None
+      if isinstance(item, dict) and isinstance(item.get("prompt"), str):
+        prompts.append(item["prompt"])
+      elif isinstance(item, str):
+        prompts.append(item)
+      else:
+        raise ValueError(f"{path}:{i}: expected {{\"prompt\": \"...\"}} or a JSON string, got {line[:60]!r}")
+    return prompts
+  return lines
+
+
+def write_completions(job_dir: str, completions: Sequence[Completion]) -> str:
+  """Writes job_dir/completions.jsonl (one JSON object per prompt); returns its path."""
+  from etils import epath
+  path = epath.Path(job_dir) / "completions.jsonl"
+  path.parent.mkdir(parents=True, exist_ok=True)
+  path.write_text("".join(c.to_json() + "\n" for c in completions))
+  return str(path)
+
+
+def from_job_dir(exp, job_dir: str, prompts: Sequence[str], s: Sampling) -> list[Completion]:
+  """The CLI's decode: completions of `prompts` from the latest checkpoint in `job_dir`,
+  also written to job_dir/completions.jsonl."""
+  generator = Generator.from_job_dir(exp, job_dir)
+  completions = generator.complete(prompts, s)
+  from shardax.trainer import distributed
+  if distributed.is_primary():
+    write_completions(job_dir, completions)
+  return completions
+
+
+def print_completions(completions: Sequence[Completion], file=sys.stdout) -> None:
+  for c in completions:
+    print(c.to_json(), file=file, flush=True)

@@ -24,6 +24,7 @@ import shardax
 from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
 from shardax.trainer.perf import dry_run
+from shardax.trainer import decode
 from shardax.trainer import step as step_lib
 
 _PACKAGE = os.path.dirname(os.path.abspath(shardax.__file__))
@@ -99,6 +100,7 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
            format_activations(activations), "",
            "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
+           *filter(None, [decode.cache_summary(exp, mesh, setup.rules)]),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
            report.format_collectives(summary), ""]
   for c in report.collectives(hlo):
