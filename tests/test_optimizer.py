@@ -217,6 +217,30 @@ def test_adafactor_trains_lm_tiny(stdlib_batches):
   assert np.all(np.isfinite(losses)) and losses[-5:].mean() < losses[0] - 1.5
 
 
+def test_adafactor_sees_one_layer_of_a_stack_at_a_time():
+  """A [layers, embed, mlp] stack takes the steps its layers would take one by one, even
+  when the layers' scales differ (Adafactor's clipping and step size use a weight's RMS)."""
+  cfg = OptimizerConfig(name="adafactor", factored_min_dim=4, clip_norm=None, warmup_steps=0,
+                        weight_decay=0.0)
+  rng = np.random.default_rng(0)
+  scales = np.array([1.0, 30.0, 0.01], np.float32)[:, None, None]
+  params = {"w": rng.normal(size=(3, 8, 16)).astype(np.float32) * scales}
+  grads = [{"w": rng.normal(size=(3, 8, 16)).astype(np.float32) * scales} for _ in range(3)]
+
+  def run(params, axes, grads):
+    tx = optimizer.make(cfg, 10, params, axes)
+    state, out = tx.init(params), []
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, params)
+      out.append(updates["w"])
+    return np.stack(out)
+
+  stacked = run(params, {"w": ("layers", "embed", "mlp")}, grads)
+  for i in range(3):
+    alone = run({"w": params["w"][i]}, {"w": ("embed", "mlp")}, [{"w": g["w"][i]} for g in grads])
+    np.testing.assert_allclose(stacked[:, i], alone, rtol=1e-5, atol=1e-9, err_msg=f"layer {i}")
+
+
 def factored_moments(setup):
   """[(param path, v_row or v_col leaf)] of the Adafactor state (abstract, with shardings)."""
   per_param = setup.abstract["opt_state"][1]   # after clip_by_global_norm
