@@ -214,4 +214,8 @@ def format_plan(p: dict, top: int = 5) -> str:
                  f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}")
   if not p["ranked"]:
     lines.append("  no candidate fits: see plan.json for each one's reason")
+  else:
+    best = rows[p["ranked"][0]]
+    lines.append(f"  check the best at full compile effort: shardax --exp={p['experiment']} "
+                 f"--job_dir=DIR --mode=dry_run {set_line([*p['overrides'], *best['sets']])}")
   return "\n".join(lines)
