@@ -44,7 +44,7 @@ percent of HBM deserves a check with the full compile.
 
 It can fail badly. The compiler's temporaries at a few layers need not be on the line
 through the full depth's: on pod.lm_1t the copies of 3 and 4 layers extrapolate to
-84 GiB of temp per core where the full compile needs 9.8 GiB (their difference, about
+82 GiB of temp per core where the full compile needs 9.8 GiB (their difference, about
 one layer's all-gathered weights, is not a per-layer cost of the deep program), while
 on pod.lm_16b the same recipe lands within 3%. The report keeps both copies' temp bytes
 (`shallow.temp_bytes`) so a reader can see the slope it used.
