@@ -168,6 +168,8 @@ def main(argv) -> None:
       raise UserError("--exp is required (shardax --mode=list shows the experiments)")
     if not FLAGS.job_dir:
       raise UserError("--job_dir is required: the directory for checkpoints and metrics")
+    if FLAGS.compile_effort is not None and not -1.0 <= FLAGS.compile_effort <= 1.0:
+      raise UserError(f"--compile_effort={FLAGS.compile_effort} must be in [-1, 1] (-1: fastest compile)")
     exp = resolve_experiment(FLAGS.exp, FLAGS.set)
     if exp.mesh.topology and FLAGS.mode not in ("dry_run", "explain", "plan"):
       raise UserError(f"mesh.topology={exp.mesh.topology!r} describes TPUs that are not here; "

@@ -42,6 +42,13 @@ extrapolation is an estimate of what the compiler would *need*: a program over i
 budget makes the TPU compiler rematerialize harder, so a "does not fit" within a few
 percent of HBM deserves a check with the full compile.
 
+It can fail badly. The compiler's temporaries at a few layers need not be on the line
+through the full depth's: on pod.lm_1t the copies of 3 and 4 layers extrapolate to
+82 GiB of temp per core where the full compile needs 9.8 GiB (their difference, about
+one layer's all-gathered weights, is not a per-layer cost of the deep program), while
+on pod.lm_16b the same recipe lands within 3%. The report keeps both copies' temp bytes
+(`shallow.temp_bytes`) so a reader can see the slope it used.
+
 Compile effort: `effort` (jax's `exec_time_optimization_effort`, -1..1) trades the
 compiled program's speed for compile time. The dry run keeps the default (0); the
 planner uses -1, which compiles ~4-5x faster on this machine (the TPU backend's code
@@ -180,7 +187,8 @@ def extrapolated(exp: Experiment, d: Depth, effort: float = 0.0) -> dict:
   a = _shallow_report(exp, xa, effort)
   b = _shallow_report(exp, xb, effort)
   shallow = {"layers": [xa, xb], "field": d.field, "unit": d.unit, "effort": effort,
-             "compile_seconds": [a["compile_seconds"], b["compile_seconds"]]}
+             "compile_seconds": [a["compile_seconds"], b["compile_seconds"]],
+             "temp_bytes": [a["bytes_per_device"].get("temp"), b["bytes_per_device"].get("temp")]}
   if a["error"] or b["error"]:  # a shallow copy over HBM: the full model is too
     worst = b if b["error"] else a
     out = {**worst, "fits": False, "shallow": shallow, "compile_path": "shallow",

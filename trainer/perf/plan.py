@@ -19,7 +19,8 @@ Speed: the planner compiles at jax's `exec_time_optimization_effort=-1`, which s
 most of the TPU backend's code scheduling (the bulk of a compile on a CPU host: ~4-5x
 less CPU; the memory plan moves by up to ~11%, see extrapolate.py, so confirm the
 winner with `--mode=dry_run`, which compiles at effort 0); with `shallow=True` it compiles
-two shallow copies of a scanned stack and extrapolates instead (extrapolate.py).
+two shallow copies of a scanned stack and extrapolates instead (extrapolate.py; its
+temp bytes can be far off, e.g. 8x on pod.lm_1t, so it is not the default).
 A scanned stack compiles in about the same time at any depth, so on its own the
 shallow path saves time only for unscanned stacks; docs/scale.md has the figures.
 """
@@ -214,4 +215,8 @@ def format_plan(p: dict, top: int = 5) -> str:
                  f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}")
   if not p["ranked"]:
     lines.append("  no candidate fits: see plan.json for each one's reason")
+  else:
+    best = rows[p["ranked"][0]]
+    lines.append(f"  check the best at full compile effort: shardax --exp={p['experiment']} "
+                 f"--job_dir=DIR --mode=dry_run {set_line([*p['overrides'], *best['sets']])}")
   return "\n".join(lines)
