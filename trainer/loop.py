@@ -19,6 +19,7 @@ from clu import metrics as clu_metrics
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
+from shardax.trainer import jobdir
 from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -118,13 +119,13 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     try:
       while step < exp.train.steps:
         if step + 1 == first:
-          jax.profiler.start_trace(os.path.join(job_dir, "profile"))
+          jobdir.start_trace(jobdir.path(job_dir) / "profile")
           tracing = True
         state, metrics = train_step(state, next(train_iter))
         step += 1
         if tracing and step >= last:
           jax.block_until_ready(state)
-          jax.profiler.stop_trace()
+          jobdir.stop_trace()
           tracing = False
         pending.append((step, metrics))
         last = step == exp.train.steps
@@ -147,7 +148,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
             break
     finally:
       if tracing:
-        jax.profiler.stop_trace()
+        jobdir.stop_trace()
       if checkpointer is not None:
         checkpointer.wait()
         checkpointer.close()

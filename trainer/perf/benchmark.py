@@ -44,6 +44,7 @@ from mlperf_logging.mllog import constants as C
 from shardax.configs.schema import Experiment
 from shardax.sharding import use_rules
 from shardax.trainer.data import inputs
+from shardax.trainer import jobdir
 from shardax.trainer.perf import mlperf
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -117,10 +118,10 @@ def _trace(exp: Experiment, i: int, job_dir: str, tracing: bool) -> bool:
     return False
   first, last = exp.train.profile_steps
   if not tracing and i == first and i <= exp.train.benchmark_steps:
-    jax.profiler.start_trace(os.path.join(job_dir, "profile"))
+    jobdir.start_trace(jobdir.path(job_dir) / "profile")
     return True
   if tracing and (i > last or i > exp.train.benchmark_steps):
-    jax.profiler.stop_trace()
+    jobdir.stop_trace()
     return False
   return tracing
 
@@ -184,8 +185,7 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
                         device_count=len(devices), peak_per_device=peak),
             "peak_source": peak_source, "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
   if jax.process_index() == 0:
-    with open(os.path.join(job_dir, "benchmark.json"), "w") as f:
-      json.dump(result, f, indent=2)
+    jobdir.write_text(jobdir.path(job_dir) / "benchmark.json", json.dumps(result, indent=2))
   return result
 
 

@@ -41,6 +41,7 @@ import numpy as np
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
+from shardax.trainer import jobdir
 from shardax.trainer.perf import chips
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -170,9 +171,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
 
 def _write(out: dict, job_dir: str | None) -> dict:
   if job_dir:
-    os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(job_dir, "dry_run.json"), "w") as f:
-      json.dump(out, f, indent=2)
+    jobdir.write_text(jobdir.path(job_dir) / "dry_run.json", json.dumps(out, indent=2))
   return out
 
 
