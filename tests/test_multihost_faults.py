@@ -8,7 +8,9 @@ import numpy as np
 
 import clitools as cli
 
-MESH = ["mesh.dcn=(2, 1)", "mesh.ici=(1, 4)", "sharding.preset='2d'", "mesh.num_cpu_devices=4"]
+# The schedule must not depend on train.steps, which differs between a run and its resumption.
+SCHEDULE = "optimizer.decay_steps=1000"
+MESH = ["mesh.dcn=(2, 1)", "mesh.ici=(1, 4)", "sharding.preset='2d'", "mesh.num_cpu_devices=4", SCHEDULE]
 
 
 def start_two(job, data_dir, tmp_path, *sets, extra=(), tag="run"):
@@ -33,7 +35,7 @@ def reference_losses(tmp_path, data_dir, steps):
   """The same (2, 4) mesh in one process with 8 devices, uninterrupted."""
   job = tmp_path / "ref"
   out = cli.run(cli.command(job, data_dir, "mesh.ici=(2, 4)", "sharding.preset='2d'", "mesh.num_cpu_devices=8",
-                            f"train.steps={steps}", "checkpoint.every=100"), devices=8)
+                            SCHEDULE, f"train.steps={steps}", "checkpoint.every=100"), devices=8)
   assert out.returncode == 0, out.stderr[-3000:]
   return cli.losses(job)
 

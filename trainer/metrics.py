@@ -8,6 +8,7 @@ TensorBoard records are written with tensorboard's own protos and record framing
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -27,6 +28,9 @@ def _fmt_duration(seconds: float) -> str:
   return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s"
 
 
+_serial = itertools.count()
+
+
 class TensorBoardWriter:
   """Scalars as a TensorBoard event file (`events.out.tfevents.*`) under `directory`."""
 
@@ -34,7 +38,8 @@ class TensorBoardWriter:
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.summary.writer.record_writer import RecordWriter
     self._event, self._summary = event_pb2.Event, summary_pb2.Summary
-    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.v2"
+    # One new file per writer, as TensorFlow's writer does: a resumed run adds a file.
+    name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}.{next(_serial)}.v2"
     self._file = jobdir.AppendFile(jobdir.path(directory) / name, binary=True, truncate=True)
     self._records = RecordWriter(self._file)
     self._records.write(self._event(wall_time=time.time(), file_version="brain.Event:2").SerializeToString())
