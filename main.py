@@ -72,12 +72,11 @@ def write_config(exp, job_dir: str) -> None:
   from shardax.trainer import distributed
   if not distributed.is_primary():
     return
-  os.makedirs(job_dir, exist_ok=True)
-  logs.to_job_dir(job_dir)
-  with open(os.path.join(job_dir, "config.txt"), "w") as f:
-    f.write(registry.to_text(exp))
-  with open(os.path.join(job_dir, "config.json"), "w") as f:
-    f.write(registry.to_json(exp))
+  from shardax.trainer import jobdir
+  root = jobdir.path(job_dir)   # a local directory or gs://bucket/run
+  logs.to_job_dir(str(root))
+  jobdir.write_text(root / "config.txt", registry.to_text(exp))
+  jobdir.write_text(root / "config.json", registry.to_json(exp))
 
 
 def run_mode(mode: str, exp, job_dir: str) -> None:

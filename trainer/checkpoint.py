@@ -29,6 +29,7 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from shardax.configs.schema import CheckpointConfig, ConfigError
+from shardax.trainer import jobdir
 
 _policies = ocp.checkpoint_managers
 
@@ -82,7 +83,7 @@ class Checkpointer:
     if cfg.every < 1 or cfg.keep < 1 or (cfg.keep_every is not None and cfg.keep_every < 1):
       raise ConfigError(f"checkpoint.every={cfg.every}, checkpoint.keep={cfg.keep} and "
                         f"checkpoint.keep_every={cfg.keep_every} must be >= 1 (keep_every may be None)")
-    self.directory = os.path.abspath(os.fspath(directory))
+    self.directory = jobdir.path(directory)   # local or gs://: orbax takes the same epath type
     self.cfg = cfg
     keep = [_policies.LatestN(n=cfg.keep)]
     if cfg.keep_every:

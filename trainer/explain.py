@@ -23,6 +23,7 @@ import numpy as np
 import shardax
 from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
+from shardax.trainer import jobdir
 from shardax.trainer.perf import dry_run
 from shardax.trainer import decode
 from shardax.trainer import step as step_lib
@@ -108,13 +109,10 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
                  f"{c.source or '-'}  {c.op_name}")
   text = "\n".join(lines)
   if job_dir:
-    os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(job_dir, "explain.txt"), "w") as f:
-      f.write(text + "\n")
-    with open(os.path.join(job_dir, "explain.json"), "w") as f:
-      json.dump({"params": [r.__dict__ for r in rows],
+    jobdir.write_text(jobdir.path(job_dir) / "explain.txt", text + "\n")
+    jobdir.write_text(jobdir.path(job_dir) / "explain.json", json.dumps({"params": [r.__dict__ for r in rows],
                  "activations": [dataclasses.asdict(a) for a in activations],
                  "memory": memory, "collectives": summary,
                  "collective_ops": [dataclasses.asdict(c) for c in report.collectives(hlo)],
-                 "flops_per_device": report.flops(compiled)}, f, indent=2, default=str)
+                 "flops_per_device": report.flops(compiled)}, indent=2, default=str))
   return text

@@ -20,6 +20,7 @@ from absl import logging
 from shardax.configs.schema import IMAGE_SOURCES, Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
+from shardax.trainer import jobdir
 from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -166,14 +167,14 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     try:
       while step < exp.train.steps:
         if step + 1 == trace_first:
-          jax.profiler.start_trace(os.path.join(job_dir, "profile"))
+          jobdir.start_trace(jobdir.path(job_dir) / "profile")
           tracing = True
         with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # names the step in traces
           state, metrics = train_step(state, next(train_iter))
         step += 1
         if tracing and step >= trace_last:
           jax.block_until_ready(state)
-          jax.profiler.stop_trace()
+          jobdir.stop_trace()
           tracing = False
         pending.append((step, metrics))
         last = step == exp.train.steps
@@ -192,7 +193,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
             break
     finally:
       if tracing:
-        jax.profiler.stop_trace()
+        jobdir.stop_trace()
       if checkpointer is not None:
         checkpointer.wait()
         checkpointer.close()

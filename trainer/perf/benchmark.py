@@ -38,7 +38,6 @@ CPU MFU therefore means "share of this CPU's best matmul rate".
 from __future__ import annotations
 
 import json
-import os
 import time
 from typing import Any
 
@@ -50,6 +49,7 @@ from mlperf_logging.mllog import constants as C
 from shardax.configs.schema import Experiment
 from shardax.sharding import use_rules
 from shardax.trainer.data import inputs
+from shardax.trainer import jobdir
 from shardax.trainer.perf import costs, mlperf
 from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
@@ -163,10 +163,10 @@ def _trace(exp: Experiment, i: int, job_dir: str, tracing: bool) -> bool:
     return False
   first, last = exp.train.profile_steps
   if not tracing and i == first and i <= exp.train.benchmark_steps:
-    jax.profiler.start_trace(os.path.join(job_dir, "profile"))
+    jobdir.start_trace(jobdir.path(job_dir) / "profile")
     return True
   if tracing and (i > last or i > exp.train.benchmark_steps):
-    jax.profiler.stop_trace()
+    jobdir.stop_trace()
     return False
   return tracing
 
@@ -239,8 +239,7 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
   result.update(flops_convention=CONVENTION, hardware_flops_per_device=hardware,
                 hfu=hardware / result["step_time_s_median"] / peak)
   if jax.process_index() == 0:
-    with open(os.path.join(job_dir, "benchmark.json"), "w") as f:
-      json.dump(result, f, indent=2)
+    jobdir.write_text(jobdir.path(job_dir) / "benchmark.json", json.dumps(result, indent=2))
   return result
 
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import time
 from typing import Any
@@ -42,6 +41,7 @@ import numpy as np
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
+from shardax.trainer import jobdir
 from shardax.trainer.perf import chips, costs as costs_lib, stepmodel
 from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
@@ -151,9 +151,7 @@ def _brief(p: dict) -> dict:
 
 def _write(out: dict, job_dir: str | None) -> dict:
   if job_dir:
-    os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(job_dir, "dry_run.json"), "w") as f:
-      json.dump(out, f, indent=2)
+    jobdir.write_text(jobdir.path(job_dir) / "dry_run.json", json.dumps(out, indent=2))
   return out
 
 

@@ -33,6 +33,7 @@ from mlperf_logging import mllog
 from mlperf_logging.mllog import constants as C
 
 from shardax.configs.schema import Experiment
+from shardax.trainer import jobdir
 
 ORG = "shardax"
 DIVISION = C.OPEN
@@ -50,13 +51,12 @@ class RunLog:
   def __init__(self, path: str):
     self.path = path
     self.enabled = jax.process_index() == 0
-    self._logger = logging.getLogger(f"shardax.mllog.{os.path.abspath(path)}")
+    self._logger = logging.getLogger(f"shardax.mllog.{jobdir.path(path)}")
     self._logger.propagate = False
     self._logger.setLevel(logging.INFO)
     self._handler = None
     if self.enabled:
-      os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-      self._handler = logging.FileHandler(path, mode="w")
+      self._handler = logging.StreamHandler(jobdir.AppendFile(path, truncate=True))
       self._logger.addHandler(self._handler)
     self.ml = mllog.mllog.MLLogger(logger=self._logger, default_stack_offset=2)
 
@@ -103,6 +103,7 @@ class RunLog:
   def close(self) -> None:
     if self._handler is not None:
       self._handler.close()
+      self._handler.stream.close()   # the job-dir file: on an object store, this uploads it
       self._logger.removeHandler(self._handler)
       self._handler = None
 
@@ -136,8 +137,7 @@ def start_run(exp: Experiment, job_dir: str):
   """Open the run's MLPerf log (init_start, submission metadata) and build the state setup."""
   from shardax.sharding import make_mesh
   from shardax.trainer import state as state_lib
-  os.makedirs(job_dir, exist_ok=True)
-  log = RunLog(os.path.join(job_dir, LOG_NAME))
+  log = RunLog(jobdir.path(job_dir) / LOG_NAME)
   log.event(C.CACHE_CLEAR, True)
   log.start(C.INIT_START)
   mesh = make_mesh(exp.mesh)
@@ -201,6 +201,5 @@ def time_to_train(exp: Experiment, job_dir: str) -> dict[str, Any]:
             "final_eval_loss": eval_loss, "eval_losses": evals,
             "device_kind": jax.devices()[0].device_kind, "device_count": mesh.size}
   if jax.process_index() == 0:
-    with open(os.path.join(job_dir, "time_to_train.json"), "w") as f:
-      json.dump(result, f, indent=2)
+    jobdir.write_text(jobdir.path(job_dir) / "time_to_train.json", json.dumps(result, indent=2))
   return result
