@@ -12,9 +12,8 @@ Assumptions
   1. Compute. A piece's FLOPs run at the chip's peak times `matmul_efficiency`: the
      share of the datasheet peak that large XLA-fused bf16 matmuls reach (MXU/tensor
      core pipeline fill, operand movement HBM->VMEM/SMEM, layout copies). One number
-     per chip family, not per model; it was set from the published runs that are
-     least bound by anything else (compute-bound, little exposed communication), see
-     docs/scale.md. Elementwise work is counted as FLOPs at the same rate: it is a few
+     per chip family, not per model (trainer/perf/chips.py MATMUL_EFFICIENCY: 0.8 on
+     TPU, 0.6 assumed on GPUs); docs/scale.md compares the result with published runs. Elementwise work is counted as FLOPs at the same rate: it is a few
      percent of a Transformer's FLOPs, and its memory traffic is in the next term.
   2. Memory. A piece's bytes accessed (logical, from XLA) at the HBM bandwidth. Within
      a piece, compute and memory traffic overlap (fused matmuls stream their operands),
