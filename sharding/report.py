@@ -43,6 +43,7 @@ _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 _S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* constant\((\d+)\)")
 _GTE = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* get-tuple-element\(%?[\w.\-]+\), index=(\d+)")
 _ADD = re.compile(r"^\s*%?[\w.\-]+ = [su](?:32|64)\[\]\S* add\(%?([\w.\-]+), %?([\w.\-]+)\)")
+_ALIAS = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* (?:copy|bitcast)\(%?([\w.\-]+)\)")
 _LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 
 
@@ -208,6 +209,9 @@ def _increment(body: list[str], index: int | None) -> int:
     return 1
   consts = {k.group(1): int(k.group(2)) for line in body if (k := _S32_CONST.match(line))}
   counter = {g.group(1) for line in body if (g := _GTE.match(line)) and int(g.group(2)) == index}
+  for line in body:  # copies and bitcasts of the counter are the counter
+    if (c := _ALIAS.match(line)) and c.group(2) in counter:
+      counter.add(c.group(1))
   adds = {line.split("=")[0].strip().lstrip("%"): a.groups() for line in body if (a := _ADD.match(line))}
   root = next((l for l in body if l.lstrip().startswith("ROOT") and " tuple(" in l), "")
   args = _OPERAND.findall(_operands(root.rsplit(" tuple(", 1)[-1])) if root else []

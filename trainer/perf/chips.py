@@ -99,14 +99,16 @@ def _with_links(chip: Chip) -> Chip:
   if chip.name in _TPU_LINKS:
     link, dims, wrap, dcn, per_chip = _TPU_LINKS[chip.name]
     return dataclasses.replace(chip, ici_link_bandwidth=link, torus_dims=dims, wraparound_from=wrap,
-                               dcn_bandwidth=dcn, devices_per_chip=per_chip)
+                               dcn_bandwidth=dcn, devices_per_chip=per_chip,
+                               matmul_efficiency=MATMUL_EFFICIENCY["tpu"])
   # GPUs: NVLink one way = half the bidirectional figure; network per GPU as for A3.
   return dataclasses.replace(chip, ici_link_bandwidth=chip.ici_bandwidth / 2, dcn_bandwidth=12.5 * GB,
                              matmul_efficiency=MATMUL_EFFICIENCY["gpu"])
 
 
-# What large XLA-fused bf16 matmuls reach of the datasheet peak (see stepmodel.py for how
-# these were set: the published runs least bound by anything else, not per row).
+# What large XLA-fused bf16 matmuls reach of the datasheet peak: one figure per family,
+# not per row (docs/scale.md, "Checked against published runs"). GPU: an assumption
+# below the ~75% large cuBLAS GEMMs reach on H100; not measured here (no GPU).
 MATMUL_EFFICIENCY = {"tpu": 0.8, "gpu": 0.6}
 
 CHIPS = {name: _with_links(c) for name, c in CHIPS.items()}

@@ -12,9 +12,8 @@ Assumptions
   1. Compute. A piece's FLOPs run at the chip's peak times `matmul_efficiency`: the
      share of the datasheet peak that large XLA-fused bf16 matmuls reach (MXU/tensor
      core pipeline fill, operand movement HBM->VMEM/SMEM, layout copies). One number
-     per chip family, not per model; it was set from the published runs that are
-     least bound by anything else (compute-bound, little exposed communication), see
-     docs/scale.md. Elementwise work is counted as FLOPs at the same rate: it is a few
+     per chip family, not per model (trainer/perf/chips.py MATMUL_EFFICIENCY: 0.8 on
+     TPU, 0.6 assumed on GPUs); docs/scale.md compares the result with published runs. Elementwise work is counted as FLOPs at the same rate: it is a few
      percent of a Transformer's FLOPs, and its memory traffic is in the next term.
   2. Memory. A piece's bytes accessed (logical, from XLA) at the HBM bandwidth. Within
      a piece, compute and memory traffic overlap (fused matmuls stream their operands),
@@ -26,8 +25,12 @@ Assumptions
   4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
      scheduler placed) overlap the compute of the piece they run in: in a scanned
      layer, the next layer's weight all-gather runs behind this layer's matmuls. They
-     are hidden up to the piece's own compute time; the rest is exposed. Synchronous
-     collectives sit on the critical path. So a piece costs
+     are hidden up to the piece's own compute time; the rest is exposed. So are the
+     collective-permutes of the TPU compiler's windowed einsum loops (a matmul split
+     into chunks so that each chunk's transfer runs under the previous chunk's
+     matmul: that overlap is why the loop exists, even where the program writes the
+     permute as one synchronous op, as on v3). Other synchronous collectives sit on
+     the critical path. So a piece costs
         max(max(compute, memory), async collectives) + sync collectives.
   5. Recompute is not a constant: rematerialized layers appear in the compiled program
      as extra FLOPs, and the ratio hardware FLOPs / model FLOPs says how much.
@@ -134,11 +137,16 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
     t = links.seconds(c.kind, c.bytes, r, chip)
     piece = costs.piece_of(c)
     owner = piece.computation if piece else (costs.pieces[0].computation if costs.pieces else "")
-    out["async" if c.is_async else "sync"][owner] += t
+    out["async" if _overlaps(c) else "sync"][owner] += t
     out["by_kind"][c.kind] += t * c.executions
     out["by_axis"]["+".join(r.axes) or "none"] += t * c.executions
     out["by_link"]["dcn" if r.dcn_size > 1 else "ici"] += t * c.executions
   return out
+
+
+def _overlaps(c) -> bool:
+  """Whether a collective can run under its piece's compute (assumption 4)."""
+  return c.is_async or (c.kind == "collective-permute" and "windowed_dot_general" in c.computation)
 
 
 def _bubble_fraction(exp) -> float:
