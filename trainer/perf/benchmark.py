@@ -28,9 +28,11 @@ Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip tab
 and the PaLM paper do. A CPU has no datasheet peak that XLA can reach, so it is
 measured in the same process by a matmul probe (`MatmulProbe`): a jitted n x n matmul in
 the model's compute dtype, sampled 5 times after the warm-up and once after every timed
-step, so it sees the load the steps see; the peak is its best sample, and the report
-gives the number of samples, the best, the median and how far the median lies below
-the best (the probe's spread). One CPU device's matmul already uses every host core,
+step; each sample is FLOPs per CPU second of this process times its cores (the matmul's
+rate with the machine to itself, which neighbours on a shared machine do not move),
+the peak is the best sample, and the report gives the number of samples, the best, the
+median and how far the median lies below the best (the probe's spread). On a CPU the
+report adds `mfu_cpu_time`: model FLOPs per CPU second of the step over the probe's. One CPU device's matmul already uses every host core,
 so the probe's rate is the host's and is split evenly over the (simulated) CPU devices.
 CPU MFU therefore means "share of this CPU's best matmul rate".
 """
@@ -38,6 +40,7 @@ CPU MFU therefore means "share of this CPU's best matmul rate".
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -69,31 +72,40 @@ KEYS = ("exp", "data_source", "device_kind", "platform", "device_count", "mesh",
 
 class MatmulProbe:
   """The CPU's peak FLOP/s, measured: a jitted [n, n] @ [n, n] matmul in the model's compute
-  dtype, sampled between the timed steps (same process, same device, same thread pool and
-  load as the step) and summarized by its best sample. One sample after the run, as
-  before, read 0.09-0.25 TFLOP/s on a shared machine; the best of samples spread over the
-  run moves far less, and `spread` says how much the samples themselves moved."""
+  dtype, sampled between the timed steps (same process, device and thread pool as the step).
+
+  Each sample records the FLOPs per wall second and per CPU second of this process
+  (`time.process_time`, all threads). On a machine shared with other jobs the wall rate
+  follows the neighbours (best of 15 samples read 15-29 GFLOP/s in three runs at load
+  15-20), the CPU-second rate does not (95.5-96.5 GFLOP/s per core-second at load 23).
+  So the peak is the best FLOPs per CPU second times the cores this process may use:
+  the rate of the matmul with the machine to itself, stable run to run."""
 
   def __init__(self, dtype: str = "float32", n: int = PROBE_SIZE, device: jax.Device | None = None):
     self.n = n
     self.dtype = dtype
+    self.cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     device = device or jax.devices()[0]
     k1, k2 = jax.random.split(jax.random.key(0))
     self._a = jax.device_put(jax.random.normal(k1, (n, n), jnp.dtype(dtype)), device)
     self._b = jax.device_put(jax.random.normal(k2, (n, n), jnp.dtype(dtype)), device)
     self._mesh = jax.sharding.Mesh(np.array([device]), ("probe",))  # not the step's mesh
     self._mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.dtype(dtype)))
-    self.samples: list[float] = []
+    self.samples: list[float] = []       # FLOPs per CPU second x cores
+    self.wall_samples: list[float] = []  # FLOPs per wall second
     with jax.set_mesh(self._mesh):
       self._mm(self._a, self._b).block_until_ready()   # compile outside the samples
 
   def sample(self, repeats: int = 1) -> float:
-    """Time `repeats` matmuls; record and return the FLOP/s of each (the last)."""
+    """Time `repeats` matmuls; record each; return the last (FLOP/s, CPU-time based)."""
+    flops = 2.0 * self.n ** 3
     with jax.set_mesh(self._mesh):
       for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         self._mm(self._a, self._b).block_until_ready()
-        self.samples.append(2.0 * self.n ** 3 / (time.perf_counter() - t0))
+        wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+        self.wall_samples.append(flops / wall)
+        self.samples.append(flops / max(cpu, 1e-9) * self.cores)
     return self.samples[-1]
 
   @property
@@ -102,8 +114,9 @@ class MatmulProbe:
 
   def summary(self) -> dict[str, Any]:
     s = np.asarray(self.samples)
-    return {"probe_samples": len(s), "probe_best_flops": float(s.max()),
-            "probe_median_flops": float(np.median(s)), "probe_spread": float(1 - np.median(s) / s.max())}
+    return {"probe_samples": len(s), "probe_cores": self.cores, "probe_best_flops": float(s.max()),
+            "probe_median_flops": float(np.median(s)), "probe_spread": float(1 - np.median(s) / s.max()),
+            "probe_best_wall_flops": float(max(self.wall_samples))}
 
 
 def matmul_probe_flops(dtype: str = "float32", n: int = PROBE_SIZE, repeats: int = PROBE_REPEATS,
@@ -138,9 +151,21 @@ def peak_flops_per_device(devices: list[jax.Device], dtype: str,
   if dev.platform != "cpu":
     return best, f"measured: best of {n} {dtype} matmul probes ({dev.device_kind!r} is not in the chip table)"
   cpu_devices = [d for d in jax.local_devices() if d.platform == "cpu"]
+  cores = probe.cores if probe is not None else len(os.sched_getaffinity(0))
   return (best / len(cpu_devices),
-          f"measured: best of {n} {dtype} {PROBE_SIZE}x{PROBE_SIZE} matmuls between the steps "
-          f"({best / 1e9:.1f} GFLOP/s) / {len(cpu_devices)} CPU devices")
+          f"measured: best of {n} {dtype} {PROBE_SIZE}x{PROBE_SIZE} matmuls, FLOPs per CPU second x "
+          f"{cores} cores ({best / 1e9:.1f} GFLOP/s) / {len(cpu_devices)} CPU devices")
+
+
+def cpu_time_mfu(cpu_times: list[float], flops_per_step: float, probe: MatmulProbe | None) -> dict:
+  """On a CPU, MFU in CPU seconds as well: model FLOPs per CPU second of the step over the
+  probe's best FLOPs per CPU second. Neighbours on a shared machine stretch the wall
+  clock of both the step and the probe, not their CPU seconds."""
+  if probe is None or not cpu_times:
+    return {}
+  step_cpu = float(np.median(cpu_times))
+  return {"step_cpu_s_median": step_cpu,
+          "mfu_cpu_time": flops_per_step / step_cpu / (probe.best / probe.cores)}
 
 
 def summarize(step_times: list[float], *, tokens_per_step: int, flops_per_step: float,
@@ -196,14 +221,15 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
     log.start(C.RUN_START)
     log.start(C.BLOCK_START, samples_count=0, first_epoch_num=0, epoch_count=1)
     log.start(C.EPOCH_START, epoch_num=0, samples_count=0)
-    times, tracing = [], False
+    times, cpu_times, tracing = [], [], False
     for i in range(t.benchmark_steps):
       tracing = _trace(exp, i + 1, job_dir, tracing)
-      t0 = time.perf_counter()
+      t0, c0 = time.perf_counter(), time.process_time()
       with jax.transfer_guard("disallow"):  # the step itself never moves data to or from the host
         state, metrics = train_step(state, ring[i % RING])
         jax.block_until_ready((state, metrics))
       times.append(time.perf_counter() - t0)
+      cpu_times.append(time.process_time() - c0)
       if probe:  # between the timed steps: the same load the steps saw
         probe.sample()
     donated = all(a.is_deleted() for a in first_leaves)  # the first step reused the state's buffers
@@ -233,8 +259,9 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
             **summarize(times, tokens_per_step=t.global_batch * exp.model.tokens_per_example(exp.data),
                         flops_per_step=exp.model.flops_per_example(exp.data) * t.global_batch,
                         device_count=len(devices), peak_per_device=peak),
-            "peak_source": peak_source, **(probe.summary() if probe else {}), "eval_loss": eval_loss,
-            "state_donated": donated, "step_times_s": times}
+            "peak_source": peak_source, **(probe.summary() if probe else {}),
+            **cpu_time_mfu(cpu_times, exp.model.flops_per_example(exp.data) * t.global_batch, probe),
+            "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
   hardware = costs.of_compiled(train_step).flops
   result.update(flops_convention=CONVENTION, hardware_flops_per_device=hardware,
                 hfu=hardware / result["step_time_s_median"] / peak)
@@ -259,12 +286,15 @@ def format_table(r: dict[str, Any]) -> str:
       ("tflops_per_device", f"{r['tflops_per_device']:.4f}"),
       ("peak_tflops_per_device", f"{r['peak_tflops_per_device']:.4f}  [{r['peak_source']}]"),
       *([("probe", f"{r['probe_samples']} samples, best {r['probe_best_flops'] / 1e9:.1f} GFLOP/s, "
-                   f"median {r['probe_median_flops'] / 1e9:.1f} ({r['probe_spread']:.1%} below best)")]
+                   f"median {r['probe_median_flops'] / 1e9:.1f} ({r['probe_spread']:.1%} below best); "
+                   f"best by the wall clock {r['probe_best_wall_flops'] / 1e9:.1f}")]
         if "probe_samples" in r else []),
       ("mfu", f"{r['mfu']:.1%}  (= {r['tflops_per_device']:.4f} / {r['peak_tflops_per_device']:.4f} "
               f"TFLOP/s per device; model FLOPs: {r.get('flops_convention', '')})"),
       ("hfu", f"{r['hfu']:.1%}  [compiled FLOPs, {r['hardware_flops_per_device']:.4g} per device]"
               if "hfu" in r else "-"),
+      *([("mfu_cpu_time", f"{r['mfu_cpu_time']:.1%}  (step {r['step_cpu_s_median']:.3f} CPU s; "
+                          f"unaffected by other jobs)")] if "mfu_cpu_time" in r else []),
       ("eval_loss", f"{r['eval_loss']:.4f}"),
   ]
   return "\n".join(f"{k:<24} {v}" for k, v in rows)
