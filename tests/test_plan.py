@@ -43,8 +43,8 @@ def test_rank_orders_fitting_candidates_by_predicted_step_then_memory():
           {"status": "ok", "predicted_step_seconds": 1.0, "bytes_per_device": 3},
           {"status": "rejected", "predicted_step_seconds": None, "bytes_per_device": None}]
   assert plan.rank(rows) == [rows[3], rows[2], rows[0]]
-  assert plan._predicted_seconds({"roofline": {"predicted_step_seconds": 3.5}}) == 3.5
-  assert plan._predicted_seconds({"roofline": None}) is None
+  assert plan._predicted_seconds({"predicted": {"step_seconds": 3.5}}) == 3.5
+  assert plan._predicted_seconds({"predicted": None}) is None
 
 
 @pytest.fixture(scope="module")

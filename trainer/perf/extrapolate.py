@@ -97,8 +97,8 @@ def depth(exp: Experiment) -> Depth | str:
     return f"{type(model).__name__} has no layer stack to cut"
   field = "model.num_layers" if t is model else "model.transformer.num_layers"
   if not t.scan_layers:
-    return (f"model.scan_layers=False: an unrolled stack is not one loop body, so its "
-            f"per-layer memory need not be linear in depth")
+    return ("model.scan_layers=False: an unrolled stack is not one loop body, so its "
+            "per-layer memory need not be linear in depth")
   unit = 1
   if t.pipeline.stages > 1:
     unit = t.pipeline.stages * t.pipeline.circular_repeats
@@ -159,19 +159,22 @@ def _zero(v: Any) -> Any:
 def _derive(out: dict, exp: Experiment) -> dict:
   """Figures that are not affine in depth, recomputed from the extrapolated ones.
 
-  The one place that knows how the prediction is built from its inputs (today the
-  dry run's roofline: the max of compute, HBM and ICI time).
+  The step-time model's step is a sum over program pieces of executions x seconds each
+  (trainer/perf/stepmodel.py), and only the layer loop's executions grow with depth, so
+  its seconds are affine in depth; the ratios built on them (MFU, HFU, tokens/s) are not.
   """
   mem, hbm = out["bytes_per_device"], out["hbm_bytes_per_device"]
   out["fits"] = None if hbm is None or mem.get("total") is None else bool(mem["total"] <= hbm)
   out["hint"] = None if out["fits"] is not False else dry_run_lib.hint(mem, hbm)
-  chip = chips.lookup(out["device_kind"])
-  rf = out.get("roofline")
-  if rf and chip:
-    out["roofline"] = dry_run_lib.roofline(
-        chip, out["num_devices"], out["model_flops_per_step"], _transformer(exp.model).remat,
-        out["flops_per_device"] or 0.0, rf["hbm_seconds"] * chip.hbm_bandwidth,
-        rf["ici_seconds"] * chip.ici_bandwidth)
+  chip, p = chips.lookup(out["device_kind"]), out.get("predicted")
+  if chip and p and p["step_seconds"]:
+    step, n = p["step_seconds"], out["num_devices"]
+    tokens = exp.model.tokens_per_example(exp.data) * exp.train.global_batch
+    p["mfu"] = p["model_flops_per_step"] / (n * chip.peak_bf16_flops * step)
+    p["hfu"] = p["hardware_flops_per_device"] / (chip.peak_bf16_flops * step)
+    p["tokens_per_second_per_device"] = tokens / step / n
+    p["breakdown"]["recompute_factor"] = (p["hardware_flops_per_device"] * n / p["model_flops_per_step"]
+                                          if p["model_flops_per_step"] else None)
   return out
 
 

@@ -11,7 +11,8 @@ where the model allows, pipeline stages x microbatches), then for each one:
      the shardings, no compile);
   3. compiles it (the dry run of trainer/perf/extrapolate.py) and drops it when the
      compiler says it does not fit (RESOURCE_EXHAUSTED, or a peak over HBM);
-  4. ranks what is left by predicted step time (`_predicted_seconds`), then by memory.
+  4. ranks what is left by predicted step time (`_predicted_seconds`: the step-time model of
+     trainer/perf/stepmodel.py), then by memory.
 It prints the best layouts with the exact `--set` line that selects each, and writes
 `plan.json` (every candidate, its status, reason and figures) into the job dir.
 
@@ -44,8 +45,8 @@ from shardax.trainer.perf import extrapolate
 
 def _predicted_seconds(report: dict) -> float | None:
   """The step time a dry-run report predicts: THE one place the planner reads it from."""
-  rf = report.get("roofline")
-  return rf["predicted_step_seconds"] if rf else None
+  predicted = report.get("predicted")
+  return predicted["step_seconds"] if predicted else None
 
 
 @dataclasses.dataclass(frozen=True)
