@@ -76,7 +76,8 @@ def test_eval_covers_the_whole_validation_split_once(small):
   batches = list(inputs.iter_eval_batches(small, 8))
   mask = sum(float(np.asarray(b["loss_mask"]).sum()) for b in batches)
   assert mask == counts["tokens"] + counts["documents"]  # every token and every end, once
-  assert len(batches) == -(-mask // (8 * 64))            # and no extra batches
+  # No batch without a real token: the eval stops when the last reader runs out.
+  assert all(float(np.asarray(b["loss_mask"]).sum()) > 0 for b in batches)
   few = list(inputs.iter_eval_batches(small, 8, 2))
   assert len(few) == 2
   for k in few[0]:
