@@ -15,6 +15,7 @@ On CPUs, collectives between processes go through gloo.
 from __future__ import annotations
 
 import os
+import sys
 
 from absl import logging
 
@@ -59,8 +60,10 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id)
   else:
     jax.distributed.initialize()
-  logging.info("process %d of %d; %d local devices of %d", jax.process_index(), jax.process_count(),
-               jax.local_device_count(), jax.device_count())
+  line = (f"process {jax.process_index()} of {jax.process_count()}; {jax.local_device_count()} "
+          f"local devices of {jax.device_count()}")
+  logging.info(line)
+  print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
   return True
 
 
