@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -82,7 +83,8 @@ def restore_or_init(setup, checkpointer, data_iter=None):
     state, data_state = checkpointer.restore(setup.abstract)
     if data_iter is not None and data_state is not None:
       data_iter.set_state(data_state)
-    logging.info("resumed from step %d", int(state["step"]))
+    logging.info(line := f"resumed from step {int(state['step'])}")
+    print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
     return state
   return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))
 
