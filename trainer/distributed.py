@@ -22,7 +22,6 @@ XLA uses the accelerator's own (NCCL, ICI/DCN), so gloo is chosen only for CPU r
 from __future__ import annotations
 
 import os
-import sys
 
 from absl import logging
 
