@@ -25,7 +25,6 @@ from __future__ import annotations
 import atexit
 import logging
 import os
-import time
 
 LOG_NAME = "log.txt"
 UPLOAD_EVERY_S = 30.0
@@ -38,30 +37,21 @@ def quiet_native_logs() -> None:
 
 
 class JobLog(logging.Handler):
-  """Holds records in memory until `open(job_dir)`, then writes them to job_dir/log.txt."""
+  """Holds records in memory until `open(job_dir)`, then writes them to job_dir/log.txt
+  (a `jobdir.AppendFile`: appended locally, rewritten now and then on an object store)."""
 
   def __init__(self):
     super().__init__(logging.DEBUG)
     self._pending: list[str] = []
-    self._path = None
     self._file = None
-    self._remote_lines: list[str] | None = None
-    self._uploaded = 0.0
 
   def open(self, job_dir: str) -> None:
-    from etils import epath
-    if self._path is not None:
+    from shardax.trainer import jobdir
+    if self._file is not None:
       return
-    self._path = epath.Path(job_dir) / LOG_NAME
-    if "://" in str(job_dir):  # object store: no append; rewrite the whole log now and then
-      self._remote_lines = self._path.read_text().splitlines(keepends=True) if self._path.exists() else []
-      self._remote_lines += self._pending
-      self._upload()
-    else:
-      self._path.parent.mkdir(parents=True, exist_ok=True)
-      self._file = self._path.open("a")
-      self._file.writelines(self._pending)
-      self._file.flush()
+    self._file = jobdir.AppendFile(jobdir.path(job_dir) / LOG_NAME, flush_every_s=UPLOAD_EVERY_S)
+    self._file.write("".join(self._pending))
+    self._file.flush()
     self._pending = []
 
   def emit(self, record: logging.LogRecord) -> None:
@@ -70,26 +60,16 @@ class JobLog(logging.Handler):
     except Exception:  # a bad format string must not kill the run
       self.handleError(record)
       return
-    if self._file is not None:
-      self._file.write(line)
-      self._file.flush()
-    elif self._remote_lines is not None:
-      self._remote_lines.append(line)
-      if time.monotonic() - self._uploaded > UPLOAD_EVERY_S:
-        self._upload()
-    else:
+    if self._file is None:
       self._pending.append(line)
-
-  def _upload(self) -> None:
-    self._path.write_text("".join(self._remote_lines))
-    self._uploaded = time.monotonic()
+      return
+    self._file.write(line)
+    self._file.flush()   # locally per record; on a store at most every UPLOAD_EVERY_S
 
   def close(self) -> None:
     if self._file is not None:
       self._file.close()
       self._file = None
-    elif self._remote_lines is not None:
-      self._upload()
     super().close()
 
 
