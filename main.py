@@ -177,7 +177,8 @@ def main(argv) -> None:
     from shardax.trainer import distributed
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
-    logging.info("%s", platform.describe(PLATFORM, joined))
+    logging.info(line := platform.describe(PLATFORM, joined))
+    print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
   except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
     logging.debug("error", exc_info=True)
