@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import grain
-from absl import flags
+from absl import flags, logging
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -175,7 +175,7 @@ class Batches(grain.DatasetIterator):
       raise ValueError(f"split={split!r}: use one of {SPLITS}")
     self.cfg, self.split, self.global_batch, self.sharding = cfg, split, global_batch, sharding
     self.seed = cfg.seed if seed is None else seed
-    self.prepared = None
+    self.prepared, self.readers, self.consumed = None, None, 0
     row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
     if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/data/images.py
       from shardax.trainer.data import images
@@ -191,6 +191,7 @@ class Batches(grain.DatasetIterator):
       self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
       self.prepared = preparation.prepare(cfg)
       layout = streaming.reader_layout(cfg.num_shards, global_batch, self.rows)
+      self.readers = layout[1]
       if split == "validation":  # finite, no workers: readers padded until all are done
         self.grain_iterator = streaming.PaddedReaders(self.prepared, cfg.seq_len, *layout)
         super().__init__(self.grain_iterator)
@@ -205,7 +206,9 @@ class Batches(grain.DatasetIterator):
     super().__init__(self.grain_iterator)
 
   def __next__(self) -> dict[str, jax.Array]:
-    return self.to_global(next(self.grain_iterator))
+    local = next(self.grain_iterator)
+    self.consumed += 1
+    return self.to_global(local)
 
   def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
     """This process's rows -> the batch the step takes (global arrays with a sharding)."""
@@ -231,14 +234,24 @@ class Batches(grain.DatasetIterator):
             "worker_count": self.cfg.worker_count}  # its grain state has another format
 
   def get_state(self) -> dict[str, Any]:
-    return {**self._identity(), "grain": self.grain_iterator.get_state()}
+    return {**self._identity(), "grain": self.grain_iterator.get_state(),
+            "readers": self.readers, "batches": self.consumed}
 
   def set_state(self, state: dict[str, Any]) -> None:
     for k, v in self._identity().items():
       if k in state and state[k] != v:
         raise ValueError(f"data iterator checkpoint was saved with {k}={state[k]!r} but this "
                          f"run has {k}={v!r}; resume with the same data config")
-    self.grain_iterator.set_state(state["grain"])
+    if state.get("readers", self.readers) == self.readers:
+      self.grain_iterator.set_state(state["grain"])
+    else:
+      # Saved by a process running other readers (another process count): the state of
+      # ours is not in it, but the batch count is; replay to it (exact, costs reading).
+      logging.warning("data: resuming on another reader layout; replaying %d batches",
+                      state["batches"])
+      for _ in range(state["batches"] - self.consumed):
+        next(self.grain_iterator)
+    self.consumed = state.get("batches", self.consumed)
 
   def __str__(self) -> str:
     return f"Batches({self.cfg.source}, {self.split}, B={self.global_batch}, seed={self.seed})"
