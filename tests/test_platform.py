@@ -60,7 +60,8 @@ def test_first_log_line_names_platform_and_devices(tmp_path):
                      "train.steps=1", mode="dry_run")
   out = cli.subprocess.run(args, capture_output=True, text=True, env=env, timeout=240)
   assert out.returncode == 0, out.stderr[-3000:]
-  logged = [l for l in out.stderr.splitlines() if l[:1] in "IWEF" and ".py:" in l]
+  # The first line on the (quiet) terminal: the platform status line, also in log.txt.
+  logged = [l for l in out.stderr.splitlines() if l.strip()]
   expected = ("platform cpu: 2 devices, 2 local; one process; libtpu installed but no TPU or GPU attached"
               if platform.probe(os.environ).libtpu else "platform cpu: 2 devices, 2 local; one process")
   assert expected in logged[0], logged[:3]
