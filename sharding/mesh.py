@@ -105,8 +105,16 @@ def _hybrid_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
                      f"{len(groups)} {kind if len(groups) == 1 else _PLURAL[kind]} found: {how}, or drop mesh.dcn")
   ici = resolve_shape(cfg.ici, sizes.pop(), f"mesh.ici (devices per {kind})")
   from jax.experimental import mesh_utils
-  return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
-                                              process_is_granule=kind == "process")
+  try:
+    return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
+                                                process_is_granule=kind == "process")
+  except (ValueError, NotImplementedError, AssertionError) as e:
+    _warn_plain_order(ici, groups[0], e)
+    # Each granule in plain order, granules outermost on every axis (as jax lays them out).
+    grid = np.array([np.array(g).reshape(ici) for g in groups]).reshape(dcn + ici)
+    n = len(ici)
+    return grid.transpose([k for j in range(n) for k in (j, n + j)]).reshape(
+        [d * i for d, i in zip(dcn, ici)])
 
 
 def _single_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
@@ -116,12 +124,16 @@ def _single_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
   try:
     return mesh_utils.create_device_mesh(shape, devices=devices)
   except (ValueError, NotImplementedError, AssertionError) as e:
-    logging.warning(
-        "mesh %s does not fit the physical layout of these %d %s devices (%s); laying them out in "
-        "plain device order, so some mesh axes span non-neighbouring chips and their collectives "
-        "are slower. Prefer a mesh.ici whose sizes follow the topology's dimensions.",
-        shape, len(devices), devices[0].device_kind, str(e).splitlines()[0][:200])
+    _warn_plain_order(shape, devices, e)
     return np.array(devices).reshape(shape)
+
+
+def _warn_plain_order(shape, devices: Sequence[jax.Device], error: Exception) -> None:
+  logging.warning(
+      "mesh %s does not fit the physical layout of these %d %s devices (%s); laying them out in "
+      "plain device order, so some mesh axes span non-neighbouring chips and their collectives "
+      "are slower. Prefer a mesh.ici whose sizes follow the topology's dimensions.",
+      shape, len(devices), devices[0].device_kind, str(error).splitlines()[0][:200])
 
 
 def make_mesh(cfg: MeshConfig, devices: Sequence[jax.Device] | None = None) -> Mesh:

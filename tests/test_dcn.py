@@ -45,6 +45,21 @@ def test_a_mesh_that_ignores_the_torus_warns(monkeypatch):
   assert not warned
 
 
+
+@needs_libtpu
+def test_two_slices_that_ignore_the_torus_warn_and_keep_slices_outermost(monkeypatch):
+  """Two v5e:4x4 slices with ici (8, 2): each slice in plain order, slices still outermost."""
+  warned = []
+  monkeypatch.setattr(mesh_lib.logging, "warning", lambda msg, *a: warned.append(msg % a))
+  devices = topology.devices("v5e:4x4", 2)
+  mesh = make_mesh(MeshConfig(ici=(8, 2), dcn=(2, 1)), devices=devices)
+  assert mesh.devices.shape == (16, 2)
+  assert len(warned) == 1 and "does not fit the physical layout" in warned[0]
+  slices = np.vectorize(lambda d: d.slice_index)(mesh.devices)
+  assert (slices[:8] == 0).all() and (slices[8:] == 1).all()   # the data axis crosses DCN once
+  first = [d for d in devices if d.slice_index == 0]
+  assert list(mesh.devices[:8].flat) == first                  # plain order within a slice
+
 def _reduction_hlo(mesh, axis: int, out_spec) -> str:
   x = jax.ShapeDtypeStruct((8, 16), jnp.float32, sharding=NamedSharding(mesh, P("data", "model")))
   return jax.jit(lambda a: a.sum(axis), out_shardings=NamedSharding(mesh, out_spec)).lower(x).compile().as_text()
