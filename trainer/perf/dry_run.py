@@ -119,7 +119,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
                model_flops_per_step=model_flops, flops_convention=CONVENTION, collectives={},
                predicted=None, error=str(e).splitlines()[0])
     out["hint"] = hint(mem, out["hbm_bytes_per_device"])
-    return _write(out, job_dir)
+    return write(out, job_dir)
   out["compile_seconds"] = time.perf_counter() - start
   out["compile_cpu_seconds"] = time.process_time() - cpu_start  # all threads; robust to a busy host
   analysis = report.memory(compiled)
@@ -140,7 +140,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
              hint=None if fits is not False else hint(mem, hbm))
   if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
     out["networks"] = networks.split_by_network(hlo, mesh, report.collectives(hlo))
-  return _write(out, job_dir)
+  return write(out, job_dir)
 
 
 def _brief(p: dict) -> dict:
@@ -149,7 +149,8 @@ def _brief(p: dict) -> dict:
   return p
 
 
-def _write(out: dict, job_dir: str | None) -> dict:
+def write(out: dict, job_dir: str | None) -> dict:
+  """The report as job_dir/dry_run.json (a local dir or an object store); returns it."""
   if job_dir:
     jobdir.write_text(jobdir.path(job_dir) / "dry_run.json", json.dumps(out, indent=2))
   return out

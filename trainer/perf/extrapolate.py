@@ -61,8 +61,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
-import os
 import time
 from fractions import Fraction
 from typing import Any, Iterator
@@ -233,11 +231,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, *, full: bool = False,
     out["compile_path_reason"] = None
   out["dry_run_seconds"] = time.perf_counter() - start
   out["compile_effort"] = effort
-  if job_dir:
-    os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(job_dir, "dry_run.json"), "w") as f:
-      json.dump(out, f, indent=2)
-  return out
+  return dry_run_lib.write(out, job_dir)
 
 
 def format_path(r: dict) -> str:

@@ -31,13 +31,13 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 import shlex
 import time
 from typing import Any, Sequence
 
 from shardax import configs
+from shardax.trainer import jobdir
 from shardax.trainer.perf import chips
 from shardax.trainer.perf import dry_run as dry_run_lib
 from shardax.trainer.perf import extrapolate
@@ -187,9 +187,7 @@ def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *
          "compiled": sum(1 for r in rows if "compile_path" in r),
          "wall_seconds": time.perf_counter() - start}
   if job_dir:
-    os.makedirs(job_dir, exist_ok=True)
-    with open(os.path.join(job_dir, "plan.json"), "w") as f:
-      json.dump(out, f, indent=2)
+    jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps(out, indent=2))
   return out
 
 
