@@ -96,7 +96,9 @@ def _rope(x, positions, theta):
 
 def _attention(q, k, v, fused):
   if fused:
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    # cuDNN's flash attention on a GPU (jax's default there is XLA's unfused softmax)
+    impl = "cudnn" if jax.default_backend() == "gpu" and q.dtype == jnp.bfloat16 else None
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
   b, l, n, d = q.shape
   kv = k.shape[2]
   s = jnp.einsum("bqkgd,bskd->bkgqs", q.reshape(b, l, kv, n // kv, d), k,
@@ -137,7 +139,12 @@ def loss_fn(cfg: Any, mode: str):
     tokens = batch["inputs"]
     positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
     table = c(params["embed"]["embedding"])
-    x = pin(jnp.take(table, tokens, axis=0) * jnp.asarray(math.sqrt(cfg.d_model), dt), "residual")
+    if table.shape[0] <= 4096:  # a small vocab: one-hot matmul, whose gradient is no scatter-add
+      rows = jnp.einsum("...v,vd->...d", jax.nn.one_hot(tokens, table.shape[0], dtype=dt), table,
+                        precision=jax.lax.Precision.HIGHEST)
+    else:
+      rows = jnp.take(table, tokens, axis=0)
+    x = pin(rows * jnp.asarray(math.sqrt(cfg.d_model), dt), "residual")
     x, _ = jax.lax.scan(lambda h, p: (block(h, p, positions), None), x, params["layers"]["blocks"])
     x = _rms_norm(x, params["final_norm"]["scale"], dt)
     logits = pin(jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32), "logits")
