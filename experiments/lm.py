@@ -40,6 +40,34 @@ def small():
   return cfg
 
 
+@register("lm.1b", "24-layer, 2048-wide LM (~1.2B params), bf16, cuDNN attention: the one-GPU benchmark size")
+def one_b():
+  """GPT-3 XL's shape (24 x 2048, 16 heads of 128) with a llama-style gated MLP (d_ff 5632,
+  so the MLP has the 2 x 4d x d parameters of a plain one); byte-level vocabulary, so the
+  embedding is 0.5M of the 1.23B parameters.
+
+  The step settings are the fastest measured on one H100 (docs/performance.md, 2026-11-23):
+  remat 'dots' beat no remat (the saved elementwise outputs cost more memory traffic than
+  recomputing them), unrolled layers beat scanned ones (a scan zero-fills and copies its
+  stacked residuals), and a batch of 16 x 2048 amortizes the optimizer's pass over the
+  f32 state. It needs ~70 GiB: set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 on an 80 GB GPU
+  (jax reserves 75% by default); lower train.global_batch on a smaller one."""
+  cfg = small()
+  cfg.model.num_layers = 24
+  cfg.model.d_model = 2048
+  cfg.model.num_heads = 16
+  cfg.model.d_ff = 5632
+  cfg.model.max_len = 2048
+  cfg.model.dtype = "bfloat16"
+  cfg.model.attention = "fused"
+  cfg.model.remat = "dots"
+  cfg.model.scan_layers = False
+  cfg.data.seq_len = 2048
+  cfg.train.global_batch = 16
+  cfg.optimizer.learning_rate = 3e-4
+  return cfg
+
+
 # The subword twins: the same models reading a SentencePiece vocabulary trained on the
 # stdlib's training split at preparation time (stored beside the prepared data). Compare
 # them with the byte-level ones by eval bits per byte, not loss per token.
