@@ -262,12 +262,23 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
             "peak_source": peak_source, **(probe.summary() if probe else {}),
             **cpu_time_mfu(cpu_times, exp.model.flops_per_example(exp.data) * t.global_batch, probe),
             "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
-  hardware = costs.of_compiled(train_step).flops
-  result.update(flops_convention=CONVENTION, hardware_flops_per_device=hardware,
-                hfu=hardware / result["step_time_s_median"] / peak)
+  result.update(flops_convention=CONVENTION, **device_memory(train_step))
+  if devices[0].platform != "gpu":  # XLA's cost model prices no cuBLAS / cuDNN custom call
+    hardware = costs.of_compiled(train_step).flops
+    result.update(hardware_flops_per_device=hardware, hfu=hardware / result["step_time_s_median"] / peak)
   if jax.process_index() == 0:
     jobdir.write_text(jobdir.path(job_dir) / "benchmark.json", json.dumps(result, indent=2))
   return result
+
+
+def device_memory(compiled) -> dict[str, float]:
+  """The step's memory per device from the compiled program: arguments (the state and a
+  batch), outputs that do not reuse a donated argument, and XLA's temporaries."""
+  m = compiled.memory_analysis()
+  if m is None:
+    return {}
+  total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
+  return {"memory_gib_per_device": total / 2**30, "temp_gib_per_device": m.temp_size_in_bytes / 2**30}
 
 
 def format_table(r: dict[str, Any]) -> str:
@@ -292,7 +303,9 @@ def format_table(r: dict[str, Any]) -> str:
       ("mfu", f"{r['mfu']:.1%}  (= {r['tflops_per_device']:.4f} / {r['peak_tflops_per_device']:.4f} "
               f"TFLOP/s per device; model FLOPs: {r.get('flops_convention', '')})"),
       ("hfu", f"{r['hfu']:.1%}  [compiled FLOPs, {r['hardware_flops_per_device']:.4g} per device]"
-              if "hfu" in r else "-"),
+              if "hfu" in r else "- (XLA's cost model does not count cuBLAS / cuDNN calls)"),
+      *([("memory_per_device", f"{r['memory_gib_per_device']:.1f} GiB (of which temporaries "
+                               f"{r['temp_gib_per_device']:.1f})")] if "memory_gib_per_device" in r else []),
       *([("mfu_cpu_time", f"{r['mfu_cpu_time']:.1%}  (step {r['step_cpu_s_median']:.3f} CPU s; "
                           f"unaffected by other jobs)")] if "mfu_cpu_time" in r else []),
       ("eval_loss", f"{r['eval_loss']:.4f}"),

@@ -148,11 +148,21 @@ def _standalone(mod: _Module, root: str) -> str:
   return "\n\n".join(parts)
 
 
+def _cost_client():
+  """The client whose XLA cost model prices the HLO: the CPU's where this process has one (the
+  figures calibrated against TPU dry runs), else the default backend's (JAX_PLATFORMS=cuda
+  leaves a process no CPU client)."""
+  try:
+    return jax.devices("cpu")[0].client
+  except RuntimeError:
+    return jax.devices()[0].client
+
+
 def _xla_cost(text: str) -> dict[str, float]:
   from jax._src.lib import xla_client
   from jaxlib import _hlo
   module = _hlo.hlo_module_from_text(text)
-  client = jax.devices("cpu")[0].client
+  client = _cost_client()
   cost = xla_client._xla.hlo_module_cost_analysis(client, module)
   return {k: float(cost.get(k, 0.0)) for k in _KEYS}
 
