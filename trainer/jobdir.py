@@ -116,7 +116,7 @@ def start_trace(directory) -> None:
   target = path(directory)
   local = tempfile.mkdtemp(prefix="shardax-profile-") if is_remote(target) else os.fspath(target)
   _tracing.append((local, target))
-  jax.profiler.start_trace(local)
+  jax.profiler.start_trace(local, create_perfetto_trace=True)  # perfetto_trace.json.gz: readable without TensorBoard
 
 
 def stop_trace() -> None:
