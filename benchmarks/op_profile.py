@@ -72,7 +72,7 @@ def device_events(events: list[dict]) -> tuple[str, list[dict]]:
       and not re.search(r"ThunkExecutor|ThreadPool|Await", e["name"])]  # containers of the ops
 
 
-def summarize(events: list[dict], top: int) -> str:
+def summarize(events: list[dict], top: int, by_kind: bool = False) -> str:
   where, evs = device_events(events)
   if not evs:
     return "no device events in the trace"
@@ -81,6 +81,8 @@ def summarize(events: list[dict], top: int) -> str:
   for e in evs:
     args = e.get("args") or {}
     key = args.get("hlo_op") or args.get("long_name") or e["name"]
+    if by_kind:  # unrolled layers give every layer its own op names: group them
+      key = re.sub(r"[._]\d+$", "", key)
     by_op[key][0] += e.get("dur", 0.0)
     by_op[key][1] += 1
     if e.get("dur", 0.0) > 2.0 or key not in what:  # skip the memsets beside a gemm
@@ -104,8 +106,10 @@ def main():
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("trace", help="a job dir, its profile folder, or a perfetto_trace.json.gz")
   ap.add_argument("--top", type=int, default=25)
+  ap.add_argument("--by-kind", action="store_true",
+                  help="group ops by name without their number (fusion.12 and fusion.40 together)")
   args = ap.parse_args()
-  print(summarize(load(args.trace), args.top))
+  print(summarize(load(args.trace), args.top, args.by_kind))
 
 
 if __name__ == "__main__":
