@@ -62,20 +62,31 @@ def grads_and_loss(setup: Setup, params, batch: dict):
 def train_step_fn(setup: Setup) -> Callable:
   """A jitted `(state, batch) -> (state, metrics)`; the state is donated."""
   lr = optimizer.schedule(setup.exp.optimizer, setup.exp.train.steps)
+  # How the guard keeps the old state, by the platform the step compiles for. On a CPU a
+  # branch: a select of new vs old keeps the old Adam moments alive beside the new ones and
+  # XLA copies every moment each step (one-device overhead 1.062 -> 1.007, docs/performance.md).
+  # Elsewhere a select: the TPU compiler lays out a scanned stack's update differently under
+  # a branch than an unrolled one's (loop-aware costs of the twins 12.6% apart,
+  # tests/test_costs.py), and the dry run's depth extrapolation rests on them agreeing; on
+  # an H100 XLA fuses the select into the update (1.000 against an unguarded hand-written step).
+  guard_by_branch = setup.mesh.devices.flat[0].platform == "cpu"
 
   def step(state, batch):
     loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
-    updates, opt_state = setup.tx.update(grads, state["opt_state"], state["params"])
-    params = optimizer.apply_updates(state["params"], updates, opt_state)
-    # A select, not a lax.cond: on one CPU the select makes XLA copy the Adam moments
-    # (docs/performance.md), but a cond makes the TPU compiler lay out a scanned stack's
-    # update differently from an unrolled one's (+3.7% bytes accessed for the scanned step,
-    # tests/test_costs.py), and the dry run's predictions rest on the two agreeing.
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-    params, opt_state = keep(params, state["params"]), keep(opt_state, state["opt_state"])
+    def update(params, opt_state):
+      updates, opt_state = setup.tx.update(grads, opt_state, params)
+      return optimizer.apply_updates(params, updates, opt_state), opt_state
+
+    if guard_by_branch:
+      params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
+                                       state["params"], state["opt_state"])
+    else:
+      new = update(state["params"], state["opt_state"])
+      params, opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o),
+                                       new, (state["params"], state["opt_state"]))
     new_state = {"step": state["step"] + 1, "params": params, "opt_state": opt_state}
     metrics = {"loss": loss, "grad_norm": grad_norm, "learning_rate": lr(state["step"]),
                "finite": finite, **model_metrics}
