@@ -50,8 +50,8 @@ def one_b():
   remat 'dots' beat no remat (the saved elementwise outputs cost more memory traffic than
   recomputing them), unrolled layers beat scanned ones (a scan zero-fills and copies its
   stacked residuals), and a batch of 16 x 2048 amortizes the optimizer's pass over the
-  f32 state. It needs ~70 GiB: set XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 on an 80 GB GPU
-  (jax reserves 75% by default); lower train.global_batch on a smaller one."""
+  f32 state: 0.52 s a step, 51% MFU. The compiled step takes 47 GiB, inside the 75% of an
+  80 GB GPU that jax reserves by default; lower train.global_batch on a smaller one."""
   cfg = small()
   cfg.model.num_layers = 24
   cfg.model.d_model = 2048
