@@ -6,14 +6,17 @@ VENV ?= .venv
 JOB_DIR ?= /tmp/shardax/lm.tiny
 EXP ?= lm.tiny
 export TF_CPP_MIN_LOG_LEVEL ?= 3
+# One tested set per Python (pyproject gives each its jax line): constraints.txt for 3.11
+# (jax 0.10.2), constraints-jax011.txt for 3.12+ (jax 0.11.2).
+CONSTRAINTS ?= $(shell $(PYTHON) -c 'import sys; print("constraints-jax011.txt" if sys.version_info >= (3, 12) else "constraints.txt")')
 
 .PHONY: setup run test test-slow
 setup: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml constraints.txt
+$(VENV)/.installed: pyproject.toml $(CONSTRAINTS)
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q --upgrade pip
-	$(VENV)/bin/pip install -q -e '.[test]' -c constraints.txt
+	$(VENV)/bin/pip install -q -e '.[test]' -c $(CONSTRAINTS)
 	touch $@
 
 run: setup

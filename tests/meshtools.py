@@ -1,8 +1,9 @@
 """Shared by the equivalence tests: build a setup on a mesh, compile and run loss + grads."""
 
 import jax
+import numpy as np
 
-from shardax.sharding import make_mesh, use_rules
+from shardax.sharding import make_mesh, networks, use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -27,3 +28,18 @@ def loss_and_grads(setup, params, batch):
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
     compiled = grads_fn(setup).lower(params, batch).compile()
     return jax.device_get(compiled(params, batch)), compiled
+
+
+def coordinates(mesh_shape: dict[str, int]) -> dict[str, np.ndarray]:
+  """{mesh axis: that axis's coordinate of each partition id}.
+
+  Compiled HLO names devices by partition id, the position in the mesh's flat device
+  order, so these say where the members of a replica group or permute pair sit.
+  """
+  index = np.indices(tuple(mesh_shape.values())).reshape(len(mesh_shape), -1)
+  return dict(zip(mesh_shape, index))
+
+
+def pairs(collective, num_devices: int) -> list[tuple[int, int]]:
+  """(source, target) partition ids of a report.Collective that is a collective-permute."""
+  return [tuple(p) for p in networks.replica_groups(collective.replica_groups, num_devices)]

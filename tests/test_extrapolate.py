@@ -2,6 +2,7 @@
 
 import json
 
+import jax
 import pytest
 
 from shardax import configs
@@ -43,6 +44,17 @@ def test_depth_unit_is_a_layer_a_pipeline_round_or_a_moe_unit():
   assert ex.with_layers(moe, 6).model.moe == moe.model.moe
   assert "scan_layers=False" in ex.depth(build("lm.tiny", "model.num_layers=12", "model.scan_layers=False"))
   assert "already as shallow" in ex.depth(build("lm.tiny", "model.num_layers=4"))
+
+
+def test_compile_effort_is_set_inside_the_block_only():
+  # jax 0.10: exec_time_optimization_effort; jax 0.11 dropped it for the optimization level.
+  key = ("jax_exec_time_optimization_effort" if hasattr(jax.config, "jax_exec_time_optimization_effort")
+         else "jax_optimization_level")
+  before = getattr(jax.config, key)
+  with ex.compile_effort(-1.0):
+    assert getattr(jax.config, key) in (-1.0, "O0")
+  assert getattr(jax.config, key) == before
+  assert [ex._optimization_level(e) for e in (-1, -0.2, 0, 0.2, 1)] == ["O0", "O1", "UNKNOWN", "O2", "O3"]
 
 
 @pytest.fixture(scope="module")

@@ -7,6 +7,7 @@ back before comparing. Cases cover S in {2, 4}, M in {S, 2S}, R in {1, 2} and th
 nested (stage=2, data=2, model=2) mesh.
 """
 
+import collections
 import os
 import shutil
 
@@ -18,11 +19,11 @@ from flax import nnx
 
 from shardax import configs, pipeline
 from shardax.configs.schema import ConfigError
-from shardax.sharding import report, use_rules
+from shardax.sharding import networks, report, use_rules
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
-from meshtools import loss_and_grads, setup_for
+from meshtools import coordinates, loss_and_grads, pairs, setup_for
 
 L, BATCH = 8, 16
 # name: (stages, microbatches, repeats, mesh ici, mesh axes, preset)
@@ -81,12 +82,34 @@ def test_loss_and_grads_equal_the_unpipelined_model(pipelined, reference):
 
 
 def test_stages_talk_by_collective_permute(pipelined):
+  """Every iteration each device sends its stage's microbatch to the next stage group (the
+  buffer shift) and, backward, the cotangent back: collective-permutes between neighbouring
+  stage groups inside the loop, one microbatch at most each, and no other collective in the
+  loop crosses stage groups (no all-gather or all-reduce of the buffer).
+
+  Read from the program's structure (pairs, sizes, trip counts), not op metadata: jax 0.11
+  compiles the same permutes but leaves the forward one without metadata and names some
+  backward ones after neighbouring ops (select_n, add_any) instead of the roll.
+  """
   name, setup, _, _, _, compiled = pipelined
   stages, micro, repeats = CASES[name][:3]
-  permutes = [c for c in report.collectives(compiled.as_text()) if c.kind == "collective-permute"]
-  # The buffer shift (jnp.roll on the stage dim) runs once per iteration, forward and backward.
-  shifts = [c for c in permutes if "pipeline/loop.py" in c.source and "roll" in c.op_name]
-  assert sum(c.executions for c in shifts) >= 2 * (micro * repeats + stages - 1), name
+  iterations = micro * repeats + stages - 1
+  where = coordinates(setup.mesh.shape)
+  stage, n = where.pop("stage"), setup.mesh.size
+  microbatch_bytes = BATCH // micro * 16 * 32 * 4  # [rows, length, embed] f32, before the data split
+  in_loop = [c for c in report.collectives(compiled.as_text()) if c.executions > 1]
+  sends = collections.Counter()  # stage step (mod S) -> device-to-device sends per call
+  for c in (c for c in in_loop if c.kind == "collective-permute"):
+    assert c.bytes <= microbatch_bytes, (name, c)
+    for src, dst in pairs(c, n):
+      assert all(axis[src] == axis[dst] for axis in where.values()), (name, c)  # same data/model shard
+      sends[(stage[dst] - stage[src]) % stages] += c.executions
+  assert set(sends) == {1, stages - 1}, (name, sends)  # only to the next or the previous stage
+  # Forward (s -> s+1) and backward (s+1 -> s): each device at least once per iteration.
+  assert min(sends[1], sends[stages - 1]) >= iterations * n, (name, sends)
+  assert sum(sends.values()) >= 2 * iterations * n, (name, sends)
+  for c in (c for c in in_loop if c.kind != "collective-permute"):
+    assert all(len({stage[d] for d in g}) == 1 for g in networks.replica_groups(c.replica_groups, n)), (name, c)
   if CASES[name][5] == "pp_dp":  # microbatching keeps rows on their devices: no resharding
     assert set(report.collective_summary(compiled.as_text())) == {"all-reduce", "collective-permute"}
 
