@@ -41,8 +41,9 @@ flags.DEFINE_integer("heartbeat_timeout_s", None,
                      "exits non-zero (default: SHARDAX_HEARTBEAT_TIMEOUT_S, else 100).")
 flags.DEFINE_bool("shallow", False, "dry_run/plan: compile shallow copies of a scanned stack and "
                   "extrapolate to full depth (trainer/perf/extrapolate.py) instead of the full model.")
-flags.DEFINE_float("compile_effort", None, "dry_run/plan: jax exec_time_optimization_effort in [-1, 1]; "
-                   "-1 compiles ~5x faster. Default: 0 for dry_run, -1 for plan.")
+flags.DEFINE_float("compile_effort", None, "dry_run/plan: compile effort in [-1, 1] (jax 0.10: "
+                   "exec_time_optimization_effort; jax 0.11: -1 -> optimization level O0); -1 compiles "
+                   "~5x faster. Default: 0 for dry_run, -1 for plan.")
 FLAGS = flags.FLAGS
 
 

@@ -49,7 +49,8 @@ one layer's all-gathered weights, is not a per-layer cost of the deep program), 
 on pod.lm_16b the same recipe lands within 3%. The report keeps both copies' temp bytes
 (`shallow.temp_bytes`) so a reader can see the slope it used.
 
-Compile effort: `effort` (jax's `exec_time_optimization_effort`, -1..1) trades the
+Compile effort: `effort` (-1..1: jax 0.10's `exec_time_optimization_effort`, on jax 0.11
+`jax_optimization_level` O0 for -1, see `_optimization_level`) trades the
 compiled program's speed for compile time. The dry run keeps the default (0); the
 planner uses -1, which compiles ~4-5x faster on this machine (the TPU backend's code
 scheduling is most of a compile) and changes the compiler's memory plan: +0.7% temp on a

@@ -16,7 +16,8 @@ where the model allows, pipeline stages x microbatches), then for each one:
 It prints the best layouts with the exact `--set` line that selects each, and writes
 `plan.json` (every candidate, its status, reason and figures) into the job dir.
 
-Speed: the planner compiles at jax's `exec_time_optimization_effort=-1`, which skips
+Speed: the planner compiles at effort -1 (jax 0.10's `exec_time_optimization_effort`, jax
+0.11's optimization level O0), which skips
 most of the TPU backend's code scheduling (the bulk of a compile on a CPU host: ~4-5x
 less CPU; the memory plan moves by up to ~11%, see extrapolate.py, so confirm the
 winner with `--mode=dry_run`, which compiles at effort 0); with `shallow=True` it compiles
