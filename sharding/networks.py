@@ -32,7 +32,9 @@ _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16
 _IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
 
 
-_MESH_AXES = re.compile(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}")
+# mesh['a'=2,'b'=4] {'a'}, optionally with the mesh's device order: device_ids=([4,2]T(1,0))
+_MESH_AXES = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
+                        r"\s*\{([^}]*)\}")
 
 
 def replica_groups(line: str, num_devices: int) -> list[list[int]]:
@@ -40,9 +42,14 @@ def replica_groups(line: str, num_devices: int) -> list[list[int]]:
   if m := _MESH_AXES.search(line):  # mesh['a'=2,'b'=4] {'a'}: devices that differ only along 'a'
     axes = [(n.strip().strip("'\""), int(v)) for n, v in (a.split("=") for a in m.group(1).split(","))]
     names = [n for n, _ in axes]
-    reduced = [names.index(a.strip().strip("'\"")) for a in m.group(2).split(",") if a.strip()]
+    reduced = [names.index(a.strip().strip("'\"")) for a in m.group(4).split(",") if a.strip()]
     kept = [i for i in range(len(axes)) if i not in reduced]
-    ids = np.arange(num_devices).reshape([v for _, v in axes]).transpose(kept + reduced)
+    ids = np.arange(num_devices)
+    if m.group(2):  # the mesh's devices in this order: an iota of that shape, transposed
+      ids = ids.reshape([int(s) for s in m.group(2).split(",")])
+      if m.group(3):
+        ids = ids.transpose([int(s) for s in m.group(3).split(",")])
+    ids = ids.reshape([v for _, v in axes]).transpose(kept + reduced)
     return ids.reshape(-1, int(np.prod([axes[i][1] for i in reduced]))).tolist()
   if m := _IOTA.search(line):
     shape = [int(s) for s in m.group(1).split(",")]

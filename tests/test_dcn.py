@@ -89,6 +89,9 @@ def test_replica_group_forms():
   assert networks.replica_groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
   assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
   assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  # with the mesh's own device order: device i of the mesh is entry i of iota([4,2]).T
+  assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, x",
+                                 8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
 
 
 @needs_libtpu
