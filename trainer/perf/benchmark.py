@@ -50,7 +50,7 @@ import numpy as np
 from mlperf_logging.mllog import constants as C
 
 from shardax.configs.schema import Experiment
-from shardax.sharding import use_rules
+from shardax.sharding import report, use_rules
 from shardax.trainer.data import inputs
 from shardax.trainer import jobdir
 from shardax.trainer.perf import costs, mlperf
@@ -272,13 +272,12 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
 
 
 def device_memory(compiled) -> dict[str, float]:
-  """The step's memory per device from the compiled program: arguments (the state and a
-  batch), outputs that do not reuse a donated argument, and XLA's temporaries."""
-  m = compiled.memory_analysis()
-  if m is None:
+  """The step's memory per device (report.memory: arguments + outputs that do not reuse a
+  donated argument + temporaries), in GiB for the report."""
+  m = report.memory(compiled)
+  if not m:
     return {}
-  total = m.argument_size_in_bytes + m.output_size_in_bytes - m.alias_size_in_bytes + m.temp_size_in_bytes
-  return {"memory_gib_per_device": total / 2**30, "temp_gib_per_device": m.temp_size_in_bytes / 2**30}
+  return {"memory_gib_per_device": m["peak_estimate_bytes"] / 2**30, "temp_gib_per_device": m["temp_bytes"] / 2**30}
 
 
 def format_table(r: dict[str, Any]) -> str:
