@@ -92,6 +92,11 @@ def test_replica_group_forms():
   # with the mesh's own device order: device i of the mesh is entry i of iota([4,2]).T
   assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, x",
                                  8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+  # ... and report.collectives keeps that form whole, so the step model routes the right group
+  line = ("%ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=mesh['a'=2,'b'=4], "
+          "device_ids=([4,2]T(1,0)) {'a'}, use_global_device_ids=true, to_apply=%add")
+  [c] = report.collectives(f"ENTRY %main (x: f32[8]) -> f32[8] {{\n  {line}\n}}\n")
+  assert c.group_size == 2 and networks.replica_groups(c.replica_groups, 8)[0] == [0, 1]
 
 
 @needs_libtpu

@@ -30,16 +30,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 import re
 
 import numpy as np
 
+from shardax.sharding import networks
 from shardax.trainer.perf.chips import Chip
 
 ICI_LATENCY, DCN_LATENCY = 5e-6, 50e-6
-_IOTA = re.compile(r"\[([0-9,]+)\]<=\[([0-9,]+)\](?:T\(([0-9,]+)\))?")
-_MESH = re.compile(r"mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([0-9,]+)\](?:T\(([0-9,]+)\))?\))?\s*\{([^}]*)\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,37 +51,15 @@ class Route:
   axes: tuple[str, ...] = ()      # mesh axes along which members differ
 
 
-def _ints(text: str) -> list[int]:
-  return [int(x) for x in text.split(",") if x]
-
-
 def first_group(attr: str, num: int) -> list[int]:
-  """Partition ids of the first replica group (or source-target pair) in an HLO attribute."""
+  """Partition ids of the first replica group (or the first moving source-target pair) in an
+  HLO attribute (`replica_groups=...` as report.collectives keeps it; sharding/networks reads
+  every form)."""
   if attr.startswith("source_target_pairs="):
     pairs = re.findall(r"\{(\d+),(\d+)\}", attr)
     moving = [(int(a), int(b)) for a, b in pairs if a != b]
     return list(moving[0]) if moving else [0]
-  body = attr.split("=", 1)[1] if attr.startswith("replica_groups=") else attr
-  if m := _MESH.search(body):
-    sizes = [(k.strip().strip("'"), int(v)) for k, v in (kv.split("=") for kv in m.group(1).split(","))]
-    ids = np.arange(math.prod(s for _, s in sizes))
-    if m.group(2):
-      ids = ids.reshape(_ints(m.group(2)))
-      if m.group(3):
-        ids = ids.transpose(_ints(m.group(3)))
-    ids = ids.reshape([s for _, s in sizes])
-    varying = {a.strip().strip("'") for a in m.group(4).split(",") if a.strip()}
-    index = tuple(slice(None) if name in varying else 0 for name, _ in sizes)
-    return [int(x) for x in ids[index].ravel()]
-  if m := _IOTA.search(body):
-    groups = _ints(m.group(1))
-    ids = np.arange(math.prod(_ints(m.group(2)))).reshape(_ints(m.group(2)))
-    if m.group(3):
-      ids = ids.transpose(_ints(m.group(3)))
-    return [int(x) for x in ids.reshape(groups)[0]]
-  if m := re.search(r"\{\{([0-9,]*)\}", body):
-    return _ints(m.group(1)) or list(range(num))
-  return list(range(num))
+  return networks.replica_groups(attr, num)[0]
 
 
 def route(devices: np.ndarray, axis_names: tuple[str, ...], group: list[int]) -> Route:
