@@ -20,48 +20,16 @@ from typing import Iterable
 
 import numpy as np
 
+from shardax.sharding import replica_groups
+
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\b(all-reduce|all-gather|reduce-scatter|"
                     r"all-to-all|collective-permute)(?:-start)?\(")
-_EXPLICIT = re.compile(r"(?:replica_groups|source_target_pairs)=\{((?:\{[\d,\s]*\},?\s*)*)\}")
 _MEGASCALE = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*\((\w+)\[([\d,]*)\].*?\ssend\(.*"
                         r"_xla_megascale_transfer_type=\"?(\w+)")
 _MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4, "s32": 4,
                 "u32": 4, "f64": 8, "s64": 8, "u64": 8}
-_IOTA = re.compile(r"replica_groups=\[([\d,]+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
-
-
-# mesh['a'=2,'b'=4] {'a'}, optionally with the mesh's device order: device_ids=([4,2]T(1,0))
-_MESH_AXES = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[([\d,]+)\](?:T\(([\d,]+)\))?\))?"
-                        r"\s*\{([^}]*)\}")
-
-
-def replica_groups(line: str, num_devices: int) -> list[list[int]]:
-  """The device groups of one collective's HLO line (explicit, iota, mesh-axes form, or all devices)."""
-  if m := _MESH_AXES.search(line):  # mesh['a'=2,'b'=4] {'a'}: devices that differ only along 'a'
-    axes = [(n.strip().strip("'\""), int(v)) for n, v in (a.split("=") for a in m.group(1).split(","))]
-    names = [n for n, _ in axes]
-    reduced = [names.index(a.strip().strip("'\"")) for a in m.group(4).split(",") if a.strip()]
-    kept = [i for i in range(len(axes)) if i not in reduced]
-    ids = np.arange(num_devices)
-    if m.group(2):  # the mesh's devices in this order: an iota of that shape, transposed
-      ids = ids.reshape([int(s) for s in m.group(2).split(",")])
-      if m.group(3):
-        ids = ids.transpose([int(s) for s in m.group(3).split(",")])
-    ids = ids.reshape([v for _, v in axes]).transpose(kept + reduced)
-    return ids.reshape(-1, int(np.prod([axes[i][1] for i in reduced]))).tolist()
-  if m := _IOTA.search(line):
-    shape = [int(s) for s in m.group(1).split(",")]
-    ids = np.arange(num_devices).reshape([int(s) for s in m.group(2).split(",")])
-    if m.group(3):
-      ids = ids.transpose([int(s) for s in m.group(3).split(",")])
-    return ids.reshape(shape).tolist()
-  if (m := _EXPLICIT.search(line)) and m.group(1).strip():
-    return [[int(i) for i in g.split(",") if i.strip()] for g in re.findall(r"\{([\d,\s]*)\}", m.group(1))]
-  return [list(range(num_devices))]  # replica_groups={}: one group of everyone
-
-
 def granule_ids(mesh) -> list[int]:
   """Granule of each partition id: TPU slice index, else process index (as mesh.granules)."""
   devices = list(mesh.devices.flat)
@@ -98,7 +66,7 @@ def classify(hlo_text: str, granule: list[int], collectives: Iterable) -> dict[s
   if not megascale:  # GPU/CPU hosts: a collective crosses DCN when one of its groups spans granules
     for line in hlo_text.splitlines():
       if m := _INSTR.match(line):
-        groups = replica_groups(line, len(granule))
+        groups = replica_groups.groups(line, len(granule))
         crosses[m.group(1)] = any(len({granule[i] for i in g}) > 1 for g in groups)
   for c in collectives:
     _add(out["dcn" if crosses.get(c.name, False) else "ici"], c.kind, c.bytes, getattr(c, "executions", 1))

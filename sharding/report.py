@@ -19,6 +19,8 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from shardax.sharding import replica_groups
+
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
 _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
@@ -27,10 +29,7 @@ _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
-_GROUPS_IOTA = re.compile(r"replica_groups=\[([0-9,]+)\]<=")
-_GROUPS_LIST = re.compile(r"replica_groups=\{\{([0-9,]*)\}")
-_GROUPS_MESH = re.compile(r"replica_groups=mesh\[([^\]]*)\](?:,\s*device_ids=\(\[[0-9,]+\](?:T\([0-9,]+\))?\))?\s*\{([^}]*)\}")
-_GROUPS_ATTR = re.compile(r"(?:replica_groups|source_target_pairs)=(\[[0-9,]+\]<=\[[0-9,]+\](?:T\([0-9,]+\))?|\{[{}0-9,]*\}|mesh\[[^\]]*\](?:,\s*device_ids=\(\[[0-9,]+\](?:T\([0-9,]+\))?\))?\s*\{[^}]*\})")
+_PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
@@ -63,17 +62,6 @@ def _operands(rest: str) -> str:
     if depth == 0:
       return rest[:i]
   return rest
-
-
-def _group_size(attrs: str, kind: str) -> int:
-  if g := _GROUPS_MESH.search(attrs):
-    sizes = dict((k.strip("'"), int(v)) for k, v in (kv.split("=") for kv in g.group(1).split(",")))
-    return math.prod(sizes[a.strip().strip("'")] for a in g.group(2).split(",") if a.strip())
-  if g := _GROUPS_IOTA.search(attrs):
-    return int(g.group(1).split(",")[-1])
-  if g := _GROUPS_LIST.search(attrs):
-    return len([t for t in g.group(1).split(",") if t])
-  return 2 if kind == "collective-permute" else 0
 
 
 def _stack_frames(hlo_text: str) -> dict[int, str]:
@@ -229,8 +217,11 @@ def _increment(body: list[str], index: int | None) -> int:
   return 1
 
 
-def collectives(hlo_text: str) -> list[Collective]:
-  """Every collective op in compiled HLO text."""
+def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
+  """Every collective op in compiled HLO text (`num_devices`: the module's partitions, read
+  from its header when not given; only `replica_groups={}` needs it)."""
+  if num_devices is None:
+    num_devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text.split("\n", 1)[0])) else 1
   result_bytes: dict[str, int] = {}
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
   loop_trips = trip_counts(hlo_text)
@@ -272,8 +263,8 @@ def collectives(hlo_text: str) -> list[Collective]:
       source = f"{m.group(1)}:{m.group(2)}"
     else:
       source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
-    groups = g.group(0) if (g := _GROUPS_ATTR.search(rest)) else ""
-    found.append(Collective(name, kind, nbytes, _group_size(rest, kind), op_name, source,
+    groups = replica_groups.attribute(rest)
+    found.append(Collective(name, kind, nbytes, replica_groups.group_size(rest, num_devices, kind), op_name, source,
                             runs.get(comp, 1) if entry else 1, comp, is_start, groups))
   return found
 

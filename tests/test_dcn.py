@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardax.sharding import MeshConfig, make_mesh, mesh as mesh_lib, networks, report, topology
+from shardax.sharding import MeshConfig, make_mesh, mesh as mesh_lib, networks, replica_groups, report, topology
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
@@ -82,21 +82,21 @@ def test_collectives_whose_groups_span_granules_cross_dcn(axis, out_spec, crossi
 
 
 def test_replica_group_forms():
-  assert networks.replica_groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
-  assert networks.replica_groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-  assert networks.replica_groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
-  assert networks.replica_groups("source_target_pairs={{0,1},{1,0}}", 2) == [[0, 1], [1, 0]]
-  assert networks.replica_groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
-  assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
-  assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4] {'b'}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert replica_groups.groups("replica_groups=[2,4]<=[8]", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+  assert replica_groups.groups("replica_groups=[4,2]<=[2,4]T(1,0)", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert replica_groups.groups("replica_groups={{0,2},{1,3}}, x", 4) == [[0, 2], [1, 3]]
+  assert replica_groups.groups("source_target_pairs={{0,1},{1,0}}", 2) == [[0, 1], [1, 0]]
+  assert replica_groups.groups("replica_groups={}", 4) == [[0, 1, 2, 3]]
+  assert replica_groups.groups("replica_groups=mesh['a'=2,'b'=4] {'a'}, x", 8) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+  assert replica_groups.groups("replica_groups=mesh['a'=2,'b'=4] {'b'}", 8) == [[0, 1, 2, 3], [4, 5, 6, 7]]
   # with the mesh's own device order: device i of the mesh is entry i of iota([4,2]).T
-  assert networks.replica_groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, x",
+  assert replica_groups.groups("replica_groups=mesh['a'=2,'b'=4], device_ids=([4,2]T(1,0)) {'a'}, x",
                                  8) == [[0, 1], [2, 3], [4, 5], [6, 7]]
   # ... and report.collectives keeps that form whole, so the step model routes the right group
   line = ("%ar = f32[8]{0} all-reduce(%x), channel_id=1, replica_groups=mesh['a'=2,'b'=4], "
           "device_ids=([4,2]T(1,0)) {'a'}, use_global_device_ids=true, to_apply=%add")
   [c] = report.collectives(f"ENTRY %main (x: f32[8]) -> f32[8] {{\n  {line}\n}}\n")
-  assert c.group_size == 2 and networks.replica_groups(c.replica_groups, 8)[0] == [0, 1]
+  assert c.group_size == 2 and replica_groups.groups(c.replica_groups, 8)[0] == [0, 1]
 
 
 @needs_libtpu

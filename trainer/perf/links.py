@@ -30,11 +30,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import numpy as np
 
-from shardax.sharding import networks
+from shardax.sharding import replica_groups
 from shardax.trainer.perf.chips import Chip
 
 ICI_LATENCY, DCN_LATENCY = 5e-6, 50e-6
@@ -52,14 +51,11 @@ class Route:
 
 
 def first_group(attr: str, num: int) -> list[int]:
-  """Partition ids of the first replica group (or the first moving source-target pair) in an
-  HLO attribute (`replica_groups=...` as report.collectives keeps it; sharding/networks reads
-  every form)."""
+  """Partition ids of the first replica group (or the first moving source-target pair) of a
+  collective's attribute (sharding/replica_groups.py reads every form)."""
   if attr.startswith("source_target_pairs="):
-    pairs = re.findall(r"\{(\d+),(\d+)\}", attr)
-    moving = [(int(a), int(b)) for a, b in pairs if a != b]
-    return list(moving[0]) if moving else [0]
-  return networks.replica_groups(attr, num)[0]
+    return replica_groups.moving_pair(attr)
+  return replica_groups.groups(attr, num)[0]
 
 
 def route(devices: np.ndarray, axis_names: tuple[str, ...], group: list[int]) -> Route:
