@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+import re
 from typing import Sequence
 
 import jax
@@ -66,24 +68,50 @@ def resolve_shape(shape: Sequence[int], num: int, what: str) -> tuple[int, ...]:
   return shape
 
 
-_PLURAL = {"slice": "slices", "process": "processes"}
+_PLURAL = {"slice": "slices", "host": "hosts"}
+# Launchers that say how many processes share a node (ranks are node-major under each).
+_LOCAL_SIZE_VARS = ("SHARDAX_PROCESSES_PER_HOST", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                    "SLURM_NTASKS_PER_NODE", "MPI_LOCALNRANKS")
+
+
+def processes_per_host() -> int:
+  """How many processes run on each host: 1 unless a launcher (or SHARDAX_PROCESSES_PER_HOST) says more.
+
+  A GPU job may run one process per GPU (8 per node); a granule is still the node, since
+  its GPUs talk over NVLink and only the node's NICs reach the network.
+  """
+  for var in _LOCAL_SIZE_VARS:
+    value = os.environ.get(var, "")
+    if m := re.match(r"\d+", value):   # SLURM writes "8(x2)" for 8 tasks on each of 2 nodes
+      return max(1, int(m.group(0)))
+  return 1
+
+
+def granule_kind(device) -> str:
+  """"slice" on TPUs (slices are joined by DCN), else "host" (a node: GPUs, CPUs)."""
+  return "slice" if device.platform == "tpu" else "host"
+
+
+def granule_of(device, per_host: int | None = None) -> int:
+  """The DCN granule of one device: the one definition the mesh, the report and the step model use.
+
+  TPU: its slice (`slice_index`; a single-slice topology may omit it: 0). GPU and CPU:
+  its host, i.e. its process index over the processes per host, whatever the launcher
+  ran per node (one process per host or one per GPU).
+  """
+  if granule_kind(device) == "slice":
+    return int(getattr(device, "slice_index", 0) or 0)
+  return int(device.process_index) // (per_host or processes_per_host())
 
 
 def granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.Device]]]:
-  """The DCN granules the devices fall into: ("slice", ...) on TPUs, else ("process", ...).
-
-  TPU slices are joined by DCN and say which slice they are (`slice_index`; a
-  single-slice topology may omit it). GPUs and CPUs carry no slice index: there
-  each process (one host, or one launcher task) is a granule, the unit that talks
-  to the others over the data-center network.
-  """
-  if devices and devices[0].platform == "tpu":
-    kind, key = "slice", lambda d: getattr(d, "slice_index", 0)
-  else:
-    kind, key = "process", lambda d: d.process_index
+  """The DCN granules the devices fall into (see `granule_of`), with their kind."""
+  if not devices:
+    return "host", []
+  kind, per_host = granule_kind(devices[0]), processes_per_host()
   groups: dict[int, list[jax.Device]] = {}
   for d in devices:
-    groups.setdefault(key(d), []).append(d)
+    groups.setdefault(granule_of(d, per_host), []).append(d)
   return kind, [groups[k] for k in sorted(groups)]
 
 
@@ -94,7 +122,7 @@ def _hybrid_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
   if len(sizes) != 1:
     raise ValueError(f"mesh.dcn={tuple(cfg.dcn)}: the {len(groups)} {_PLURAL[kind]} found hold different "
                      f"device counts {sorted(sizes)}; every granule needs the same number of devices")
-  how = ("start one process per granule (README: running on many hosts)" if kind == "process"
+  how = ("start the job on that many hosts (README: running on many hosts)" if kind == "host"
          else "use a multi-slice TPU job (or mesh.topology with dry_run)")
   dcn = tuple(int(d) for d in cfg.dcn)
   if -1 in dcn and len(groups) % math.prod(d for d in dcn if d != -1) == 0:
@@ -106,10 +134,13 @@ def _hybrid_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
   ici = resolve_shape(cfg.ici, sizes.pop(), f"mesh.ici (devices per {kind})")
   from jax.experimental import mesh_utils
   try:
+    if kind == "host" and processes_per_host() > 1:  # jax's granule would be the process
+      raise NotImplementedError("several processes per host")
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
-                                                process_is_granule=kind == "process")
+                                                process_is_granule=kind == "host")
   except (ValueError, NotImplementedError, AssertionError) as e:
-    _warn_plain_order(ici, groups[0], e)
+    if kind == "slice" or processes_per_host() == 1:
+      _warn_plain_order(ici, groups[0], e)
     # Each granule in plain order, granules outermost on every axis (as jax lays them out).
     grid = np.array([np.array(g).reshape(ici) for g in groups]).reshape(dcn + ici)
     n = len(ici)

@@ -29,6 +29,10 @@ _DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f
 _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
+_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
+_MEGASCALE_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{[^=]*?\}\})')
+_MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
+                   "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
@@ -137,6 +141,8 @@ class Collective:
   computation: str = ""  # the HLO computation holding it (a loop body, or the entry)
   is_async: bool = False  # a -start/-done pair the scheduler can overlap with compute
   replica_groups: str = ""  # the op's replica_groups attribute, as written
+  link: str = ""      # "dcn": a TPU multi-slice host transfer (megascale send), priced on DCN
+  span: int = 0       # for those: the slices in its group
 
 
 def _blocks(hlo_text: str) -> dict[str, list[str]]:
@@ -223,6 +229,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   if num_devices is None:
     num_devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text.split("\n", 1)[0])) else 1
   result_bytes: dict[str, int] = {}
+  result_bytes_text: dict[str, str] = {}
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
   loop_trips = trip_counts(hlo_text)
   parsed, comp, entry = [], "", ""
@@ -236,6 +243,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       continue
     name, result, op, rest = m.groups()
     result_bytes[name] = _bytes(result)
+    result_bytes_text[name] = result
     cond = re.search(r"condition=%?([\w.\-]+)", rest) if op == "while" else None
     trip: int | str = 1
     if op == "while":
@@ -248,10 +256,16 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     kind = op.removesuffix("-start")
     if kind in COLLECTIVE_KINDS:
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
+    elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
+      parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
   frames = _stack_frames(hlo_text) if parsed else {}
   runs = _executions(calls, entry) if entry else {}
   found = []
   for name, kind, is_start, comp, rest in parsed:
+    if is_start is None:  # a megascale send: its tuple's first element is the buffer it sends
+      found.append(_megascale(name, kind, _bytes(result_bytes_text[name].split("u32[]")[0]), rest,
+                              runs.get(comp, 1) if entry else 1, comp))
+      continue
     operands = _operands(rest)
     operand_b = _bytes(operands) or sum(result_bytes.get(o, 0) for o in _OPERAND.findall(operands))
     result_b = result_bytes[name]
@@ -267,6 +281,26 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     found.append(Collective(name, kind, nbytes, replica_groups.group_size(rest, num_devices, kind), op_name, source,
                             runs.get(comp, 1) if entry else 1, comp, is_start, groups))
   return found
+
+
+def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp: str) -> Collective:
+  """A multi-slice TPU program's cross-slice transfer as a collective over its slices.
+
+  The TPU compiler keeps every HLO collective inside a slice and moves the cross-slice part
+  in host transfers (`send` with `_xla_megascale_transfer_type`) run by the megascale DCN
+  runtime; `_xla_megascale_target="{1,2}x{0:3}"` names the slices (here 2) and the devices
+  in each. `bytes` follows the collectives' convention (the full buffer): an all-gather
+  sends 1/g of its result, the other kinds send the whole buffer (a one-to-one: its part).
+  """
+  target = m.group(1) if (m := _MEGASCALE_TARGET.search(rest)) else ""
+  if s := re.match(r"\{([\d,]+)\}x", target):
+    span = len(s.group(1).split(","))
+  else:  # {{100001->200000},...}: slice x 100000 + device, pairs
+    span = len({int(x) // 100000 for x in re.findall(r"(\d+)->", target)} |
+               {int(x) // 100000 for x in re.findall(r"->(\d+)", target)}) or 2
+  nbytes = sent * span if kind == "all-gather" else sent
+  op_name = m.group(1) if (m := _OP_NAME.search(rest)) else ""
+  return Collective(name, kind, nbytes, span, op_name, "", executions, comp, False, "", "dcn", span)
 
 
 def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:

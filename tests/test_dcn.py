@@ -14,9 +14,9 @@ needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu
 
 def test_one_process_is_one_granule_and_the_error_names_the_count():
   kind, groups = mesh_lib.granules(jax.devices())
-  assert kind == "process" and len(groups) == 1 and len(groups[0]) == 8
-  with pytest.raises(ValueError, match=r"mesh.dcn=\(2, 1\) needs 2 granules \(processes joined by DCN\), "
-                                       r"1 process found"):
+  assert kind == "host" and len(groups) == 1 and len(groups[0]) == 8
+  with pytest.raises(ValueError, match=r"mesh.dcn=\(2, 1\) needs 2 granules \(hosts joined by DCN\), "
+                                       r"1 host found"):
     make_mesh(MeshConfig(ici=(1, 4), dcn=(2, 1)))
   assert dict(make_mesh(MeshConfig(ici=(2, 4), dcn=(1, 1))).shape) == {"data": 2, "model": 4}
 
@@ -114,3 +114,95 @@ def test_dry_run_of_two_tpu_slices_lists_dcn_collectives(tmp_path):
   assert ici and set(ici) <= set(r["collectives"])
   text = dry_run.format_report(r)
   assert "over DCN: " in text and "over ICI: " in text
+
+
+# ---- every byte priced on the link it crosses -------------------------------------------
+
+# A cross-slice gradient all-reduce as the TPU compiler writes it for two v5e:2x2 slices
+# (copied from a compiled lm.tiny step; the buffer enlarged to 64 MiB of f32).
+_MEGASCALE_SEND = (
+    '  %send.11 = (f32[16,1024,1024]{2,1,0:T(1,128)}, u32[], token[]) send(%bitcast.8, %after-all.11), '
+    'channel_id=25, is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name='
+    '"xla_megascale_runtime",_xla_host_transfer_rendezvous="all-reduce.41_0",_xla_megascale_reduce_operation='
+    '"SUM",_xla_megascale_target="{1,2}x{0:3}",_xla_megascale_transfer_type="ALL_REDUCE"}')
+
+
+class _Dev:
+  """A device as links/mesh read it (no GPU here): platform, process, place."""
+  def __init__(self, id, process_index, platform="gpu"):
+    self.id, self.process_index, self.platform, self.device_kind = id, process_index, platform, "NVIDIA H100 80GB HBM3"
+
+
+class _Mesh:
+  def __init__(self, devices, axis_names):
+    self.devices, self.axis_names, self.size = devices, axis_names, devices.size
+
+
+def _costs(collectives):
+  from shardax.trainer.perf import costs as costs_lib
+  piece = costs_lib.Piece("main", 1, 0.0, 0.0, 0.0)
+  return costs_lib.Costs(0.0, 0.0, 0.0, tuple(collectives), (), 0.0, (piece,), {"main": "main"})
+
+
+def test_a_megascale_send_is_a_dcn_all_reduce_priced_at_the_chips_dcn_bandwidth():
+  from shardax.trainer.perf import chips, links, stepmodel
+  hlo = f"ENTRY %main.1 (p: f32[4]) -> f32[4] {{\n{_MEGASCALE_SEND}\n}}\n"
+  [c] = report.collectives(hlo)
+  assert (c.kind, c.link, c.span, c.bytes) == ("all-reduce", "dcn", 2, 64 * 2**20)
+  chip = chips.lookup("TPU v5 lite")
+  devices = np.array(topology.devices("v5e:2x2", 2) if topology.available() else [_Dev(i, 0) for i in range(8)])
+  times = stepmodel._collective_times(_costs([c]), _Mesh(devices.reshape(2, 4), ("data", "model")), chip)
+  want = 2 * c.bytes * (2 - 1) / 2 / chip.dcn_bandwidth + links.DCN_LATENCY   # ring all-reduce, 2 slices
+  assert set(times["by_link"]) == {"dcn"}
+  assert times["by_link"]["dcn"] == pytest.approx(want, rel=0.01)
+  assert times["sync"]["main"] == pytest.approx(want, rel=0.01)   # exposed, not hidden
+
+
+def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
+  """2 hosts x 8 GPUs (one process per GPU: a host is still the granule), one all-reduce of all 16."""
+  from shardax.trainer.perf import chips, links, stepmodel
+  devices = np.array([_Dev(i, i) for i in range(16)])
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setenv("SHARDAX_PROCESSES_PER_HOST", "8")
+    assert [mesh_lib.granule_of(d) for d in devices] == [0] * 8 + [1] * 8
+    line = "%ar = f32[8192,1024]{1,0} all-reduce(%g), replica_groups=[1,16]<=[16], to_apply=%add"
+    [c] = report.collectives(f"ENTRY %main.1 (g: f32[8192,1024]) -> f32[8192,1024] {{\n  {line}\n}}\n")
+    r = links.route(devices, ("data",), links.first_group(c.replica_groups, 16))
+    assert (r.size, r.ici_size, r.dcn_size) == (16, 8, 2)
+    chip = chips.lookup("NVIDIA H100 80GB HBM3")
+    times = stepmodel._collective_times(_costs([c]), _Mesh(devices, ("data",)), chip)
+    ici = 2 * c.bytes * 7 / 8 / chip.ici_link_bandwidth + links.ICI_LATENCY   # NVLink inside each host
+    dcn = 2 * c.bytes / 8 * 1 / 2 / chip.dcn_bandwidth + links.DCN_LATENCY    # 1/8 of it between hosts
+    assert times["by_link"]["ici"] == pytest.approx(ici, rel=0.01)
+    assert times["by_link"]["dcn"] == pytest.approx(dcn, rel=0.02)
+  # one process per host (the default): the same 16 processes are 16 hosts
+  assert len({mesh_lib.granule_of(d) for d in devices}) == 16
+
+
+_WIDE = ["model.num_layers=2", "model.d_model=1024", "model.num_heads=8", "model.d_ff=4096",
+         "model.vocab_size=1024", "model.max_len=128", "data.seq_len=128", "train.global_batch=16",
+         "data.source='synthetic'", "sharding.preset='dp'"]
+
+
+@needs_libtpu
+@pytest.mark.slow
+def test_data_over_dcn_is_slower_than_one_slice_by_its_gradient_all_reduce():
+  """Two v5e:2x2 slices (data over DCN) vs one v5e:2x4 slice, the same 8 chips, data parallel."""
+  from shardax import configs
+  from shardax.trainer.perf import chips, dry_run
+  def run(*sets):
+    cfg = configs.get("lm.tiny")
+    configs.apply_overrides(cfg, _WIDE + list(sets))
+    return dry_run.dry_run(configs.build(cfg))
+  two = run("mesh.topology='v5e:2x2'", "mesh.dcn=(2, 1)", "mesh.ici=(4, 1)")
+  one = run("mesh.topology='v5e:2x4'", "mesh.ici=(8, 1)")
+  by_link = two["predicted"]["breakdown"]["collectives"]["by_link"]
+  assert set(by_link) == {"ici", "dcn"} and "dcn" not in one["predicted"]["breakdown"]["collectives"]["by_link"]
+  grads = one["collectives"]["all-reduce"]["bytes"]    # one slice, data parallel: the f32 gradients
+  bw = chips.lookup("TPU v5 lite").dcn_bandwidth
+  # a hierarchical all-reduce moves 1/4 (the ICI part first) of the gradients over DCN, at least
+  assert grads / 4 / bw <= by_link["dcn"] <= 2 * grads / bw
+  extra = two["predicted"]["step_seconds"] - one["predicted"]["step_seconds"]
+  assert extra == pytest.approx(by_link["dcn"], rel=0.3)
+  assert two["networks"]["dcn"]["all-reduce"]["bytes"] >= grads / 4
+  assert "over DCN: " in dry_run.format_report(two)

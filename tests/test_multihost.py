@@ -87,4 +87,4 @@ def test_dcn_names_the_granules_found(runs, tmp_path):
   out = cli.run(cli.command(tmp_path / "job", data_dir, "mesh.num_cpu_devices=8", "mesh.dcn=(2, 1)",
                             "mesh.ici=(1, 4)"), devices=8)
   assert out.returncode == 2
-  assert "mesh.dcn=(2, 1) needs 2 granules (processes joined by DCN), 1 process found" in out.stderr
+  assert "mesh.dcn=(2, 1) needs 2 granules (hosts joined by DCN), 1 host found" in out.stderr

@@ -21,8 +21,11 @@ their two cores as one "megacore" device, so per device = per chip.
   wraparound_from  a slice dim of at least this many chips closes into a ring (its
                    ends are linked); smaller dims are open chains (half the bandwidth
                    for a ring algorithm). 0 = never.
-  dcn_bandwidth    bytes/s one way per jax device over the data-center network
-                   between slices (TPU multi-slice) or nodes (GPU hosts).
+  dcn_bandwidth    bytes/s one way per jax device (per chip; per GPU) over the
+                   data-center network between granules (TPU slices, GPU/CPU hosts:
+                   sharding/mesh.granule_of): the host's NIC bandwidth shared by the
+                   devices of that host, each of which sends its own part of a
+                   cross-granule collective at once. Sources below.
   devices_per_chip 2 for TPU v3 (each TensorCore is a jax device; the two share a
                    chip and talk through it), else 1.
   matmul_efficiency  the fraction of peak a large bf16 matmul fused by XLA reaches;

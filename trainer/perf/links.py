@@ -33,6 +33,7 @@ import functools
 
 import numpy as np
 
+from shardax.sharding import mesh as mesh_lib
 from shardax.sharding import replica_groups
 from shardax.trainer.perf.chips import Chip
 
@@ -65,7 +66,8 @@ def route(devices: np.ndarray, axis_names: tuple[str, ...], group: list[int]) ->
   members = [flat[i] for i in group if i < flat.size]
   positions = [np.unravel_index(i, devices.shape) for i in group if i < flat.size]
   axes = tuple(a for k, a in enumerate(axis_names) if len({p[k] for p in positions}) > 1)
-  slice_of = lambda d: getattr(d, "slice_index", 0) or 0
+  per_host = mesh_lib.processes_per_host()
+  slice_of = lambda d: mesh_lib.granule_of(d, per_host)
   slices = {slice_of(d) for d in members}
   local = [d for d in members if slice_of(d) == slice_of(members[0])]
   coords = [tuple(getattr(d, "coords", ())) for d in local]
@@ -97,21 +99,36 @@ def ici_bandwidth(chip: Chip, r: Route) -> float:
   return sum(per_link * (2 if wraps(size, full) else 1) for size, full in r.dims) or per_link
 
 
+def across_granules(size: int) -> Route:
+  """The route of a transfer between `size` granules, one member in each: a multi-slice TPU
+  program's megascale send (report.Collective.link == "dcn"), whose in-slice part the
+  program runs as its own HLO collectives."""
+  return Route(size, 1, size)
+
+
 def seconds(kind: str, nbytes: float, r: Route, chip: Chip) -> float:
   """Time of one execution of a collective of `kind` moving an `nbytes` buffer over `r`."""
+  return sum(seconds_by_link(kind, nbytes, r, chip).values())
+
+
+def seconds_by_link(kind: str, nbytes: float, r: Route, chip: Chip) -> dict[str, float]:
+  """`seconds`, split into the time on ICI (or NVLink) and on DCN (the data-center network)."""
+  out = {"ici": 0.0, "dcn": 0.0}
   if r.size <= 1 or nbytes <= 0:
-    return 0.0
+    return out
   if kind == "collective-permute":
-    link = chip.dcn_bandwidth if r.dcn_size > 1 else (
-        chip.hbm_bandwidth / 2 if r.on_chip else chip.ici_link_bandwidth / chip.devices_per_chip)
-    return nbytes / link + (DCN_LATENCY if r.dcn_size > 1 else ICI_LATENCY)
+    if r.dcn_size > 1:
+      out["dcn"] = nbytes / chip.dcn_bandwidth + DCN_LATENCY
+    else:
+      link = chip.hbm_bandwidth / 2 if r.on_chip else chip.ici_link_bandwidth / chip.devices_per_chip
+      out["ici"] = nbytes / link + ICI_LATENCY
+    return out
   factor = {"all-reduce": 2.0}.get(kind, 1.0)
-  t = 0.0
   if r.ici_size > 1:
     g = r.ici_size
     spread = max(1.0, g / 4) if kind == "all-to-all" and chip.torus_dims else 1.0
-    t += factor * nbytes * (g - 1) / g / ici_bandwidth(chip, r) * spread + ICI_LATENCY
+    out["ici"] = factor * nbytes * (g - 1) / g / ici_bandwidth(chip, r) * spread + ICI_LATENCY
   if r.dcn_size > 1:
     g = r.dcn_size
-    t += factor * (nbytes / r.ici_size) * (g - 1) / g / chip.dcn_bandwidth + DCN_LATENCY
-  return t
+    out["dcn"] = factor * (nbytes / r.ici_size) * (g - 1) / g / chip.dcn_bandwidth + DCN_LATENCY
+  return out

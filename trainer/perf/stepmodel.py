@@ -21,7 +21,14 @@ Assumptions
   3. Collectives. Each collective's time comes from its bytes, its replica group and
      the links the group crosses (trainer/perf/links.py: TPU ICI torus dims with or
      without wraparound, TPU v3's shared chip links, DCN between slices, NVLink and the
-     network between GPU hosts), plus a small fixed latency.
+     network between GPU hosts), plus a small fixed latency. Every byte is priced on the
+     link it crosses: a group spanning granules (mesh.granule_of: TPU slices, GPU/CPU
+     hosts) pays its ICI part and its DCN part (by_link shows both); a multi-slice TPU
+     program's cross-slice part is not an HLO collective but a megascale host transfer
+     (`send` with `_xla_megascale_transfer_type`), read by report.collectives with its
+     slices and priced on DCN alone. Those transfers are taken as exposed (assumption 4
+     does not hide them): they sit at the end of the backward pass, where little compute
+     is left to run under them.
   4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
      scheduler placed) overlap the compute of the piece they run in: in a scanned
      layer, the next layer's weight all-gather runs behind this layer's matmuls. They
@@ -130,17 +137,24 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
   out = {k: collections.Counter() for k in ("async", "sync", "by_kind", "by_axis", "by_link")}
   routes: dict[str, links.Route] = {}
   for c in costs.collectives:
-    if c.replica_groups not in routes:
-      group = links.first_group(c.replica_groups, mesh.size) if c.replica_groups else list(range(mesh.size))
-      routes[c.replica_groups] = links.route(mesh.devices, tuple(mesh.axis_names), group)
-    r = routes[c.replica_groups]
-    t = links.seconds(c.kind, c.bytes, r, chip)
+    if getattr(c, "link", "") == "dcn":  # a megascale send: the cross-slice part, on DCN only
+      r = links.across_granules(c.span or 2)
+    else:
+      if c.replica_groups not in routes:
+        group = links.first_group(c.replica_groups, mesh.size) if c.replica_groups else list(range(mesh.size))
+        routes[c.replica_groups] = links.route(mesh.devices, tuple(mesh.axis_names), group)
+      r = routes[c.replica_groups]
+    parts = links.seconds_by_link(c.kind, c.bytes, r, chip)
+    t = sum(parts.values())
     piece = costs.piece_of(c)
     owner = piece.computation if piece else (costs.pieces[0].computation if costs.pieces else "")
     out["async" if _overlaps(c) else "sync"][owner] += t
     out["by_kind"][c.kind] += t * c.executions
-    out["by_axis"]["+".join(r.axes) or "none"] += t * c.executions
-    out["by_link"]["dcn" if r.dcn_size > 1 else "ici"] += t * c.executions
+    axis = "dcn (slices)" if getattr(c, "link", "") == "dcn" else "+".join(r.axes) or "none"
+    out["by_axis"][axis] += t * c.executions
+    for link, seconds in parts.items():
+      if seconds:
+        out["by_link"][link] += seconds * c.executions
   return out
 
 
