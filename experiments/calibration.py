@@ -25,6 +25,7 @@ from __future__ import annotations
 import math
 
 from shardax.configs import experiment
+from shardax.experiments.moe import moe_experiment
 
 _GEN = {"TPU v3": "v3", "TPU v4": "v4", "TPU v5p": "v5p", "TPU v5e": "v5e", "TPU v6e": "v6e"}
 _REMAT = {"full": "full", "minimal": "dots_no_batch", "minimal_flash": "dots_no_batch"}
@@ -39,15 +40,35 @@ def topology(row: dict) -> tuple[str, int]:
   hw = row["hardware"]
   if is_gpu(row):
     return "v5p:2x2x2", max(1, hw["total_chips"] // 8)
-  gen = _GEN[hw["accelerator"].split(" (")[0]]
-  chips = hw["chips_per_slice"]
-  if gen in ("v3", "v5e", "v6e"):
-    side = math.isqrt(chips)
-    return f"{gen}:{side}x{chips // side}", hw["num_slices"]
+  accelerator = hw["accelerator"].split(" (")[0]
+  if accelerator not in _GEN:
+    raise ValueError(f"row {row['id']}: hardware.accelerator={hw['accelerator']!r} has no TPU topology here; "
+                     f"known: {', '.join(_GEN)}")
+  return slice_shape(_GEN[accelerator], hw["chips_per_slice"]), hw.get("num_slices", 1)
+
+
+def slice_shape(gen: str, chips: int) -> str:
+  """The Cloud TPU slice shape of `chips` chips of generation `gen`, as libtpu names it.
+
+  2D tori (v2, v3, v5e, v6e): powers of two, the longer side at most twice the shorter
+  (v6e-32 is 4x8, v6e-128 is 8x16). 3D tori (v4, v5p): under a 4x4x4 cube the small
+  slices 2x2x1, 2x2x2, 2x2x4, 2x4x4; from 64 chips on, multiples of the cube, each dim
+  a multiple of 4, grown on the shortest dim (v4-384 is 4x4x12, v5p-4096 is 8x16x16).
+  """
+  if gen in ("v2", "v3", "v5e", "v6e"):
+    if chips < 1 or chips & (chips - 1):
+      raise ValueError(f"{gen} slices have a power-of-two chip count (1, 4, 8, 16, ... 256); got {chips}")
+    short = 1 << (chips.bit_length() - 1) // 2
+    return f"{gen}:{short}x{chips // short}"
+  small = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4"}
+  if chips in small:
+    return f"{gen}:{small[chips]}"
+  if chips < 64 or chips % 64:
+    raise ValueError(f"{gen} slices hold 4, 8, 16, 32 chips or a multiple of 64 (4x4x4 cubes); got {chips}")
   dims = [4, 4, 4]
   for f in _factors(chips // 64):
     dims[dims.index(min(dims))] *= f
-  return f"{gen}:{'x'.join(map(str, sorted(dims)))}", hw["num_slices"]
+  return f"{gen}:{'x'.join(map(str, sorted(dims)))}"
 
 
 def _factors(n: int) -> list[int]:
@@ -65,11 +86,29 @@ def remat(row: dict) -> str:
   return _REMAT.get(policy, "full")
 
 
+class Unexpressible(ValueError):
+  """A published row shardax cannot rebuild; the message names what is missing."""
+
+
 def from_row(row: dict, num_layers: int | None = None):
-  """The experiment config of a published run (optionally with fewer layers)."""
+  """The experiment config of a published run (optionally with fewer layers).
+
+  Raises Unexpressible (never a KeyError) when the row needs something shardax's
+  configs do not have, or lacks a field the rebuild needs.
+  """
+  try:
+    return _from_row(row, num_layers)
+  except KeyError as e:
+    raise Unexpressible(f"row {row.get('id', '?')}: the published row has no field {e.args[0]!r}, "
+                        f"which the rebuild needs") from None
+
+
+def _from_row(row: dict, num_layers: int | None):
   m, t, sh = row["model"], row["training"], row["sharding"]
-  cfg = experiment(name=f"calibration.{row['id']}")
-  mc = cfg.model
+  moe = _is_moe(row)
+  cfg = moe_experiment() if moe else experiment()
+  cfg.name = f"calibration.{row['id']}"
+  mc = cfg.model.transformer if moe else cfg.model
   mc.num_layers = num_layers or m["num_layers"]
   mc.d_model, mc.num_heads, mc.d_ff = m["d_model"], m["num_heads"], m["d_ff"]
   mc.num_kv_heads, mc.head_dim = m.get("num_kv_heads"), m.get("head_dim")
@@ -85,17 +124,111 @@ def from_row(row: dict, num_layers: int | None = None):
   cfg.train.global_batch = t["global_batch_seqs"]
   name, slices = topology(row)
   cfg.mesh.topology = name
-  if "mesh_shape" in sh["ici"]:                       # Lingvo: 2D [s0, s1] over all cores
-    cfg.mesh.axes, cfg.mesh.ici = ("data", "model"), tuple(sh["ici"]["mesh_shape"])
-    cfg.sharding.preset = "2d"
-  else:                                               # MaxText: data x fsdp x tensor
-    ici, dcn = sh["ici"], sh.get("dcn") or {}
-    cfg.mesh.axes = ("data", "fsdp", "model")
-    cfg.mesh.ici = (ici["data"], ici["fsdp"], ici["tensor"])
-    if slices > 1:
-      cfg.mesh.dcn = (dcn.get("data", 1), dcn.get("fsdp", 1), dcn.get("tensor", 1))
-    cfg.sharding.preset = "dp_fsdp_tp"
+  axes, ici, dcn, preset = mesh_of(row, slices)
+  cfg.mesh.axes, cfg.mesh.ici = axes, ici
+  if slices > 1:
+    cfg.mesh.dcn = dcn
+  cfg.sharding.preset = preset
+  if "expert" in axes:
+    cfg.sharding.rules = expert_rules()
+  if moe:
+    _set_moe(cfg, row)
   return cfg
+
+
+# Mesh axes of the published layouts -> shardax's (data: batch only; fsdp: batch and weights'
+# embed dim; model: Megatron; expert: experts). Pax's replica x data x mdl is MaxText's
+# data x fsdp x tensor under other names.
+_MAXTEXT_AXES = {"data": "data", "fsdp": "fsdp", "tensor": "model", "expert": "expert"}
+_PAX_AXES = {"replica": "data", "data": "fsdp", "mdl": "model"}
+_NOTE_KEYS = {"mesh_shape", "s0", "s1", "mesh_axis_names", "note"}
+
+
+def mesh_of(row: dict, slices: int) -> tuple[tuple[str, ...], tuple[int, ...], tuple[int, ...], str]:
+  """(mesh axes, ici, dcn, sharding preset) of a row's published layout."""
+  sh = row["sharding"]
+  ici, dcn = sh["ici"], sh.get("dcn") or {}
+  if "mesh_shape" in ici and len(ici["mesh_shape"]) == 2:   # Lingvo: 2D [s0, s1] over all cores
+    return ("data", "model"), tuple(ici["mesh_shape"]), (1, 1), "2d"
+  if "mesh_shape" in ici:                                    # a shape with its axis names
+    names = ici.get("mesh_axis_names") or sh.get("mesh_axis_names")
+    if not names or len(names) != len(ici["mesh_shape"]):
+      raise Unexpressible(f"row {row['id']}: sharding.ici.mesh_shape={ici['mesh_shape']} needs "
+                          f"sharding.ici.mesh_axis_names, one name per dim")
+    ici = dict(zip(names, ici["mesh_shape"]))
+    if isinstance(dcn, dict) and "mesh_shape" in dcn:
+      dcn = dict(zip(names, dcn["mesh_shape"]))
+  table = _PAX_AXES if {"replica", "mdl"} & set(ici) else _MAXTEXT_AXES
+  unknown = sorted(k for k in set(ici) | set(dcn) - _NOTE_KEYS
+                   if k not in table and max(ici.get(k, 1) or 1, dcn.get(k, 1) or 1) > 1)
+  if unknown:
+    raise Unexpressible(f"row {row['id']}: mesh axes {unknown} have no shardax counterpart "
+                        f"(known: {', '.join(table)}); shardax has no rules for them")
+  axes = ("data", "fsdp", "model") + (("expert",) if "expert" in ici or "expert" in dcn else ())
+  back = {v: k for k, v in table.items()}
+  ici_shape = tuple(int(ici.get(back[a], 1) or 1) for a in axes)
+  dcn_shape = tuple(int(dcn.get(back[a], 1) or 1) for a in axes)
+  if slices > 1 and math.prod(dcn_shape) == 1:   # slices (GPU rows: VMs) over data when the row says nothing
+    dcn_shape = (slices,) + dcn_shape[1:]
+  return axes, ici_shape, dcn_shape, "dp_fsdp_tp"
+
+
+def expert_rules() -> tuple:
+  """dp_fsdp_tp with the experts on their own `expert` axis (as the `expert_axis` preset): the
+  batch splits over data, fsdp and expert; a tensor whose `expert` dim took that axis keeps
+  its batch on data and fsdp (the second batch rule)."""
+  from shardax.sharding import rules
+  dense = rules.PRESETS["dp_fsdp_tp"]
+  return ((("batch", ("data", "fsdp", "expert")), ("batch", ("data", "fsdp")), ("expert", "expert"))
+          + tuple(r for r in dense if r[0] != "batch"))
+
+
+def _is_moe(row: dict) -> bool:
+  m = row["model"]
+  return "moe" in str(m.get("arch_type", "")).lower() or bool(m.get("num_experts"))
+
+
+def _first(d: dict, *keys):
+  return next((d[k] for k in keys if d.get(k) is not None), None)
+
+
+def _set_moe(cfg, row: dict) -> None:
+  """A row's mixture of experts on shardax's MoE config; what it lacks is named, never guessed."""
+  m, t = row["model"], row["training"]
+  moe, fields = cfg.model.moe, set(_moe_fields())
+  experts = _first(m, "num_experts", "num_local_experts")
+  if experts is None:
+    raise Unexpressible(f"row {row['id']}: an MoE row without model.num_experts")
+  moe.num_experts = int(experts)
+  moe.d_ff = int(_first(m, "expert_d_ff", "moe_d_ff", "d_ff"))
+  moe.every = int(_first(m, "moe_every", "moe_layer_interval") or 1)
+  cfg.model.transformer.d_ff = int(_first(m, "dense_d_ff", "d_ff"))
+  top_k = _first(m, "experts_per_token", "num_experts_per_tok", "top_k")
+  if top_k is not None and int(top_k) != 2:
+    if "experts_per_token" not in fields:
+      raise Unexpressible(f"row {row['id']}: model.experts_per_token={top_k}, but shardax's MoE config "
+                          f"(configs/moe.py MoEConfig) gates top-2 only and has no experts_per_token field")
+    moe.experts_per_token = int(top_k)
+  elif top_k is not None and "experts_per_token" in fields:
+    moe.experts_per_token = int(top_k)
+  impl = str(_first(t, "moe_impl", "moe_kernel") or "capacity").lower()
+  capacity = _first(t, "capacity_factor", "moe_capacity_factor")
+  if "dropless" in impl or "megablox" in impl or "ragged" in impl:
+    field = next((f for f in ("impl", "moe_impl", "dispatch") if f in fields), None)
+    if field is None:
+      raise Unexpressible(f"row {row['id']}: training.moe_impl={impl!r} (dropless), but shardax's MoE config "
+                          f"(configs/moe.py MoEConfig) has only capacity dispatch (no impl/dispatch field)")
+    setattr(moe, field, "dropless")
+  elif capacity is not None:
+    moe.capacity_factor = float(capacity)
+  if "second_expert" in fields:
+    moe.second_expert = "all"   # published top-k routers keep every chosen expert
+
+
+def _moe_fields() -> list[str]:
+  import dataclasses
+  from shardax.configs.moe import MoEConfig
+  return [f.name for f in dataclasses.fields(MoEConfig)]
 
 
 def approximations(row: dict) -> list[str]:
