@@ -44,6 +44,12 @@ class PipelineConfig:
              f"raise microbatches or set circular_repeats=1")
 
 
+# model.remat: recompute policies, and offload policies that move the saved tensors to host
+# memory (layers/transformer.py REMAT_POLICIES). model.attention: layers/attention.py.
+REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_proj")
+ATTENTION_CHOICES = ("xla", "fused", "flash", "auto")
+
+
 @dataclasses.dataclass(frozen=True)
 class TransformerConfig:
   """A decoder-only Transformer language model."""
@@ -62,12 +68,17 @@ class TransformerConfig:
   dtype: str = "float32"              # compute dtype: "float32" | "bfloat16"
   param_dtype: str = "float32"
   scan_layers: bool = True
-  remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch"
-  attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention)
+  remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch" | "offload" | "offload_proj"
+  attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention) | "flash" | "auto"
   z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
   mlp: str = "gated"                  # "gated" (act(x W_gate) * x W_up) | "plain" (act(x W_in), T5/GPT)
   parallel_block: bool = False        # x + attn(norm(x)) + mlp(norm(x)) (GPT-J/PaLM) instead of in turn
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+  # Long context (layers/flash.py, layers/attention.py AttentionOptions).
+  attention_window: int | None = None   # sliding-window attention: keys within this many tokens; None = all
+  attention_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 50); None = off
+  flash_block_q: int = 512            # splash kernel tile sizes (TPU; 'flash' / 'auto')
+  flash_block_kv: int = 512
 
   def __post_init__(self):
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
@@ -82,9 +93,19 @@ class TransformerConfig:
     _require(self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
     _require(self.param_dtype in ("float32", "bfloat16"),
              f"model.param_dtype={self.param_dtype!r}: use 'float32' or 'bfloat16'")
-    _require(self.remat in ("none", "full", "dots", "dots_no_batch"),
-             f"model.remat={self.remat!r}: use 'none', 'full', 'dots' or 'dots_no_batch'")
-    _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
+    _require(self.remat in REMAT_CHOICES, f"model.remat={self.remat!r}: use one of {REMAT_CHOICES}")
+    _require(self.attention in ATTENTION_CHOICES,
+             f"model.attention={self.attention!r}: use one of {ATTENTION_CHOICES}")
+    _require(self.attention_window is None or self.attention_window >= 1,
+             f"model.attention_window={self.attention_window} must be >= 1 (or None: no window)")
+    _require(self.attention_softcap is None or self.attention_softcap > 0,
+             f"model.attention_softcap={self.attention_softcap} must be > 0 (or None: off)")
+    _require(self.attention_softcap is None or self.attention != "fused",
+             "model.attention='fused' (jax.nn.dot_product_attention) has no logit soft-cap; "
+             "use model.attention='xla', 'flash' or 'auto', or model.attention_softcap=None")
+    for f in ("flash_block_q", "flash_block_kv"):
+      _require(getattr(self, f) >= 128 and getattr(self, f) % 128 == 0,
+               f"model.{f}={getattr(self, f)} must be a positive multiple of 128 (the TPU lane width)")
     _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
     _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
     p = self.pipeline
@@ -93,6 +114,12 @@ class TransformerConfig:
       _require(self.num_layers % per == 0,
                f"model.num_layers={self.num_layers} is not divisible by pipeline stages x "
                f"circular_repeats = {p.stages} x {p.circular_repeats} = {per}")
+
+  def attention_options(self):
+    """The attention options (layers/attention.py) these fields describe."""
+    from shardax.layers.attention import AttentionOptions
+    return AttentionOptions(self.attention, window=self.attention_window, softcap=self.attention_softcap,
+                            flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
 
   def make(self, rngs):
     """The model this config describes (the trainer calls this, abstractly and for real)."""

@@ -10,7 +10,13 @@ ordinary multi-head attention. Query head h uses kv head h // g, the same groupi
 
   'xla'    explicit einsums, float32 logits and softmax, causal mask by index;
   'fused'  `jax.nn.dot_product_attention(..., is_causal=True)`, which XLA/cuDNN may
-           lower to a flash-attention kernel.
+           lower to a flash-attention kernel;
+  'flash'  the Pallas splash kernel (layers/flash.py), run per device under shard_map;
+  'auto'   'flash' when compiling for a TPU (a real one or a dry run's topology) and
+           the lengths suit the kernel, 'fused' on a GPU, 'xla' elsewhere.
+All of them go through `attention_core` (one device's arrays) / `attend` (global arrays),
+with the options of `AttentionOptions`: a sliding window and a logit soft-cap, the same
+on every path.
 
 Positions only rotate q and k (RoPE); the causal mask is by sequence index, so a
 shifted `positions` (e.g. a decode offset) changes nothing but the rotation.
@@ -31,11 +37,13 @@ a sequence's length (padding, or not yet written) are masked, never read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from shardax.layers.linear import DenseGeneral
 from shardax.sharding import shard
@@ -66,14 +74,21 @@ def segment_mask(segment_ids: jax.Array) -> jax.Array:
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                  segment_ids: jax.Array | None = None) -> jax.Array:
-  """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]; within segments if given."""
+                  segment_ids: jax.Array | None = None, *, window: int | None = None,
+                  softcap: float | None = None) -> jax.Array:
+  """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]; within segments if given;
+  within a sliding `window` (key j visible to query i iff i - window < j <= i) and with
+  logits soft-capped (cap * tanh(logits / cap), after the 1/sqrt(d) scale) when set."""
   b, l, n, d = q.shape
   kv = k.shape[2]
   qg = q.reshape(b, l, kv, n // kv, d)
   logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
   logits = logits * jnp.float32(d ** -0.5)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   mask = jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool))[None]     # [1|b, q, s]
+  if window is not None:
+    mask = mask & ~jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool), -window)[None]
   if segment_ids is not None:
     mask = mask & segment_mask(segment_ids)
   logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
@@ -83,14 +98,16 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                    segment_ids: jax.Array | None = None) -> jax.Array:
+                    segment_ids: jax.Array | None = None, *, window: int | None = None) -> jax.Array:
   """Causal GQA via jax.nn.dot_product_attention (same layout and grouping).
 
   On a GPU it asks for cuDNN's flash attention where cuDNN takes the shapes: jax's default
   (implementation=None) is XLA's unfused softmax, which keeps [batch, heads, q, kv] scores for
   the backward pass: lm.1b at batch 8 asked an H100 for 135 GiB and failed."""
   mask = None if segment_ids is None else segment_mask(segment_ids)[:, None]  # [b, 1, q, s]
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, implementation=_fused_impl(q))
+  local = None if window is None else (window - 1, 0)
+  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
+                                      implementation=_fused_impl(q))
 
 
 def _fused_impl(q: jax.Array) -> str | None:
@@ -102,7 +119,81 @@ def _fused_impl(q: jax.Array) -> str | None:
   return None
 
 
-_ATTENTION_IMPLS = {"xla": xla_attention, "fused": fused_attention}
+IMPLEMENTATIONS = ("xla", "fused", "flash", "auto")
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionOptions:
+  """How attention is computed (static; hashable). `implementation`:
+    'xla'    einsums (`xla_attention`);
+    'fused'  jax.nn.dot_product_attention (cuDNN flash attention on a GPU);
+    'flash'  the Pallas splash kernel (layers/flash.py; TPU, or interpret mode elsewhere);
+    'auto'   per target platform: 'flash' on a TPU when the lengths suit the kernel,
+             'fused' on a GPU, else 'xla'.
+  window: sliding-window attention (query i sees keys i - window < j <= i); None = all.
+  softcap: logits -> softcap * tanh(logits / softcap); None = off.
+  flash_block_q / flash_block_kv: the kernel's tile sizes; interpret: run Pallas in
+  interpret mode (tests on a CPU)."""
+  implementation: str = "xla"
+  window: int | None = None
+  softcap: float | None = None
+  flash_block_q: int = 512
+  flash_block_kv: int = 512
+  interpret: bool = False
+
+  def __post_init__(self):
+    if self.implementation not in IMPLEMENTATIONS:
+      raise ValueError(f"attention={self.implementation!r}: use one of {IMPLEMENTATIONS}")
+
+
+def target_platform() -> str:
+  """The platform the step is being compiled for: the current mesh's devices (a TPU
+  topology in a dry run says 'tpu' on this CPU), else jax's default backend."""
+  mesh = jax.sharding.get_abstract_mesh()
+  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
+  return getattr(device, "platform", None) or jax.default_backend()
+
+
+def resolve(options: AttentionOptions, q_len: int, kv_len: int) -> str:
+  """The implementation `options` asks for here ('auto' decided by target_platform)."""
+  if options.implementation != "auto":
+    return options.implementation
+  from shardax.layers import flash
+  platform = target_platform()
+  if platform == "tpu" and flash.supports(q_len, kv_len):
+    return "flash"
+  return "fused" if platform == "gpu" and options.softcap is None else "xla"
+
+
+def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
+                   *, options: AttentionOptions = AttentionOptions()) -> jax.Array:
+  """Causal GQA on one device's (or one global, GSPMD-partitioned) q[b,l,n,d], k/v[b,s,k,d].
+
+  The one dispatch of every attention path; the flash path here is the per-device kernel
+  (no shard_map: callers that hold local blocks, e.g. context parallelism, call this)."""
+  impl = resolve(options, q.shape[1], k.shape[1])
+  if impl == "flash":
+    from shardax.layers import flash
+    return flash.splash_local(q, k, v, segment_ids, window=options.window, softcap=options.softcap,
+                              block_q=options.flash_block_q, block_kv=options.flash_block_kv,
+                              interpret=options.interpret)
+  if impl == "fused":
+    if options.softcap is not None:
+      raise ValueError("model.attention='fused' has no logit soft-cap (jax.nn.dot_product_attention); "
+                       "use model.attention='xla' or 'flash', or model.attention_softcap=None")
+    return fused_attention(q, k, v, segment_ids, window=options.window)
+  return xla_attention(q, k, v, segment_ids, window=options.window, softcap=options.softcap)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
+           *, options: AttentionOptions = AttentionOptions()) -> jax.Array:
+  """`attention_core` on global arrays: the flash kernel runs per device under shard_map
+  (layers/flash.py `sharded`); the other paths are left to the SPMD partitioner."""
+  if resolve(options, q.shape[1], k.shape[1]) == "flash":
+    from shardax.layers import flash
+    local = functools.partial(attention_core, options=dataclasses.replace(options, implementation="flash"))
+    return flash.sharded(lambda q, k, v, s: local(q, k, v, s), q, k, v, segment_ids)
+  return attention_core(q, k, v, segment_ids, options=options)
 
 
 class Attention(nnx.Module):
@@ -110,13 +201,13 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                rope_theta: float = 10_000.0, implementation: str = "xla",
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+               options: AttentionOptions | None = None):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
-    if implementation not in _ATTENTION_IMPLS:
-      raise ValueError(f"attention={implementation!r}: use one of {sorted(_ATTENTION_IMPLS)}")
     self.rope_theta = rope_theta
-    self.implementation = implementation
+    self.options = options or AttentionOptions(implementation)  # validates the name
+    self.implementation = self.options.implementation
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.query = DenseGeneral(d_model, (num_heads, head_dim), in_axes=("embed",),
                               out_axes=("heads", "kv"), **kw)
@@ -136,9 +227,10 @@ class Attention(nnx.Module):
     k = shard(apply_rope(self.key(x), positions, self.rope_theta),
               ("batch", "length", "kv_heads", "kv"))
     v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
-    o = _ATTENTION_IMPLS[self.implementation](q, k, v, segment_ids)
+    q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj")))
+    o = attend(q, k, v, segment_ids, options=self.options)
     o = shard(o, ("batch", "length", "heads", "kv"))
-    return self.out(o)
+    return checkpoint_name(self.out(o), "out_proj")  # names: the offload remat policies (transformer.py)
 
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """(out, cache after writing this block's k/v): a prefill (x[b, l > 1], positions
@@ -152,9 +244,10 @@ class Attention(nnx.Module):
     if x.shape[1] > 1:  # prefill: the block's own keys are all it may see (causal from 0)
       k = shard(k, ("batch", "length", "kv_heads", "kv"))
       v = shard(v, ("batch", "length", "kv_heads", "kv"))
-      o = _ATTENTION_IMPLS[self.implementation](q, k, v)
+      o = attend(q, k, v, options=self.options)
     else:
-      o = cached_attention(q, cache["k"], cache["v"], positions)
+      o = cached_attention(q, cache["k"], cache["v"], positions, window=self.options.window,
+                           softcap=self.options.softcap)
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o), cache
 
@@ -194,15 +287,22 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
   return jnp.where(hit, new, cache)
 
 
-def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array) -> jax.Array:
-  """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position."""
+def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
+                     window: int | None = None, softcap: float | None = None) -> jax.Array:
+  """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position
+  (and j > position - window with a sliding window), logits soft-capped as in training."""
   b, l, n, d = q.shape
   kv = k.shape[2]
   qg = q.reshape(b, l, kv, n // kv, d)
   logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
   logits = logits * jnp.float32(d ** -0.5)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   slots = jnp.arange(k.shape[1], dtype=jnp.int32)
-  visible = (slots[None, None, :] <= positions[:, :, None])[:, None, None]   # [b,1,1,l,S]
+  visible = slots[None, None, :] <= positions[:, :, None]
+  if window is not None:
+    visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
+  visible = visible[:, None, None]   # [b,1,1,l,S]
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)

@@ -13,6 +13,15 @@ Rematerialization wraps one block in `jax.checkpoint` with the named policy:
   'dots'           save matmul outputs, recompute the cheap elementwise ops
   'dots_no_batch'  save only matmuls without batch dims (the weight projections,
                    not the attention q.k / p.v products)
+  'offload'        as 'full', but the block's input (named 'decoder_layer_input') is
+                   moved to host memory in the forward pass and back for the backward
+                   pass: device memory for saved activations drops to ~one layer's worth
+  'offload_proj'   offload the block input and the attention q/k/v and output
+                   projections ('query_proj', 'key_proj', 'value_proj', 'out_proj'):
+                   less recompute (no projection matmuls), more host traffic
+The offload policies are jax's `save_and_offload_only_these_names` over the names
+`checkpoint_name` gives in Block / Attention; the transfers are priced against the chip's
+host link by trainer/perf/stepmodel.py (`offload_seconds`).
 """
 
 from __future__ import annotations
@@ -23,6 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from shardax import pipeline
 from shardax.configs.schema import TransformerConfig
@@ -35,10 +45,22 @@ from shardax.sharding import shard
 
 RESIDUAL = ("batch", "length", "embed")
 
+LAYER_INPUT = "decoder_layer_input"
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj")   # named in layers/attention.py
+
+
+def _offload(*names: str):
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src="device", offload_dst="pinned_host")
+
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": _offload(LAYER_INPUT),
+    "offload_proj": _offload(LAYER_INPUT, *PROJECTIONS),
 }
 
 
@@ -50,7 +72,8 @@ class Block(nnx.Module):
     self.attn_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
                           rope_theta=cfg.rope_theta, implementation=cfg.attention,
-                          dtype=dt, param_dtype=pdt, rngs=rngs)
+                          dtype=dt, param_dtype=pdt, rngs=rngs,
+                          options=cfg.attention_options())
     # A parallel block (GPT-J/PaLM) feeds one norm to both branches: no second norm.
     self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
     mlp = PlainMLP if cfg.mlp == "plain" else GatedMLP
@@ -58,7 +81,7 @@ class Block(nnx.Module):
 
   def __call__(self, x: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None = None) -> jax.Array:
-    x = shard(x, RESIDUAL)
+    x = checkpoint_name(shard(x, RESIDUAL), LAYER_INPUT)  # what the offload policies move to host
     if self.mlp_norm is None:
       h = self.attn_norm(x)
       return shard(x + self.attn(h, positions, segment_ids) + self.mlp(h), RESIDUAL)

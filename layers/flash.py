@@ -1,0 +1,139 @@
+"""TPU flash attention: jax's Pallas splash-attention kernel behind shardax's attention layout.
+
+Why a kernel: XLA's dot-product attention materializes every [batch, heads, S, S] score
+tensor (and keeps it, or its softmax, for the backward pass). A flash kernel streams K/V
+blocks through on-chip memory with an online softmax and never holds the scores: memory
+O(S) instead of O(S^2), which is what lets 8k-64k sequences fit (docs/scale.md,
+"Long context").
+
+Which kernel. jax ships `jax.experimental.pallas.ops.tpu.splash_attention` ("splash":
+sparse flash attention, the kernel MaxText trains with): causal and local (sliding-window)
+masks whose fully-masked blocks it skips, segment ids (packed documents), grouped-query
+heads (k/v with fewer heads than q, never repeated in memory), a logit soft-cap, and its
+own forward + dq + dkv backward kernels. It comes with the pinned jax (no new dependency,
+versioned in lock-step with jax and libtpu) and lowers to a Mosaic `tpu_custom_call`
+that the TPU compiler compiles ahead of time for a libtpu topology on this CPU (the
+dry-run test checks it for v5e:2x2). tokamax (on the package index) wraps kernels of
+the same family, but its releases that resolve with jax 0.10 are pinned to that jax, and
+it adds a dependency for no feature we use; it was not adopted (not installed here).
+
+Layout. shardax keeps q[b, l, n, d] and k/v[b, s, k, d]; the kernel takes one example with
+heads first (q[n, l, d], k/v[k, s, d]), so `splash_local` vmaps it over the batch and swaps
+axes. It scales q by d^-1/2 (the kernel does not scale), then applies the soft-cap to the
+scaled logits, as `xla_attention` does.
+
+Sharding. A Pallas call is opaque to the SPMD partitioner, which would replicate it (all-
+gather the whole batch onto every chip). `sharded` therefore runs it under `shard_map` with
+the specs the logical rules give q/k/v (batch and heads split as the preset says), so each
+device runs the kernel on its own examples and heads. Model code still names no mesh axis:
+the specs come from the rules. A split `length` is context parallelism, which
+layers/context_parallel.py does around `attention_core`; here it is refused.
+
+Block sizes (`flash_block_q`, `flash_block_kv`; also used by the backward kernels) default
+to 512, MaxText's choice for v5e/v6e; a block is cut to the sequence length when shorter.
+The kernel needs lengths that are multiples of 128 (one lane width) and of the block.
+
+Numerics: tests/test_flash.py runs the kernel in Pallas interpret mode on the CPU against the
+einsum path, forward and gradients (causal, 3 packed documents, GQA, window, soft-cap).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.sharding import PartitionSpec
+
+from shardax.sharding import rules as rules_lib
+
+LANES = 128   # kv blocks must be multiples of the vector lane width
+
+
+def supports(q_len: int, kv_len: int) -> bool:
+  """Whether the kernel takes these lengths (multiples of a lane; blocks are cut to fit)."""
+  return q_len % LANES == 0 and kv_len % LANES == 0
+
+
+def _block(block: int, length: int) -> int:
+  """The largest multiple of 128 <= `block` dividing `length` (lengths are multiples of 128)."""
+  b = min(block, length) // LANES * LANES
+  while length % b:
+    b -= LANES
+  return b
+
+
+def _kernel(num_heads: int, q_len: int, kv_len: int, causal: bool, window: int | None,
+            softcap: float | None, block_q: int, block_kv: int, interpret: bool):
+  """The splash kernel for one example's shapes and mask. Built per trace, not cached: its
+  block-mask tables become arrays of the trace in progress (a scanned stack traces once)."""
+  shape = (q_len, kv_len)
+  if window is not None:   # keys i - window < j <= i (causal) or |i - j| < window
+    mask = sa.LocalMask(shape, window_size=(window - 1, 0 if causal else window - 1), offset=0)
+  elif causal:
+    mask = sa.CausalMask(shape)
+  else:
+    mask = sa.FullMask(shape)
+  bq, bkv = _block(block_q, q_len), _block(block_kv, kv_len)
+  sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
+                        block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+                        block_q_dq=bq, block_kv_dq=bkv)
+  return sa.make_splash_mha(sa.MultiHeadMask([mask] * num_heads), block_sizes=sizes,
+                            head_shards=1, q_seq_shards=1, attn_logits_soft_cap=softcap,
+                            interpret=interpret)
+
+
+def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *,
+                 causal: bool = True, window: int | None = None, softcap: float | None = None,
+                 block_q: int = 512, block_kv: int = 512, interpret: bool = False) -> jax.Array:
+  """q[b,l,n,d], k/v[b,s,k,d] (one device's arrays) -> [b,l,n,d] by the splash kernel."""
+  b, l, n, d = q.shape
+  s = k.shape[1]
+  if not supports(l, s):
+    raise ValueError(f"model.attention='flash' needs sequence lengths that are multiples of "
+                     f"{LANES}, got q {l} / kv {s}; set data.seq_len to a multiple of {LANES} "
+                     f"or model.attention='auto' (falls back to 'xla')")
+  kernel = _kernel(n, l, s, causal, window, softcap, block_q, block_kv, interpret)
+  q = q * jnp.asarray(d ** -0.5, q.dtype)
+
+  def one(q1, k1, v1, seg1):
+    seg = None if seg1 is None else sa.SegmentIds(q=seg1, kv=seg1)
+    return kernel(q1.swapaxes(0, 1), k1.swapaxes(0, 1), v1.swapaxes(0, 1), segment_ids=seg).swapaxes(0, 1)
+
+  if segment_ids is None:
+    return jax.vmap(lambda q1, k1, v1: one(q1, k1, v1, None))(q, k, v)
+  return jax.vmap(one)(q, k, v, segment_ids.astype(jnp.int32))
+
+
+def sharded(local_fn, q: jax.Array, k: jax.Array, v: jax.Array,
+            segment_ids: jax.Array | None) -> jax.Array:
+  """`local_fn(q, k, v, segment_ids)` run per device under shard_map, with the specs the
+  logical rules in force give q [batch, length, heads, kv] and k/v [.., kv_heads, kv].
+
+  Without a mesh or rules (or on one device) it is `local_fn` itself. When the rules split q
+  heads but not kv heads (or differently), k/v are repeated to q's heads first, so each
+  device's query heads meet their own kv heads (the grouping h -> h // g is kept)."""
+  rules = rules_lib.current_rules()
+  mesh = jax.sharding.get_abstract_mesh()
+  if rules is None or mesh.empty or mesh.size == 1:
+    return local_fn(q, k, v, segment_ids)
+  mesh_shape = dict(mesh.shape)
+  spec = lambda axes, x, what: rules_lib.logical_to_spec(
+      axes, rules, mesh_shape, x.shape, name=what, allow_uneven=rules_lib.allow_uneven())
+  full = lambda p: PartitionSpec(*(tuple(p) + (None,) * (4 - len(p))))
+  q_spec = full(spec(("batch", "length", "heads", "kv"), q, "flash attention q"))
+  kv_spec = full(spec(("batch", "length", "kv_heads", "kv"), k, "flash attention k/v"))
+  if q_spec[1] is not None or q_spec[3] is not None:
+    raise ValueError(f"flash attention: the rules split the sequence or head dim of q "
+                     f"(spec {q_spec}); a split 'length' is context parallelism "
+                     f"(layers/context_parallel.py), not this kernel's sharding")
+  if kv_spec[2] != q_spec[2] or kv_spec[0] != q_spec[0]:
+    groups = q.shape[2] // k.shape[2]
+    k, v = (jnp.repeat(t, groups, axis=2) for t in (k, v))
+    kv_spec = q_spec
+  seg_spec = PartitionSpec(q_spec[0], None)
+  if segment_ids is None:
+    fn = lambda q, k, v: local_fn(q, k, v, None)
+    return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
+                         check_vma=False)(q, k, v)
+  return jax.shard_map(local_fn, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
+                       check_vma=False)(q, k, v, segment_ids)
