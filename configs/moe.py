@@ -15,6 +15,8 @@ import math
 from shardax.configs.schema import ConfigError, DataConfig, TransformerConfig
 
 SECOND_EXPERT_POLICIES = ("all", "random", "sampling")
+SCORES = ("softmax", "sigmoid")
+DISPATCHES = ("capacity", "dropless")
 
 
 def _require(cond: bool, msg: str) -> None:
@@ -41,6 +43,31 @@ class MoEConfig:
   z_loss_weight:    weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 = off.
   seed:             seed of the gating randomness ('random'/'sampling'); each step folds
                     in a hash of its batch, each layer its index.
+
+  Routers and dispatch of current MoEs (Mixtral, DeepSeek-V3, Qwen3-MoE; layers/routers.py,
+  layers/moe_dispatch.py):
+  top_k:            experts per token (any k in [1, E]); dispatch='capacity' is GShard's
+                    top-2 and needs 2.
+  score:            'softmax' (over all E) or 'sigmoid' (per expert, DeepSeek-V3) router scores.
+  renormalize:      gates = the chosen k scores divided by their sum (Mixtral, DeepSeek-V3),
+                    else the raw scores (softmax top-k without renormalizing, Qwen1.5-MoE).
+  gate_scale:       the gates times this (DeepSeek-V3's routed_scaling_factor 2.5).
+  bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to
+                    the scores for choosing experts only (not to the gates), moved each train
+                    step by this rate towards uniform load: b_e += rate * sign(mean load - load_e).
+                    0 = off. Needs dispatch='dropless'.
+  dispatch:         'capacity' (GShard: fixed slots per expert, tokens past them dropped) or
+                    'dropless' (tokens sorted by expert, a grouped matmul, nothing dropped).
+  num_shared_experts: experts every token goes through beside its routed ones (DeepSeek), as
+                    one gated FFN of width num_shared_experts * d_ff.
+  first_dense_layers: the first this-many layers keep a dense FFN (DeepSeek-V3: 3); the
+                    every-th rule counts from the layer after them.
+  expert_buffer:    dropless under expert parallelism: each device's buffer of token copies
+                    sent to one expert shard holds expert_buffer x its fair share (k x its
+                    tokens / shards); more is an error (raise it), never a silent drop.
+  expert_exchange:  how dropless tokens travel under expert parallelism: 'ragged'
+                    (jax.lax.ragged_all_to_all: TPU, GPU), 'padded' (all_to_all of fixed
+                    blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
   """
   num_experts: int = 8
   d_ff: int = 512
@@ -52,6 +79,16 @@ class MoEConfig:
   aux_loss_weight: float = 1e-2
   z_loss_weight: float = 0.0
   seed: int = 0
+  top_k: int = 2
+  score: str = "softmax"
+  renormalize: bool = True
+  gate_scale: float = 1.0
+  bias_update_rate: float = 0.0
+  dispatch: str = "capacity"
+  num_shared_experts: int = 0
+  first_dense_layers: int = 0
+  expert_buffer: float = 2.0
+  expert_exchange: str = "auto"
 
   def __post_init__(self):
     _require(self.num_experts >= 2, f"model.moe.num_experts={self.num_experts} must be >= 2 (top-2 gating)")
@@ -65,6 +102,24 @@ class MoEConfig:
              f"model.moe.second_expert={self.second_expert!r}: use one of {SECOND_EXPERT_POLICIES}")
     _require(self.aux_loss_weight >= 0 and self.z_loss_weight >= 0,
              "model.moe.aux_loss_weight and model.moe.z_loss_weight must be >= 0")
+    _require(1 <= self.top_k <= self.num_experts,
+             f"model.moe.top_k={self.top_k} must be in [1, model.moe.num_experts={self.num_experts}]")
+    _require(self.score in SCORES, f"model.moe.score={self.score!r}: use one of {SCORES}")
+    _require(self.dispatch in DISPATCHES, f"model.moe.dispatch={self.dispatch!r}: use one of {DISPATCHES}")
+    _require(self.bias_update_rate >= 0, f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
+    _require(self.num_shared_experts >= 0 and self.first_dense_layers >= 0,
+             "model.moe.num_shared_experts and model.moe.first_dense_layers must be >= 0")
+    _require(self.expert_buffer > 0, f"model.moe.expert_buffer={self.expert_buffer} must be > 0")
+    _require(self.expert_exchange in ("auto", "ragged", "padded"),
+             f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
+    if self.dispatch == "capacity":
+      gshard = self.top_k == 2 and self.score == "softmax" and self.renormalize and self.gate_scale == 1.0
+      _require(gshard and self.bias_update_rate == 0,
+               f"model.moe.dispatch='capacity' is GShard's top-2 softmax gating (top_k=2, "
+               f"score='softmax', renormalize=True, gate_scale=1, bias_update_rate=0); got top_k="
+               f"{self.top_k}, score={self.score!r}, renormalize={self.renormalize}, gate_scale="
+               f"{self.gate_scale}, bias_update_rate={self.bias_update_rate}: use "
+               f"model.moe.dispatch='dropless' for other routers")
 
   def capacity(self, group_size: int) -> int:
     """Slots per expert per group: max(min_capacity, ceil(cf * 2S / E)), at most S.
@@ -84,9 +139,10 @@ class MoELMConfig:
 
   def __post_init__(self):
     t, m = self.transformer, self.moe
-    _require(t.num_layers % m.every == 0,
-             f"model.transformer.num_layers={t.num_layers} is not a multiple of model.moe.every="
-             f"{m.every}; the layers repeat in units of (every - 1) dense + 1 MoE layer")
+    _require(m.first_dense_layers < t.num_layers and (t.num_layers - m.first_dense_layers) % m.every == 0,
+             f"model.transformer.num_layers={t.num_layers} minus model.moe.first_dense_layers="
+             f"{m.first_dense_layers} is not a positive multiple of model.moe.every={m.every}; after the "
+             f"first dense layers the layers repeat in units of (every - 1) dense + 1 MoE layer")
     _require(t.pipeline.stages == 1,
              "model.transformer.pipeline.stages > 1 is not supported for the MoE LM; use 1")
 
@@ -99,6 +155,8 @@ class MoELMConfig:
     batch cannot change a sequence's output; the second expert is always used ('all'),
     so a token's output does not depend on random gating or on how calls group tokens.
     """
+    if self.moe.dispatch == "dropless":
+      return self   # nothing is ever dropped, and no routing is random
     moe = dataclasses.replace(self.moe, group_size=None, second_expert="all",
                               capacity_factor=self.moe.num_experts / 2)
     return dataclasses.replace(self, moe=moe)
@@ -114,7 +172,7 @@ class MoELMConfig:
 
   @property
   def num_moe_layers(self) -> int:
-    return self.transformer.num_layers // self.moe.every
+    return (self.transformer.num_layers - self.moe.first_dense_layers) // self.moe.every
 
   def make(self, rngs):
     from shardax.layers.moe_lm import MoELM
@@ -127,7 +185,7 @@ class MoELMConfig:
     return data.seq_len
 
   def flops_per_example(self, data: DataConfig) -> float:
-    """Model FLOPs of one example, counting only the activated (top-2) experts."""
+    """Model FLOPs of one example, counting only the activated (top-k and shared) experts."""
     from shardax.trainer.perf import flops
     return flops.moe_per_token(self, data.seq_len) * data.seq_len
 
@@ -139,7 +197,8 @@ class MoELMConfig:
     norms = 2 * d * (2 if t.norm == "layer" else 1)
     n_moe = self.num_moe_layers
     dense_ffn = (t.num_layers - n_moe) * 3 * d * t.d_ff
-    moe_ffn = n_moe * (d * m.num_experts + m.num_experts * 3 * d * m.d_ff)
+    moe_ffn = n_moe * (d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
+                       + (m.num_experts if m.bias_update_rate else 0))
     head = 0 if t.tied_embedding else d * t.vocab_size
     final_norm = d * (2 if t.norm == "layer" else 1)
     return t.num_layers * (attn + norms) + dense_ffn + moe_ffn + t.vocab_size * d + head + final_norm

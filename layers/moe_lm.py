@@ -1,6 +1,8 @@
-"""A decoder-only LM whose every k-th layer has a GShard MoE FFN (`configs.moe.MoELMConfig`).
+"""A decoder-only LM whose every k-th layer has an MoE FFN (`configs.moe.MoELMConfig`).
 
-The layers repeat in units of (k - 1) dense `transformer.Block`s and one `MoEBlock`
+The first `moe.first_dense_layers` layers are dense `transformer.Block`s (DeepSeek-V3
+keeps its first 3 dense); after them the layers repeat in units of (k - 1) dense
+`transformer.Block`s and one `MoEBlock`
 (attention + MoE FFN). With `scan_layers` the units are stacked (leading dim
 'layers', as `transformer.stacked_blocks` does for blocks) and run by `lax.scan`,
 so XLA compiles one unit however deep the model is. Each MoE layer returns its
@@ -14,6 +16,10 @@ step without any RNG state in the model (the trainer carries only params): it is
 `fold_in(key(moe.seed), hash(batch tokens))`, split once per MoE layer. The hash is
 exact integer arithmetic, so every sharding of the batch derives the same key, and
 jax's partitionable threefry makes the random bits independent of the sharding too.
+
+Auxiliary-loss-free balancing (`moe.bias_update_rate`): each MoE layer returns its next
+balance bias; `loss_and_metrics` hands them to the train step under `STATE_UPDATES` as a
+params subtree, which the step writes over the updated params.
 """
 
 from __future__ import annotations
@@ -28,9 +34,14 @@ from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.moe import MoEFeedForward
 from shardax.layers.norm import make_norm
+from shardax.layers.routers import BalanceBias
 from shardax.layers.transformer import (REMAT_POLICIES, RESIDUAL, Block, block_cache_spec,
-                                        scan_cached, stacked)
+                                        block_fn, scan_cached, stacked, stacked_blocks)
 from shardax.sharding import shard
+
+# The metrics key under which a model hands the train step params to overwrite
+# (trainer/step.py pops it): here the next balance biases.
+STATE_UPDATES = "state_updates"   # = trainer.step.STATE_UPDATES (layers do not import the trainer)
 
 
 class MoEBlock(nnx.Module):
@@ -115,6 +126,13 @@ class MoELM(nnx.Module):
     dt, pdt = jnp.dtype(t.dtype), jnp.dtype(t.param_dtype)
     n = cfg.num_moe_layers
     self.embed = Embed(t.vocab_size, t.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    k = cfg.moe.first_dense_layers
+    if not k:
+      self.first_dense = None
+    elif t.scan_layers:
+      self.first_dense = stacked_blocks(t, k, rngs=rngs)
+    else:
+      self.first_dense = nnx.List([Block(t, rngs=rngs) for _ in range(k)])
     if t.scan_layers:
       self.units = stacked_units(cfg, n, rngs=rngs)
     else:
@@ -133,6 +151,7 @@ class MoELM(nnx.Module):
       positions = default_positions(tokens.shape[0], tokens.shape[1])
     keys = jax.random.split(key, self.cfg.num_moe_layers)
     x = shard(self.embed(tokens), RESIDUAL)
+    x = self._first_dense(x, positions)
     if t.scan_layers:
       graphdef, state = nnx.split(self.units)
       body = _unit_fn(graphdef, t.remat, prevent_cse=False, deterministic=deterministic)
@@ -146,7 +165,33 @@ class MoELM(nnx.Module):
       stats = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
-    return shard(logits, ("batch", "length", "vocab")), jax.tree.map(jnp.mean, stats)
+    next_bias = stats.pop("next_bias", None)          # [moe layers, e]: kept per layer
+    stats = jax.tree.map(jnp.mean, stats)
+    if next_bias is not None:
+      stats["next_bias"] = next_bias
+    return shard(logits, ("batch", "length", "vocab")), stats
+
+  def _first_dense(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """The first `moe.first_dense_layers` dense blocks (scanned like the units)."""
+    if self.first_dense is None:
+      return x
+    t = self.cfg.transformer
+    if t.scan_layers:
+      graphdef, state = nnx.split(self.first_dense)
+      body = block_fn(graphdef, t.remat, prevent_cse=False)
+      return jax.lax.scan(lambda c, s: (body(s, c, positions), None), x, state)[0]
+    for block in self.first_dense:
+      x = block(x, positions)
+    return x
+
+  def balance_updates(self, next_bias: jax.Array) -> dict:
+    """The params subtree of every MoE layer's balance bias set to `next_bias` [layers, e]."""
+    if self.cfg.transformer.scan_layers:
+      self.units.moe_block.moe.balance_bias.value = next_bias
+    else:
+      for unit, bias in zip(self.units, next_bias):
+        unit.moe_block.moe.balance_bias.value = bias
+    return nnx.to_pure_dict(nnx.state(self, BalanceBias))
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
     return self.forward(tokens, jax.random.key(self.cfg.moe.seed), positions)[0]
@@ -157,13 +202,38 @@ class MoELM(nnx.Module):
     t = self.cfg.transformer
     one = block_cache_spec(t, batch, length)
     unit = {"dense": [one] * (self.cfg.moe.every - 1), "moe": one}
+    k = self.cfg.moe.first_dense_layers
     if t.scan_layers:
-      return jax.tree.map(lambda c: c.stacked(self.cfg.num_moe_layers), unit)
-    return [unit for _ in range(self.cfg.num_moe_layers)]
+      units = jax.tree.map(lambda c: c.stacked(self.cfg.num_moe_layers), unit)
+      first = one.stacked(k) if k else None
+    else:
+      units = [unit for _ in range(self.cfg.num_moe_layers)]
+      first = [one] * k if k else None
+    return units if first is None else {"first_dense": first, "units": units}
 
   def cached(self, tokens: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
     """(logits, cache): a prefill or one generate step, as `TransformerLM.cached`."""
     x = shard(self.embed(tokens), RESIDUAL)
+    if self.first_dense is not None:
+      x, first = self._first_dense_cached(x, positions, cache["first_dense"])
+      x, units = self._units_cached(x, positions, cache["units"])
+      cache = {"first_dense": first, "units": units}
+    else:
+      x, cache = self._units_cached(x, positions, cache)
+    x = self.final_norm(x)
+    logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
+    return shard(logits, ("batch", "length", "vocab")), cache
+
+  def _first_dense_cached(self, x, positions, cache):
+    if self.cfg.transformer.scan_layers:
+      return scan_cached(*nnx.split(self.first_dense), x, positions, cache)
+    out = []
+    for block, block_cache in zip(self.first_dense, cache):
+      x, block_cache = block.cached(x, positions, block_cache)
+      out.append(block_cache)
+    return x, out
+
+  def _units_cached(self, x, positions, cache):
     if self.cfg.transformer.scan_layers:
       x, cache = scan_cached(*nnx.split(self.units), x, positions, cache)
     else:
@@ -172,9 +242,7 @@ class MoELM(nnx.Module):
         x, unit_cache = unit.cached(x, positions, unit_cache)
         out.append(unit_cache)
       cache = out
-    x = self.final_norm(x)
-    logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
-    return shard(logits, ("batch", "length", "vocab")), cache
+    return x, cache
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
     """Cross entropy + weighted balance and z losses; metrics under 'moe/...'."""
@@ -182,7 +250,11 @@ class MoELM(nnx.Module):
     logits, stats = self.forward(batch["inputs"], batch_key(m.seed, batch["inputs"]))
     ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
     loss = ce + m.aux_loss_weight * stats["aux_loss"] + m.z_loss_weight * stats["z_loss"]
-    return loss, {"ce_loss": ce, **{f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()}}
+    next_bias = stats.pop("next_bias", None)
+    metrics = {"ce_loss": ce, **{f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()}}
+    if next_bias is not None:
+      metrics[STATE_UPDATES] = self.balance_updates(jax.lax.stop_gradient(next_bias))
+    return loss, metrics
 
   def eval_loss(self, batch: dict) -> jax.Array:
     """The validation loss: cross entropy alone, with deterministic routing.

@@ -23,6 +23,11 @@ from shardax.sharding import shard
 from shardax.trainer import optimizer
 from shardax.trainer.state import Setup
 
+# A model's metrics may carry, under this key, a subtree of its params with new values
+# (state the model updates itself, not by gradient: the MoE balance biases of
+# layers/moe_lm.py). The step writes them over the optimizer's result and never logs them.
+STATE_UPDATES = "state_updates"
+
 
 def loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:
   """`(params, batch) -> (loss, metrics)`: the model's own training objective."""
@@ -73,12 +78,14 @@ def train_step_fn(setup: Setup) -> Callable:
 
   def step(state, batch):
     loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)
+    written = model_metrics.pop(STATE_UPDATES, None)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
     def update(params, opt_state):
       updates, opt_state = setup.tx.update(grads, opt_state, params)
-      return optimizer.apply_updates(params, updates, opt_state), opt_state
+      params = optimizer.apply_updates(params, updates, opt_state)
+      return overwrite(params, opt_state, written) if written else (params, opt_state)
 
     if guard_by_branch:
       params, opt_state = jax.lax.cond(finite, update, lambda p, o: (p, o),
@@ -94,6 +101,19 @@ def train_step_fn(setup: Setup) -> Callable:
 
   return jax.jit(step, in_shardings=(setup.shardings, setup.batch_sharding),
                  out_shardings=(setup.shardings, setup.replicated), donate_argnums=0)
+
+
+def overwrite(params, opt_state, written: dict):
+  """params with the leaves of `written` (a subtree of params) set, in the optimizer's master
+  copy too where it keeps one (else the next step would cast the old value back)."""
+  def put(tree, sub):
+    if not isinstance(sub, dict):
+      return jnp.asarray(sub, tree.dtype)
+    return {k: put(tree[k], sub[k]) if k in sub else v for k, v in tree.items()}
+  params = put(params, written)
+  if isinstance(opt_state, optimizer.MasterState):
+    opt_state = opt_state._replace(master=put(opt_state.master, written))
+  return params, opt_state
 
 
 def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], jax.Array]:

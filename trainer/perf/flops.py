@@ -37,19 +37,20 @@ def per_step(cfg: TransformerConfig, global_batch: int, seq_len: int) -> float:
 
 
 def moe_per_token(cfg, seq_len: int) -> float:
-  """Training FLOPs per token of a `configs.moe.MoELMConfig` (top-2 GShard MoE LM).
+  """Training FLOPs per token of a `configs.moe.MoELMConfig` (top-k MoE LM, shared experts).
 
   Counts the matmuls a token actually activates: attention and the head as above, the
   dense FFN of the non-MoE layers, and in each MoE layer the router (d_model x E) plus
-  the FFNs of its 2 chosen experts. Not counted: the experts it did not choose, and
+  the FFNs of its top_k chosen and its shared experts. Not counted: the experts it did not choose, and
   the dispatch/combine einsums (data movement written as matmuls, not model compute;
   about 4 x S x E x C x d_model per group and layer forward, which the compiler's own
   FLOP count does include). Dropped tokens and skipped second experts are counted as if
   processed, so the figure does not depend on the routing.
   """
   t, m = cfg.transformer, cfg.moe
-  n_moe = t.num_layers // m.every
+  n_moe = cfg.num_moe_layers
   d = t.d_model
-  swap = n_moe * (d * m.num_experts + 2 * 3 * d * m.d_ff - 3 * d * t.d_ff)
+  active = m.top_k + m.num_shared_experts   # routed + shared experts a token goes through
+  swap = n_moe * (d * m.num_experts + active * 3 * d * m.d_ff - 3 * d * t.d_ff)
   attention = 12 * t.num_layers * seq_len * t.num_heads * t.dim_per_head / 2
   return 6 * (matmul_params(t) + swap) + attention

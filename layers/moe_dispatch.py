@@ -1,0 +1,217 @@
+"""Dropless MoE dispatch: tokens sorted by expert, a grouped matmul, no capacity, no drops.
+
+One device (or no expert parallelism), for T tokens each routed to k experts:
+
+    flat   = index.reshape(T*k)                  the T*k (token, expert) assignments
+    order  = argsort(flat)                       assignments grouped by expert
+    xs     = x[order // k]                       [T*k, m] token copies, expert-major
+    sizes  = bincount(flat, E)                   rows per expert
+    out    = ragged_dot(act(ragged_dot(xs, Wg, sizes)) * ragged_dot(xs, Wu, sizes), Wo, sizes)
+    y[t]   = sum_j gates[t, j] * out[position of assignment (t, j)]
+
+`jax.lax.ragged_dot` multiplies each contiguous row group by its expert's matrix (the
+grouped matmul of MegaBlocks / megablox), and it differentiates: the gradient of the
+weights is a ragged_dot_general with the group dim on the contraction.
+
+Expert parallelism (the rules map logical 'expert' to mesh axes X): the layer runs
+inside `shard_map` over the whole mesh. Each device holds its tokens (split over the
+'batch' axes, which must include X) and E/|X| experts. The assignments travel to the
+device that holds their expert and back:
+- `ragged_all_to_all` (TPU, GPU: `exchange='ragged'`): every device sends exactly its
+  rows per destination into a receive buffer of `expert_buffer x k x T` rows;
+- padded `all_to_all` (`exchange='padded'`, any backend, the one XLA:CPU runs): a fixed
+  slot block of `ceil(expert_buffer x k x T / |X|)` rows per destination.
+A device that would need more room than its buffer raises an error naming
+`model.moe.expert_buffer` (a host callback; never a silent drop). Weights split over
+'mlp' (tensor parallel) stay split: the partial outputs are summed over those axes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from shardax.sharding import rules as rules_lib
+from shardax.sharding.annotate import current_mesh_shape
+
+EXCHANGES = ("auto", "ragged", "padded")
+
+
+def _count(ids: jax.Array, n: int) -> jax.Array:
+  """int32 [n]: how many of `ids` equal each of 0..n-1 (ids >= n are not counted)."""
+  return jnp.zeros((n,), jnp.int32).at[ids].add(1, mode="drop")
+
+
+def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable) -> jax.Array:
+  """The gated FFN of each expert on its contiguous rows of xs [R, m]; rows past
+  sum(sizes) belong to no expert and come out zero."""
+  gate = jax.lax.ragged_dot(xs, w_gate, sizes)
+  up = jax.lax.ragged_dot(xs, w_up, sizes)
+  return jax.lax.ragged_dot((act(gate) * up).astype(xs.dtype), wo, sizes)
+
+
+def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple,
+                   act: Callable) -> jax.Array:
+  """y [T, m] = sum_j gates[t, j] * FFN_{index[t, j]}(x[t]) for x [T, m], index/gates [T, k]."""
+  t, k = index.shape
+  e = weights[0].shape[0]
+  flat = index.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  out = grouped_ffn(x[order // k], _count(flat, e), *weights, act)
+  out = jnp.zeros_like(out).at[order].set(out)                       # back to (token, choice)
+  return jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
+
+
+def _exchange_padded(rows, ids, dest, n: int, per_dest: int, axes):
+  """Send row r to device dest[r] (rows sorted by dest) in fixed blocks of `per_dest` slots.
+  Returns (received rows [n*per_dest, m], their ids (pad: -1), a function sending rows of
+  the received layout back into the original order, and the overflow count)."""
+  a = rows.shape[0]
+  counts = _count(dest, n)
+  rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[dest]
+  ok = rank < per_dest
+  slot = jnp.where(ok, dest * per_dest + rank, n * per_dest)           # out of range: not sent
+  send = jnp.zeros((n * per_dest,) + rows.shape[1:], rows.dtype).at[slot].set(rows, mode="drop")
+  send_ids = jnp.full((n * per_dest,), -1, jnp.int32).at[slot].set(ids, mode="drop")
+  a2a = lambda v: jax.lax.all_to_all(v, axes, 0, 0, tiled=True)   # block d goes to device d
+  recv, recv_ids = a2a(send), a2a(send_ids)
+
+  def back(out):
+    returned = a2a(out)
+    return jnp.where(ok[:, None], returned[jnp.minimum(slot, n * per_dest - 1)], 0)
+  return recv, recv_ids, back, jnp.sum(~ok)
+
+
+def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
+  """As `_exchange_padded`, with `ragged_all_to_all`: exactly the rows each destination
+  gets, packed into a receive buffer of `capacity` rows."""
+  counts = _count(dest, n)                                            # [n] rows I send to each
+  starts = jnp.cumsum(counts) - counts
+  matrix = jax.lax.all_gather(counts, axes, tiled=False)              # [n senders, n receivers]
+  me = jax.lax.axis_index(axes)
+  before = jnp.cumsum(matrix, axis=0) - matrix                        # rows earlier senders put there
+  out_offsets = before[me]                                            # where my block lands in each
+  recv_sizes = matrix[:, me]
+  recv_starts = before[:, me]
+  overflow = jnp.maximum(jnp.sum(recv_sizes) - capacity, 0)
+  # Room for my block in each receiver (what does not fit is cut, and reported above).
+  send_sizes = jnp.clip(capacity - out_offsets, 0, counts)
+  recv_sizes_fit = jnp.clip(capacity - recv_starts, 0, recv_sizes)
+
+  def go(v, out_shape, in_off, sizes, out_off, rsizes):
+    buf = jnp.zeros(out_shape, v.dtype)
+    return jax.lax.ragged_all_to_all(v, buf, in_off, sizes, out_off, rsizes, axis_name=axes)
+
+  recv = go(rows, (capacity,) + rows.shape[1:], starts, send_sizes, out_offsets, recv_sizes_fit)
+  received = jnp.arange(capacity) < jnp.sum(recv_sizes_fit)
+  recv_ids = jnp.where(received, go(ids, (capacity,), starts, send_sizes, out_offsets,
+                                    recv_sizes_fit), -1)
+  # Back: each receiver returns its block from sender s to s's original offsets.
+  back_offsets = jax.lax.all_to_all(starts, axes, 0, 0, tiled=True)  # [s]: s's starts[me]
+
+  def back(out):
+    return go(out, rows.shape, recv_starts, recv_sizes_fit, back_offsets, send_sizes)
+  return recv, recv_ids, back, overflow
+
+
+def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num_experts: int,
+                             buffer: float, exchange: str):
+  """Per device (inside shard_map over `axes`, n devices): x [T, m] local tokens, index and
+  gates [T, k]; weights hold the E/n local experts."""
+  t, k = index.shape
+  local = num_experts // n
+  flat = index.reshape(-1)
+  order = jnp.argsort(flat, stable=True)
+  expert = flat[order]
+  rows = x[order // k]
+  fair = t * k
+  if exchange == "ragged":
+    capacity = max(1, math.ceil(buffer * fair))
+    recv, ids, back, overflow = _exchange_ragged(rows, expert % local, expert // local, n,
+                                                 capacity, axes)
+  else:
+    per_dest = max(1, math.ceil(buffer * fair / n))
+    recv, ids, back, overflow = _exchange_padded(rows, expert % local, expert // local, n,
+                                                 per_dest, axes)
+  ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
+  order2 = jnp.argsort(ids, stable=True)
+  out = grouped_ffn(recv[order2], _count(ids, local), *weights, act)
+  out = back(jnp.zeros_like(out).at[order2].set(out))
+  out = jnp.zeros_like(out).at[order].set(out)
+  y = jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
+  return y, overflow
+
+
+def _raise_on_overflow(overflow) -> None:
+  if int(overflow) > 0:
+    raise RuntimeError(
+        f"dropless MoE: {int(overflow)} token copies did not fit the expert-parallel buffers "
+        f"(load imbalance beyond model.moe.expert_buffer); raise --set model.moe.expert_buffer "
+        f"(each device's buffer per expert shard is expert_buffer x its fair share)")
+
+
+def mesh_axes(logical: tuple, shape: tuple | None = None) -> tuple[tuple[str, ...], ...]:
+  """The mesh axes each logical dim maps to under the rules in force (() per dim without)."""
+  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
+  if rules is None or mesh_shape is None:
+    return tuple(() for _ in logical)
+  spec = rules_lib.logical_to_spec(logical, rules, mesh_shape, shape, name=f"MoE {logical}",
+                                   allow_uneven=rules_lib.allow_uneven())
+  return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
+
+
+def resolve_exchange(exchange: str) -> str:
+  """'auto': ragged_all_to_all where the backend runs it (TPU, GPU), else padded blocks."""
+  if exchange not in EXCHANGES:
+    raise ValueError(f"exchange={exchange!r}: use one of {EXCHANGES}")
+  if exchange != "auto":
+    return exchange
+  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
+  platform = getattr(device, "platform", None) or jax.devices()[0].platform
+  return "padded" if platform == "cpu" else "ragged"
+
+
+def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
+             *, buffer: float = 2.0, exchange: str = "auto") -> tuple[jax.Array, jax.Array]:
+  """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
+  [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules."""
+  b, l, m = x.shape
+  e = weights[0].shape[0]
+  mesh = jax.sharding.get_abstract_mesh()
+  if current_mesh_shape() is None or mesh.size == 1 or rules_lib.current_rules() is None:
+    y = dropless_local(x.reshape(b * l, m), index.reshape(b * l, -1),
+                       gates.reshape(b * l, -1), weights, act)
+    return y.reshape(x.shape), jnp.zeros((), jnp.int32)
+  batch, = mesh_axes(("batch",))
+  expert, _, mlp = mesh_axes(("expert", None, "mlp"), weights[0].shape)
+  if not set(expert) <= set(batch):
+    raise ValueError(
+        f"dropless MoE dispatch under expert parallelism needs the batch split over the expert "
+        f"mesh axes {expert} (the rules split 'batch' over {batch}); use a preset like "
+        f"'expert' or 'expert_axis', or model.moe.dispatch='capacity'")
+  mode = resolve_exchange(exchange)
+  tokens, w_in, w_out = P(batch, None, None), P(expert or None, None, mlp or None), \
+      P(expert or None, mlp or None, None)
+
+  def body(x, index, gates, w_gate, w_up, wo):
+    bl, ll = x.shape[:2]
+    args = (x.reshape(bl * ll, m), index.reshape(bl * ll, -1), gates.reshape(bl * ll, -1))
+    if expert:
+      y, overflow = dropless_expert_parallel(*args, (w_gate, w_up, wo), act, axes=expert,
+                                             n=math.prod(mesh.shape[a] for a in expert),
+                                             num_experts=e, buffer=buffer, exchange=mode)
+      overflow = jax.lax.psum(overflow, batch)
+    else:
+      y, overflow = dropless_local(*args, (w_gate, w_up, wo), act), jnp.zeros((), jnp.int32)
+    if mlp:
+      y = jax.lax.psum(y, mlp)
+    return y.reshape(bl, ll, m), overflow
+
+  y, overflow = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                              out_specs=(tokens, P()), check_vma=False)(x, index, gates, *weights)
+  jax.debug.callback(_raise_on_overflow, overflow)
+  return y, overflow

@@ -1,0 +1,160 @@
+"""Router math of the MoE layer, in one place: which experts a token goes to, with what gate.
+
+Two routers:
+- `route` (dropless dispatch): top-k of softmax or sigmoid scores for any k, gates
+  renormalized over the chosen k or not, times a scale; optionally a per-expert bias added
+  to the scores for *choosing* only (DeepSeek-V3's auxiliary-loss-free balancing, arXiv
+  2412.19437 section 2.1.2): the gate of a chosen expert is its unbiased score, and the
+  bias moves each train step by `rate * sign(mean load - load_e)`, so an overloaded
+  expert gets chosen less next step without any gradient through the router.
+- `top2_gating` (capacity dispatch): GShard's top-2 with slots per expert and drops
+  (arXiv 2006.16668, Algorithm 1), below.
+
+Both give the Switch/GShard balance loss `E * sum_e(me * ce)` (me: mean normalized score
+of e, ce: e's share of the assignments; 1.0 when uniform, E when collapsed) and the
+router z-loss `mean(logsumexp(logits)^2)` (ST-MoE).
+
+`BalanceBias` is the bias' variable: an `nnx.Param` (so it lives in the params the trainer
+carries, checkpoints, shards and restores) that no gradient reaches (it only picks
+indices) and that the train step overwrites with the layer's next value (see
+`trainer/step.py`, `STATE_UPDATES`), whatever the optimizer did to it.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+
+class BalanceBias(nnx.Param):
+  """Per-expert selection bias of auxiliary-loss-free balancing; set by the train step."""
+
+
+class Routing(NamedTuple):
+  """Output of `route` for logits [..., E]."""
+  index: jax.Array      # int32 [..., k]: the chosen experts, best first
+  gates: jax.Array      # float32 [..., k]: their gate weights
+  load: jax.Array       # float32 [E]: each expert's share of the assignments (sums to 1)
+  aux_loss: jax.Array   # scalar E * sum_e(me * load_e)
+  z_loss: jax.Array     # scalar mean(logsumexp(logits)^2)
+  metrics: dict         # scalar diagnostics: 'max_load' (max share x E; 1.0 is uniform)
+
+
+def scores_of(logits: jax.Array, score: str) -> jax.Array:
+  """Router scores from logits: softmax over the experts, or a sigmoid per expert."""
+  if score == "softmax":
+    return jax.nn.softmax(logits, axis=-1)
+  if score == "sigmoid":
+    return jax.nn.sigmoid(logits)
+  raise ValueError(f"router score {score!r}: use 'softmax' or 'sigmoid'")
+
+
+def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize: bool = True,
+          gate_scale: float = 1.0, bias: jax.Array | None = None) -> Routing:
+  """Top-k routing of router logits [..., E] (float32 inside), every token kept."""
+  logits = logits.astype(jnp.float32)
+  e = logits.shape[-1]
+  scores = scores_of(logits, score)
+  choose = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  _, index = jax.lax.top_k(choose, top_k)
+  gates = jnp.take_along_axis(scores, index, axis=-1)
+  if renormalize:
+    gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+  gates = gates * gate_scale
+  flat = index.reshape(-1)
+  load = jnp.zeros((e,), jnp.float32).at[flat].add(1.0) / flat.shape[0]
+  probs = scores if score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
+  me = jnp.mean(probs.reshape(-1, e), axis=0)
+  aux_loss = e * jnp.sum(me * load)
+  z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+  return Routing(index.astype(jnp.int32), gates, load, aux_loss, z_loss,
+                 {"max_load": jnp.max(load) * e})
+
+
+def next_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
+  """DeepSeek-V3's update: raise the bias of underloaded experts, lower the overloaded.
+
+  `load` is each expert's share of the assignments (any positive scale: only the sign of
+  mean - load_e matters); an expert exactly at the mean keeps its bias."""
+  load = jax.lax.stop_gradient(load)
+  return bias + rate * jnp.sign(jnp.mean(load) - load).astype(bias.dtype)
+
+
+# ------------------------------------------------------------------ GShard top-2 with capacity
+
+class Gating(NamedTuple):
+  """Output of `top2_gating` for logits [g, s, e] and capacity c."""
+  combine: jax.Array    # float32 [g, s, e, c]: gate weight of token s in slot c of expert e
+  dispatch: jax.Array   # bool [g, s, e, c]: token s occupies slot c of expert e
+  index: jax.Array      # int32 [g, s, 2]: first and second choice (before capacity)
+  kept: jax.Array       # bool [g, s, 2]: whether each choice got a slot
+  aux_loss: jax.Array   # scalar balance loss, E^2 * mean(me * ce)
+  z_loss: jax.Array     # scalar mean(logsumexp(logits)^2)
+  metrics: dict         # scalar diagnostics (see `top2_gating`)
+
+
+def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
+                key: jax.Array | None = None) -> Gating:
+  """GShard top-2 gating of router logits [g, s, e] with `capacity` slots per expert.
+
+  metrics: 'dropped_fraction' (tokens that reach no expert), 'top1_overflow' (tokens
+  whose first choice was over capacity), 'max_load' (max over experts of the share of
+  first choices, times E: 1.0 is perfectly balanced, E is all tokens on one expert).
+  """
+  if logits.ndim != 3:
+    raise ValueError(f"top2_gating expects logits [groups, tokens, experts], got {logits.shape}")
+  if second_expert not in ("all", "random", "sampling"):
+    raise ValueError(f"second_expert={second_expert!r}: use 'all', 'random' or 'sampling'")
+  if second_expert != "all" and key is None:
+    raise ValueError(f"second_expert={second_expert!r} needs a PRNG key")
+  logits = logits.astype(jnp.float32)
+  g, s, e = logits.shape
+  gates = jax.nn.softmax(logits, axis=-1)
+
+  index_1 = jnp.argmax(gates, axis=-1)
+  mask_1 = jax.nn.one_hot(index_1, e, dtype=jnp.float32)
+  # Balance loss and load from the first choices, before any are dropped.
+  me = jnp.mean(gates, axis=1)              # [g, e]
+  ce = jnp.mean(mask_1, axis=1)             # [g, e]
+  aux_loss = jnp.mean(me * ce) * e * e
+  z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
+
+  if second_expert == "sampling":  # Gumbel-max: a draw from softmax(logits) without expert 1
+    noisy = logits + jax.random.gumbel(key, logits.shape, jnp.float32)
+    index_2 = jnp.argmax(jnp.where(mask_1 > 0, -jnp.inf, noisy), axis=-1)
+  else:
+    index_2 = jnp.argmax(jnp.where(mask_1 > 0, -1.0, gates), axis=-1)
+  mask_2 = jax.nn.one_hot(index_2, e, dtype=jnp.float32)
+
+  gate_1 = jnp.sum(gates * mask_1, axis=-1)
+  gate_2 = jnp.sum(gates * mask_2, axis=-1)
+  denom = gate_1 + gate_2
+  gate_1, gate_2 = gate_1 / denom, gate_2 / denom
+  if second_expert == "random":
+    keep = jax.random.uniform(key, (g, s), jnp.float32) < 2.0 * gate_2
+    mask_2 = mask_2 * keep[..., None]
+
+  # Slot of each token in its expert's queue: exclusive cumsum over the group.
+  pos_1 = (jnp.cumsum(mask_1, axis=1) - 1.0) * mask_1
+  mask_1 = mask_1 * (pos_1 < capacity)
+  taken = jnp.sum(mask_1, axis=1, keepdims=True)           # [g, 1, e] slots used by first choices
+  pos_2 = (jnp.cumsum(mask_2, axis=1) - 1.0 + taken) * mask_2
+  mask_2 = mask_2 * (pos_2 < capacity)
+
+  def slots(mask, pos):  # [g, s, e] -> [g, s, e, c] one-hot of the slot, zero if dropped
+    slot = jnp.sum(pos * mask, axis=-1).astype(jnp.int32)
+    return mask[..., None] * jax.nn.one_hot(slot, capacity, dtype=jnp.float32)[:, :, None, :]
+
+  d1, d2 = slots(mask_1, pos_1), slots(mask_2, pos_2)
+  kept_1, kept_2 = jnp.sum(mask_1, axis=-1), jnp.sum(mask_2, axis=-1)   # [g, s] 0/1
+  combine = gate_1[..., None, None] * d1 + gate_2[..., None, None] * d2
+  metrics = {
+      "dropped_fraction": jnp.mean((kept_1 + kept_2) == 0),
+      "top1_overflow": 1.0 - jnp.mean(kept_1),
+      "max_load": jnp.max(jnp.mean(ce, axis=0)) * e,
+  }
+  return Gating(combine, (d1 + d2) > 0, jnp.stack([index_1, index_2], -1).astype(jnp.int32),
+                jnp.stack([kept_1, kept_2], -1) > 0, aux_loss, z_loss, metrics)
