@@ -68,6 +68,9 @@ class TransformerConfig:
   mlp: str = "gated"                  # "gated" (act(x W_gate) * x W_up) | "plain" (act(x W_in), T5/GPT)
   parallel_block: bool = False        # x + attn(norm(x)) + mlp(norm(x)) (GPT-J/PaLM) instead of in turn
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
+  # Attention when the rules split `length` over a mesh axis (layers/context_parallel.py):
+  # "allgather" (all-gather K/V) | "ring" (K/V blocks passed round the axis with ppermute).
+  context_parallel: str = "allgather"
 
   def __post_init__(self):
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
@@ -87,6 +90,8 @@ class TransformerConfig:
     _require(self.attention in ("xla", "fused"), f"model.attention={self.attention!r}: use 'xla' or 'fused'")
     _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
     _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
+    _require(self.context_parallel in ("allgather", "ring"),
+             f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.layers import context_parallel
 from shardax.layers.linear import DenseGeneral
 from shardax.sharding import shard
 
@@ -136,7 +137,11 @@ class Attention(nnx.Module):
     k = shard(apply_rope(self.key(x), positions, self.rope_theta),
               ("batch", "length", "kv_heads", "kv"))
     v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
-    o = _ATTENTION_IMPLS[self.implementation](q, k, v, segment_ids)
+    split = context_parallel.length_split()  # `length` on a mesh axis: context parallel
+    if split is not None:
+      o = context_parallel.attention(q, k, v, segment_ids, split)
+    else:
+      o = _ATTENTION_IMPLS[self.implementation](q, k, v, segment_ids)
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o)
 
