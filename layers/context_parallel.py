@@ -4,9 +4,8 @@ When the rules map the logical `length` axis to mesh axes (the `*_cp` presets in
 sharding/rules.py send it to `context`), every per-token layer (embedding, norms, MLP,
 RoPE on the positions that travel with the tokens, the head and the loss) simply runs
 on its own slice of the sequence. Attention is the one layer whose tokens meet tokens
-of other devices, so it runs here, in `shard_map` over the `length` axes (the only mesh
-axes taken manually; batch, heads and the rest stay with the compiler), in one of two
-modes (`model.context_parallel`):
+of other devices, so it runs here, in `shard_map` (each operand split as the rules split it; the collectives run
+over the `length` axes), in one of two modes (`model.context_parallel`):
 
   'allgather'  every device all-gathers K and V (and the segment ids) of the whole
                sequence and attends its own queries to them. One collective per layer
@@ -320,8 +319,11 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   k/v[b,l,kv,d] (global shapes) -> [b,l,n,d], equal to the single-device attention.
 
   Mode and layout come from the enclosing `sequence(...)` (default: 'allgather',
-  natural order). Only the `length` axes are manual in the shard_map; the batch and
-  head dims keep whatever sharding the compiler gives them (data, tensor parallel)."""
+  natural order). The shard_map is manual over every mesh axis, each operand split as
+  the rules split its logical dims (batch over data, heads over model, ...), so each
+  device computes on its own rows and heads only. (Manual over the `length` axes alone,
+  the partitioner gathered the batch into the body on the CPU backend: every device
+  then did the whole batch's attention.)"""
   split = split or length_split()
   if split is None:
     raise ContextParallelError("context_parallel.attention needs rules that split 'length' "
@@ -329,15 +331,26 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   mode, balanced = _sequence.get()
   check_mode(mode)
   check_length(q.shape[1], split, balanced)
-  seq = P(None, split.axis_name)
-  spec4 = P(None, split.axis_name, None, None)
+  q_spec, kv_spec, seg_spec = _specs(split)
   local = _LOCAL[mode]
   if segment_ids is None:
     body = lambda q, k, v: local(q, k, v, None, split=split, balanced=balanced)
-    args, in_specs = (q, k, v), (spec4, spec4, spec4)
+    args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
   else:
     body = lambda q, k, v, s: local(q, k, v, s, split=split, balanced=balanced)
-    args, in_specs = (q, k, v, segment_ids.astype(jnp.int32)), (spec4, spec4, spec4, seq)
-  fn = jax.shard_map(body, in_specs=in_specs, out_specs=spec4, axis_names=frozenset(split.axes),
-                     check_vma=False)
+    args, in_specs = (q, k, v, segment_ids.astype(jnp.int32)), (q_spec, kv_spec, kv_spec, seg_spec)
+  fn = jax.shard_map(body, in_specs=in_specs, out_specs=q_spec, check_vma=False)
   return fn(*args)
+
+
+def _specs(split: Split) -> tuple[P, P, P]:
+  """PartitionSpecs of q, k/v and segment ids from the rules in force. Query head h uses
+  kv head h // g, so a device's query heads find their kv heads locally only when both
+  head dims are split alike; otherwise both stay whole inside the shard_map."""
+  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
+  q = rules_lib.logical_to_spec(_Q_AXES, rules, mesh_shape)
+  kv = rules_lib.logical_to_spec(("batch", "length", "kv_heads", "kv"), rules, mesh_shape)
+  seg = rules_lib.logical_to_spec(("batch", "length"), rules, mesh_shape)
+  if q[2] != kv[2]:
+    q, kv = P(q[0], q[1], None, q[3]), P(kv[0], kv[1], None, kv[3])
+  return q, kv, seg
