@@ -79,6 +79,9 @@ class TransformerConfig:
   attention_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 50); None = off
   flash_block_q: int = 512            # splash kernel tile sizes (TPU; 'flash' / 'auto')
   flash_block_kv: int = 512
+  # Attention when the rules split `length` over a mesh axis (layers/context_parallel.py):
+  # "allgather" (all-gather K/V) | "ring" (K/V blocks passed round the axis with ppermute).
+  context_parallel: str = "allgather"
 
   def __post_init__(self):
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
@@ -108,6 +111,8 @@ class TransformerConfig:
                f"model.{f}={getattr(self, f)} must be a positive multiple of 128 (the TPU lane width)")
     _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
     _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
+    _require(self.context_parallel in ("allgather", "ring"),
+             f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats

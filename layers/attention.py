@@ -45,6 +45,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from shardax.layers import context_parallel
 from shardax.layers.linear import DenseGeneral
 from shardax.sharding import shard
 
@@ -228,7 +229,11 @@ class Attention(nnx.Module):
               ("batch", "length", "kv_heads", "kv"))
     v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
     q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj")))
-    o = attend(q, k, v, segment_ids, options=self.options)
+    split = context_parallel.length_split()  # `length` on a mesh axis: context parallel
+    if split is not None:
+      o = context_parallel.attention(q, k, v, segment_ids, split)
+    else:
+      o = attend(q, k, v, segment_ids, options=self.options)
     o = shard(o, ("batch", "length", "heads", "kv"))
     return checkpoint_name(self.out(o), "out_proj")  # names: the offload remat policies (transformer.py)
 

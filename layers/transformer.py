@@ -36,6 +36,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardax import pipeline
 from shardax.configs.schema import TransformerConfig
+from shardax.layers import context_parallel
 from shardax.layers.attention import Attention, default_positions, kv_cache_spec
 from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
@@ -275,7 +276,9 @@ class TransformerLM(nnx.Module):
     the same tokens (PaLM's z-loss: keeps the softmax normalizer near 1, so bf16 logits
     stay in range).
     """
-    logits = self(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
+    batch = context_parallel.balance_batch(batch)  # `length` split: causal load balance
+    with context_parallel.sequence(self.cfg.context_parallel, balanced=True):
+      logits = self(batch["inputs"], batch.get("positions"), batch.get("segment_ids")).astype(jnp.float32)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch.get("loss_mask")
     if mask is None:

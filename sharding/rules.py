@@ -153,3 +153,13 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules,
     used.update(chosen)
     spec.append(None if not chosen else chosen[0] if len(chosen) == 1 else chosen)
   return PartitionSpec(*spec)
+
+
+# Context parallelism (layers/context_parallel.py): the sequence (`length`) of every
+# activation also split, over a `context` axis; attention then runs by all-gathered or
+# ring-passed K/V. `name_cp` is preset `name` plus that rule; `fsdp_cp` also splits the
+# weights over `context` (ZeRO-3 over both axes: the context devices would otherwise
+# each hold the data axis's whole weight shard).
+PRESETS.update({f"{name}_cp": PRESETS[name] + (("length", "context"),) for name in ("dp", "tp", "2d")})
+PRESETS["fsdp_cp"] = (("batch", "data"), ("embed", ("data", "context")), ("length", "context"),
+                      ("cache_batch", "data"))
