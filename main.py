@@ -1,6 +1,6 @@
 """The command line: `shardax --exp=NAME --job_dir=DIR [--mode=...] [--set PATH=VALUE ...]`.
 
-Modes: train (default), eval, decode, explain, benchmark, dry_run, plan, list. Every mistake a user can
+Modes: train (default), eval, decode, explain, benchmark, dry_run, plan, list, import and export (Hugging Face checkpoints, trainer/hf/). Every mistake a user can
 make here (an unknown experiment, a mistyped --set path, a mesh that does not
 match the devices) ends in one line naming the problem and the fix, before
 anything in the job dir is written.
@@ -19,7 +19,7 @@ logs.quiet_native_logs()
 
 from absl import app, flags, logging  # noqa: E402
 
-MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "plan", "list")
+MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "plan", "list", "import", "export")
 
 flags.DEFINE_string("exp", None, "Registered experiment name (see --mode=list).")
 flags.DEFINE_string("job_dir", None, "Directory for config, checkpoints, metrics and reports.")
@@ -44,6 +44,8 @@ flags.DEFINE_bool("shallow", False, "dry_run/plan: compile shallow copies of a s
 flags.DEFINE_float("compile_effort", None, "dry_run/plan: compile effort in [-1, 1] (jax 0.10: "
                    "exec_time_optimization_effort; jax 0.11: -1 -> optimization level O0); -1 compiles "
                    "~5x faster. Default: 0 for dry_run, -1 for plan.")
+flags.DEFINE_string("hf_out", None, "export: the Hugging Face model directory to write.")
+flags.DEFINE_integer("hf_shard_mb", 4096, "export: safetensors files above this many MB are split, with an index.")
 FLAGS = flags.FLAGS
 
 
@@ -80,8 +82,32 @@ def write_config(exp, job_dir: str) -> None:
   jobdir.write_text(root / "config.json", registry.to_json(exp))
 
 
+def _hf_import_if_new(exp, job_dir: str) -> None:
+  """The first --mode=train of an hf:DIR experiment starts from the imported weights."""
+  from shardax.trainer import checkpoint as ckpt_lib
+  if not exp.name.startswith("hf:") or not exp.checkpoint.enabled:
+    return
+  with ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint) as ckpt:
+    if ckpt.latest_step() is not None:
+      return
+  from shardax.trainer.hf import importer
+  importer.run(exp, job_dir)
+
+
 def run_mode(mode: str, exp, job_dir: str) -> None:
+  if mode == "import":
+    from shardax.trainer.hf import importer
+    write_config(exp, job_dir)
+    importer.run(exp, job_dir)
+    return
+  if mode == "export":
+    from shardax.trainer.hf import exporter
+    if not FLAGS.hf_out:
+      raise UserError("--mode=export needs --hf_out=DIR, the Hugging Face model directory to write")
+    exporter.run(exp, job_dir, os.path.expanduser(FLAGS.hf_out), FLAGS.hf_shard_mb << 20)
+    return
   if mode == "train":
+    _hf_import_if_new(exp, job_dir)
     from shardax.trainer import loop
     summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
     evals = summary["eval_losses"]

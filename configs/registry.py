@@ -61,6 +61,11 @@ def names() -> dict[str, str]:
 def get(name: str) -> fdl.Config:
   """The named experiment's config tree (unbuilt, so overrides can still edit it)."""
   _load_experiments()
+  prefix, _, rest = name.partition(":")
+  if rest and prefix in _PREFIXES:
+    cfg = _PREFIXES[prefix](rest)
+    cfg.name = cfg.name or name
+    return cfg
   if name not in _REGISTRY:
     close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
@@ -151,3 +156,14 @@ def to_text(exp: Experiment) -> str:
 
 def to_json(exp: Experiment) -> str:
   return json.dumps(dataclasses.asdict(exp), indent=2, sort_keys=True, default=str)
+
+
+# Experiment names with a prefix ("hf:DIR") are built by a function of the rest of the name;
+# experiments/hf.py registers "hf". The planner re-resolves experiments by name, so a
+# prefixed name must resolve the same way everywhere: here, in `get`.
+_PREFIXES: dict[str, Callable[[str], fdl.Config]] = {}
+
+
+def register_prefix(prefix: str, build_fn: Callable[[str], fdl.Config]) -> None:
+  """`get("PREFIX:REST")` returns `build_fn(REST)`."""
+  _PREFIXES[prefix] = build_fn

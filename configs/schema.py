@@ -82,6 +82,18 @@ class TransformerConfig:
   # Attention when the rules split `length` over a mesh axis (layers/context_parallel.py):
   # "allgather" (all-gather K/V) | "ring" (K/V blocks passed round the axis with ppermute).
   context_parallel: str = "allgather"
+  # Options that imported checkpoints need (trainer/hf/); the defaults are shardax's own model.
+  norm_eps: float = 1e-6              # epsilon of every RMSNorm/LayerNorm
+  scale_embedding: bool = True        # multiply looked-up rows by sqrt(d_model) (Praxis); HF models: False
+  qkv_bias: bool = False              # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
+  out_bias: bool = False              # bias on the attention output projection (Llama's attention_bias)
+  mlp_bias: bool = False              # biases on the MLP projections (Llama's mlp_bias)
+  qk_norm: bool = False               # RMSNorm over the head dim of q and k before RoPE (Qwen3)
+  rope_scaling: str = "none"          # "none" | "llama3" (Llama 3.1's frequency-dependent scaling)
+  rope_scaling_factor: float = 8.0    # llama3: wavelengths beyond the original length are stretched by this
+  rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_len / low are scaled in full ...
+  rope_high_freq_factor: float = 4.0  # ... below original_len / high not at all; smooth in between
+  rope_original_max_len: int = 8192   # llama3: the context length the model was pretrained at
 
   def __post_init__(self):
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
@@ -113,6 +125,14 @@ class TransformerConfig:
     _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
     _require(self.context_parallel in ("allgather", "ring"),
              f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")
+    _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
+    _require(self.rope_scaling in ("none", "llama3"),
+             f"model.rope_scaling={self.rope_scaling!r}: use 'none' or 'llama3'")
+    _require(self.rope_scaling == "none" or (self.rope_scaling_factor >= 1 and
+             self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_original_max_len >= 1),
+             f"model.rope_scaling='llama3' needs rope_scaling_factor >= 1, rope_high_freq_factor > "
+             f"rope_low_freq_factor > 0 and rope_original_max_len >= 1 (got {self.rope_scaling_factor}, "
+             f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}, {self.rope_original_max_len})")
     p = self.pipeline
     if p.stages > 1:
       per = p.stages * p.circular_repeats
@@ -155,6 +175,14 @@ class TransformerConfig:
   @property
   def dim_per_head(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
+
+  @property
+  def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
+    """(factor, low_freq_factor, high_freq_factor, original_max_len) for llama3 scaling, else None."""
+    if self.rope_scaling == "none":
+      return None
+    return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
+            self.rope_original_max_len)
 
 
 # Image sources: name -> (spatial rank, multiple every size must be); see trainer/images.py.

@@ -40,27 +40,59 @@ import dataclasses
 import functools
 from typing import Any
 
+import math
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardax.layers import context_parallel
 from shardax.layers.linear import DenseGeneral
+from shardax.layers.norm import RMSNorm
 from shardax.sharding import shard
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0) -> jax.Array:
+def llama3_inv_freq(inv_freq: np.ndarray, scaling: tuple[float, float, float, int]) -> np.ndarray:
+  """Llama 3.1's rope scaling of the frequencies (float32, as Meta and transformers compute it).
+
+  With factor f and the pretraining length L: wavelengths longer than L / low_freq_factor
+  are stretched by f, shorter than L / high_freq_factor kept, and those in between
+  interpolated smoothly, so local (high-frequency) structure is untouched while the
+  positions of a long context map into the range seen in pretraining.
+  """
+  factor, low, high, original = scaling
+  inv_freq = np.asarray(inv_freq, np.float32)
+  wavelen = np.float32(2 * math.pi) / inv_freq
+  scaled = np.where(wavelen > original / low, inv_freq / np.float32(factor), inv_freq)
+  smooth = (np.float32(original) / wavelen - np.float32(low)) / np.float32(high - low)
+  smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
+  medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+  return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def rope_inv_freq(d: int, theta: float, scaling: tuple[float, float, float, int] | None) -> jax.Array:
+  """float32[d/2] rotation frequencies theta^(-2i/d), llama3-scaled when `scaling` is given."""
+  if scaling is None:
+    return theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  base = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+  return jnp.asarray(llama3_inv_freq(base, scaling))
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0,
+               scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
   """Rotary embedding (rotate-half form) of x[b, l, heads, d] at positions[b, l].
 
   Pair (x_i, x_{i+d/2}) is rotated by angle pos * theta^(-2i/d); a dot product of two
   rotated vectors then depends on their positions only through the difference.
   Computed in float32 (angles of large positions need the mantissa), cast back.
+  `scaling`: llama3 rope scaling parameters (`llama3_inv_freq`), None for plain RoPE.
   """
   d = x.shape[-1]
   if d % 2:
     raise ValueError(f"RoPE needs an even head dim, got {d}")
-  inv_freq = theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
+  inv_freq = rope_inv_freq(d, theta, scaling)
   angle = positions.astype(jnp.float32)[..., None] * inv_freq     # [b, l, d/2]
   sin = jnp.sin(angle)[..., None, :]                                # [b, l, 1, d/2]
   cos = jnp.cos(angle)[..., None, :]
@@ -202,31 +234,44 @@ class Attention(nnx.Module):
 
   def __init__(self, d_model: int, num_heads: int, num_kv_heads: int, head_dim: int, *,
                rope_theta: float = 10_000.0, implementation: str = "xla",
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs,
+               dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
+               out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
+               rope_scaling: tuple[float, float, float, int] | None = None, rngs: nnx.Rngs,
                options: AttentionOptions | None = None):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     self.rope_theta = rope_theta
+    self.rope_scaling = None if rope_scaling is None else tuple(rope_scaling)
     self.options = options or AttentionOptions(implementation)  # validates the name
     self.implementation = self.options.implementation
     kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.query = DenseGeneral(d_model, (num_heads, head_dim), in_axes=("embed",),
-                              out_axes=("heads", "kv"), **kw)
+                              out_axes=("heads", "kv"), use_bias=qkv_bias, **kw)
     self.key = DenseGeneral(d_model, (num_kv_heads, head_dim), in_axes=("embed",),
-                            out_axes=("kv_heads", "kv"), **kw)
+                            out_axes=("kv_heads", "kv"), use_bias=qkv_bias, **kw)
     self.value = DenseGeneral(d_model, (num_kv_heads, head_dim), in_axes=("embed",),
-                              out_axes=("kv_heads", "kv"), **kw)
+                              out_axes=("kv_heads", "kv"), use_bias=qkv_bias, **kw)
     self.out = DenseGeneral((num_heads, head_dim), d_model, in_axes=("heads", "kv"),
-                            out_axes=("embed",), **kw)
+                            out_axes=("embed",), use_bias=out_bias, **kw)
+    # Qwen3: RMSNorm over each head's d dims of q and k (one scale shared by all heads).
+    norm = lambda: RMSNorm(head_dim, eps=norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="kv")
+    self.q_norm = norm() if qk_norm else None
+    self.k_norm = norm() if qk_norm else None
+
+  def _rotated(self, proj: DenseGeneral, norm: RMSNorm | None, x: jax.Array,
+               positions: jax.Array) -> jax.Array:
+    """q or k: projected, normalized per head (qk_norm), rotated (RoPE)."""
+    y = proj(x)
+    if norm is not None:
+      y = norm(y)
+    return apply_rope(y, positions, self.rope_theta, self.rope_scaling)
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
-    q = shard(apply_rope(self.query(x), positions, self.rope_theta),
-              ("batch", "length", "heads", "kv"))
-    k = shard(apply_rope(self.key(x), positions, self.rope_theta),
-              ("batch", "length", "kv_heads", "kv"))
+    q = shard(self._rotated(self.query, self.q_norm, x, positions), ("batch", "length", "heads", "kv"))
+    k = shard(self._rotated(self.key, self.k_norm, x, positions), ("batch", "length", "kv_heads", "kv"))
     v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
     q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj")))
     split = context_parallel.length_split()  # `length` on a mesh axis: context parallel
@@ -240,9 +285,8 @@ class Attention(nnx.Module):
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """(out, cache after writing this block's k/v): a prefill (x[b, l > 1], positions
     0..l-1) or one generate step (x[b, 1] at positions[b, 0]); see the module docstring."""
-    q = shard(apply_rope(self.query(x), positions, self.rope_theta),
-              ("batch", "length", "heads", "kv"))
-    k = apply_rope(self.key(x), positions, self.rope_theta)
+    q = shard(self._rotated(self.query, self.q_norm, x, positions), ("batch", "length", "heads", "kv"))
+    k = self._rotated(self.key, self.k_norm, x, positions)
     v = self.value(x)
     cache = {"k": shard(write_cache(cache["k"], k, positions), CACHE_AXES),
              "v": shard(write_cache(cache["v"], v, positions), CACHE_AXES)}

@@ -31,8 +31,9 @@ class Embed(nnx.Module):
   """`embedding[vocab, embed]`; `__call__` looks tokens up, `attend` scores vocab rows."""
 
   def __init__(self, num_embeddings: int, features: int, *,
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype=jnp.float32, param_dtype=jnp.float32, scale: bool = True, rngs: nnx.Rngs):
     self.features = features
+    self.scale = scale   # False: rows as stored (Hugging Face checkpoints have no sqrt(embed) factor)
     self.dtype = dtype
     init = nnx.initializers.normal(stddev=1.0 / math.sqrt(features))
     self.embedding = nnx.Param(init(rngs.params(), (num_embeddings, features), param_dtype),
@@ -48,7 +49,7 @@ class Embed(nnx.Module):
                         precision=jax.lax.Precision.HIGHEST)
     else:
       rows = jnp.take(table, tokens, axis=0)
-    return rows * jnp.asarray(math.sqrt(self.features), self.dtype)
+    return rows * jnp.asarray(math.sqrt(self.features), self.dtype) if self.scale else rows
 
   def attend(self, x: jax.Array) -> jax.Array:
     """x[..., embed] -> float32 logits[..., vocab] (operands in dtype, accumulation in f32)."""

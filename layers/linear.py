@@ -6,7 +6,9 @@ sharding rules split heads on a mesh axis by name. The kernel is one parameter o
 shape `in_features + out_features` whose dims carry the logical names
 `in_axes + out_axes`; the layer contracts the trailing `len(in_features)` dims of x.
 
-No bias: modern LMs drop it, and a bias would need its own axis names for no gain.
+No bias by default: modern LMs drop it. `use_bias=True` adds one over the output dims
+(logical names `out_axes`), for checkpoints that have them (Qwen2's q/k/v, Llama's
+attention_bias / mlp_bias).
 """
 
 from __future__ import annotations
@@ -50,7 +52,7 @@ class DenseGeneral(nnx.Module):
   def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
                in_axes: Sequence[str | None], out_axes: Sequence[str | None],
                dtype=jnp.float32, param_dtype=jnp.float32,
-               kernel_init: nnx.Initializer | None = None, rngs: nnx.Rngs):
+               kernel_init: nnx.Initializer | None = None, use_bias: bool = False, rngs: nnx.Rngs):
     self.in_features = _as_tuple(in_features)
     self.out_features = _as_tuple(out_features)
     in_axes, out_axes = tuple(in_axes), tuple(out_axes)
@@ -62,6 +64,7 @@ class DenseGeneral(nnx.Module):
     shape = self.in_features + self.out_features
     self.kernel = nnx.Param(init(rngs.params(), shape, param_dtype),
                             logical_axes=in_axes + out_axes)
+    self.bias = nnx.Param(jnp.zeros(self.out_features, param_dtype), logical_axes=out_axes) if use_bias else None
 
   def __call__(self, x: jax.Array, *, out_dtype=None) -> jax.Array:
     """Contracts x's trailing in-dims; `out_dtype` (e.g. float32 for logits) sets the
@@ -72,8 +75,9 @@ class DenseGeneral(nnx.Module):
     kernel = self.kernel[...].astype(self.dtype)
     x = x.astype(self.dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    return jax.lax.dot_general(x, kernel, (contract, ((), ())),
-                               preferred_element_type=out_dtype or self.dtype)
+    y = jax.lax.dot_general(x, kernel, (contract, ((), ())),
+                            preferred_element_type=out_dtype or self.dtype)
+    return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
 def _as_tuple(v: int | Sequence[int]) -> tuple[int, ...]:

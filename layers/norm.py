@@ -16,11 +16,11 @@ class RMSNorm(nnx.Module):
   """y = x / sqrt(mean(x^2) + eps) * scale  (no centering, no bias)."""
 
   def __init__(self, features: int, *, eps: float = 1e-6, dtype=jnp.float32,
-               param_dtype=jnp.float32, rngs: nnx.Rngs | None = None):
+               param_dtype=jnp.float32, axis_name: str = "embed", rngs: nnx.Rngs | None = None):
     del rngs  # deterministic init; accepted so all layers share one constructor shape
     self.eps = eps
     self.dtype = dtype
-    self.scale = nnx.Param(jnp.ones((features,), param_dtype), logical_axes=("embed",))
+    self.scale = nnx.Param(jnp.ones((features,), param_dtype), logical_axes=(axis_name,))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     x32 = x.astype(jnp.float32)
@@ -48,9 +48,9 @@ class LayerNorm(nnx.Module):
     return y.astype(self.dtype)
 
 
-def make_norm(kind: str, features: int, *, dtype, param_dtype) -> RMSNorm | LayerNorm:
+def make_norm(kind: str, features: int, *, dtype, param_dtype, eps: float = 1e-6) -> RMSNorm | LayerNorm:
   """The norm a config names: 'rms' or 'layer'."""
   cls = {"rms": RMSNorm, "layer": LayerNorm}.get(kind)
   if cls is None:
     raise ValueError(f"norm={kind!r}: use 'rms' or 'layer'")
-  return cls(features, dtype=dtype, param_dtype=param_dtype)
+  return cls(features, eps=eps, dtype=dtype, param_dtype=param_dtype)

@@ -70,15 +70,20 @@ class Block(nnx.Module):
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    self.attn_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    eps = getattr(cfg, "norm_eps", 1e-6)
+    self.attn_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt, eps=eps)
     self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
                           rope_theta=cfg.rope_theta, implementation=cfg.attention,
-                          dtype=dt, param_dtype=pdt, rngs=rngs,
+                          dtype=dt, param_dtype=pdt, qkv_bias=getattr(cfg, "qkv_bias", False),
+                          out_bias=getattr(cfg, "out_bias", False), qk_norm=getattr(cfg, "qk_norm", False),
+                          norm_eps=eps, rope_scaling=getattr(cfg, "rope_scaling_params", None), rngs=rngs,
                           options=cfg.attention_options())
     # A parallel block (GPT-J/PaLM) feeds one norm to both branches: no second norm.
-    self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt,
+                                                              param_dtype=pdt, eps=eps)
     mlp = PlainMLP if cfg.mlp == "plain" else GatedMLP
-    self.mlp = mlp(cfg.d_model, cfg.d_ff, activation=cfg.activation, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.mlp = mlp(cfg.d_model, cfg.d_ff, activation=cfg.activation, dtype=dt, param_dtype=pdt,
+                   use_bias=getattr(cfg, "mlp_bias", False), rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None = None) -> jax.Array:
@@ -238,9 +243,11 @@ class TransformerLM(nnx.Module):
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
-    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.embed = Embed(cfg.vocab_size, cfg.d_model, dtype=dt, param_dtype=pdt,
+                       scale=getattr(cfg, "scale_embedding", True), rngs=rngs)
     self.layers = LayerStack(cfg, rngs=rngs)
-    self.final_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt)
+    self.final_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt,
+                                eps=getattr(cfg, "norm_eps", 1e-6))
     self.head = None if cfg.tied_embedding else DenseGeneral(
         cfg.d_model, cfg.vocab_size, in_axes=("embed",), out_axes=("vocab",),
         dtype=dt, param_dtype=pdt, rngs=rngs)

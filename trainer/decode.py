@@ -365,7 +365,8 @@ class Generator:
     """Text in, `Completion`s out (one per prompt, in order). Each prompt starts with the
     tokenizer's end-of-document id, as every document does in the packed training windows."""
     tok = self.tokenizer
-    result = self.run([[tok.eos_id, *tok.encode(p)] for p in prompts], s)
+    start = [] if tok.own_start else [tok.eos_id]   # a model tokenizer adds its own BOS
+    result = self.run([[*start, *tok.encode(p)] for p in prompts], s)
     out = []
     for prompt, ids, count, stopped in zip(prompts, result.ids, result.counts, result.stopped):
       new = [int(i) for i in ids[:count - 1 if stopped else count]]

@@ -30,10 +30,14 @@ import numpy as np
 FIELDS = ("inputs", "targets", "segment_ids", "positions", "loss_mask")
 
 
-def document_example(ids: np.ndarray, eos: int) -> dict[str, np.ndarray]:
-  """The next-token example of one document: inputs [eos, ids], targets [ids, eos]."""
+def document_example(ids: np.ndarray, eos: int, own_start: bool = False) -> dict[str, np.ndarray]:
+  """The next-token example of one document: inputs [eos, ids], targets [ids, eos].
+  own_start (a model tokenizer whose ids already begin with its BOS): inputs ids,
+  targets [ids[1:], eos], so the text is exactly what the model's tokenizer made of it."""
   ids = np.asarray(ids, dtype=np.int32).reshape(-1)
   edge = np.asarray([eos], np.int32)
+  if own_start:
+    return {"inputs": ids, "targets": np.concatenate([ids[1:], edge])}
   return {"inputs": np.concatenate([edge, ids]), "targets": np.concatenate([ids, edge])}
 
 

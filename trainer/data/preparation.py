@@ -66,6 +66,8 @@ def _tokenizer_identity(spec: str) -> str:
   path = None
   if spec.startswith("spm:") and not spec.startswith(tokenizers.SPM_TRAIN_PREFIX):
     path = spec[4:]
+  elif spec.startswith(tokenizers.HF_MODEL_PREFIX):
+    path = spec[len(tokenizers.HF_MODEL_PREFIX):]
   elif spec.startswith("hf:") or spec.endswith(".json"):
     path = spec[3:] if spec.startswith("hf:") else spec
   if path is None:
@@ -161,7 +163,8 @@ def _make_tokenizer(cfg, directory: str) -> tuple[tokenizers.Tokenizer, str | No
   tok = tokenizers.from_spec(cfg.tokenizer)
   if isinstance(tok, tokenizers.ByteTokenizer):
     return tok, None
-  name = "tokenizer.model" if isinstance(tok, tokenizers.SentencePieceTokenizer) else "tokenizer.json"
+  name = ("tokenizer.model" if isinstance(tok, tokenizers.SentencePieceTokenizer) else
+          tokenizers.HF_MODEL_FILE if tok.own_start else "tokenizer.json")
   shutil.copy(tok.path, os.path.join(directory, name))
   return tok, name
 
@@ -207,6 +210,6 @@ def _write(cfg, directory: str, identity: dict[str, Any]) -> dict[str, Any]:
         f"written at {total_bytes / 1e6 / tokenizing:.2f} MB/s into {directory.rsplit('.tmp-', 1)[0]}",
         file=sys.stderr, flush=True)
   return {**identity, "tokenizer_file": tok_file, "vocab_size": tok.vocab_size,
-          "eos_id": tok.eos_id, "pad_id": tok.pad_id, "dtype": dtype.name, "splits": splits,
+          "eos_id": tok.eos_id, "pad_id": tok.pad_id, "own_start": tok.own_start, "dtype": dtype.name, "splits": splits,
           "seconds": round(seconds, 2), "tokenizer_seconds": round(seconds - tokenizing, 2),
           "bytes_per_s": round(total_bytes / tokenizing)}

@@ -73,7 +73,8 @@ def local_batches(prepared: Prepared, split: str, seq_len: int, rows: int, seed:
                        f"{prepared.directory} ({len(prepared.shard_paths(split))} shards); "
                        f"lower data.num_shards or add documents")
     docs = docs.shuffle(seed=seed % 2**32).repeat()
-  examples = docs.map(functools.partial(packing.document_example, eos=prepared.manifest["eos_id"]))
+  examples = docs.map(functools.partial(packing.document_example, eos=prepared.manifest["eos_id"],
+                                        own_start=prepared.manifest.get("own_start", False)))
   windows = packing.pack(examples.to_iter_dataset(READ_OPTIONS), seq_len)
   batches = windows.batch(rows, drop_remainder=split == "train")
   return batches if split == "train" else batches.map(functools.partial(_pad_rows, rows=rows))

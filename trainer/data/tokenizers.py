@@ -7,6 +7,9 @@
                       split when the data is prepared and stored beside it
                       (`<prepared dir>/tokenizer.model`), so later runs are offline.
     hf:PATH | *.json  a Hugging Face `tokenizers` JSON file (tokenizer.json).
+    hf_model:PATH     a Hugging Face model's own tokenizer.json, encoding as the model saw text:
+                      with its post-processor's special tokens (e.g. Llama's BOS) and no
+                      separator of shardax's own; a document ends with its eos (`own_start`).
 
 Every tokenizer has the same small interface (`Tokenizer`): `encode(str) -> list[int]`,
 `decode(ids) -> str`, `vocab_size`, `eos_id` (ends, and in packed windows also starts, each
@@ -29,6 +32,8 @@ SPM_TRAIN_PREFIX = "spm:train:"
 SPM_PAD, SPM_UNK, SPM_EOS = 0, 1, 2
 _HF_EOS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _HF_PAD = ("<pad>", "[PAD]", "<|padding|>")
+HF_MODEL_PREFIX = "hf_model:"
+HF_MODEL_FILE = "hf_model.tokenizer.json"   # its copy beside prepared data (from_file tells it apart)
 
 
 class TokenizerError(ValueError):
@@ -36,7 +41,9 @@ class TokenizerError(ValueError):
 
 
 class Tokenizer:
-  """text <-> ids. Subclasses set name, vocab_size, eos_id, pad_id and the two methods."""
+  """text <-> ids. Subclasses set name, vocab_size, eos_id, pad_id and the two methods.
+  own_start: encode() begins a document itself (a model's BOS), so no eos goes before it."""
+  own_start = False
   name: str
   vocab_size: int
   eos_id: int
@@ -102,14 +109,16 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-  """A `tokenizers` JSON file; eos/pad found among the usual special token names."""
+  """A `tokenizers` JSON file; eos/pad found among the usual special token names.
+  `model=True` (spec 'hf_model:PATH') encodes with the post-processor's special tokens."""
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, model: bool = False):
     import tokenizers
     if not os.path.exists(path):
       raise TokenizerError(f"tokenizer file {path!r} does not exist; give a Hugging Face "
                            f"tokenizer.json (data.tokenizer='hf:PATH')")
     self.path = path
+    self.own_start = model   # encode() already starts a document (BOS); see packing.document_example
     self._tok = tokenizers.Tokenizer.from_file(path)
     self.name, self.vocab_size = f"hf:{path}", int(self._tok.get_vocab_size(with_added_tokens=True))
     eos = [self._tok.token_to_id(t) for t in _HF_EOS if self._tok.token_to_id(t) is not None]
@@ -120,7 +129,7 @@ class HuggingFaceTokenizer(Tokenizer):
     self.eos_id, self.pad_id = int(eos[0]), int(pad[0]) if pad else int(eos[0])
 
   def encode(self, text: str) -> list[int]:
-    return self._tok.encode(text, add_special_tokens=False).ids
+    return self._tok.encode(text, add_special_tokens=self.own_start).ids
 
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode(self._valid(ids), skip_special_tokens=True)
@@ -128,7 +137,7 @@ class HuggingFaceTokenizer(Tokenizer):
 
 def check_spec(spec: str) -> None:
   """A clear error for a malformed data.tokenizer (no files are touched)."""
-  if spec == "byte" or spec.startswith("hf:") or (spec.endswith(".json") and ":" not in spec):
+  if spec == "byte" or spec.startswith(("hf:", HF_MODEL_PREFIX)) or (spec.endswith(".json") and ":" not in spec):
     return
   if spec.startswith(SPM_TRAIN_PREFIX):
     vocab = spec[len(SPM_TRAIN_PREFIX):]
@@ -159,6 +168,8 @@ def from_spec(spec: str, prepared_dir: str | None = None) -> Tokenizer:
     return SentencePieceTokenizer(os.path.join(prepared_dir, "tokenizer.model"))
   if spec.startswith("spm:"):
     return SentencePieceTokenizer(os.path.expanduser(spec[4:]))
+  if spec.startswith(HF_MODEL_PREFIX):
+    return HuggingFaceTokenizer(os.path.expanduser(spec[len(HF_MODEL_PREFIX):]), model=True)
   return HuggingFaceTokenizer(os.path.expanduser(spec[3:] if spec.startswith("hf:") else spec))
 
 
@@ -167,7 +178,9 @@ def from_file(name: str | None, directory: str) -> Tokenizer:
   if name is None:
     return ByteTokenizer()
   path = os.path.join(directory, name)
-  return SentencePieceTokenizer(path) if name.endswith(".model") else HuggingFaceTokenizer(path)
+  if name.endswith(".model"):
+    return SentencePieceTokenizer(path)
+  return HuggingFaceTokenizer(path, model=name == HF_MODEL_FILE)
 
 
 def load(data_cfg: Any) -> Tokenizer:

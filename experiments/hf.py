@@ -1,0 +1,44 @@
+"""`--exp=hf:DIR`: an experiment built from a Hugging Face model directory.
+
+The model comes from DIR/config.json (trainer/hf/config.py: every key mapped, checked or an
+error), the tokenizer is DIR/tokenizer.json encoded as the model's own (its post-processor's
+BOS, no separator of shardax's), and the weights come in through `--mode=import` (or the first
+`--mode=train`). Everything else is an ordinary experiment: mesh, rules, optimizer and data
+come from --set. The defaults suit fine-tuning: a low learning rate, short warmup, float32
+master weights; the mesh takes every device on the data axis with the `fsdp` rules
+(weights and optimizer state split across data-parallel devices).
+"""
+
+from __future__ import annotations
+
+import os
+
+from shardax.configs import experiment
+from shardax.configs.registry import register_prefix
+from shardax.trainer.hf import config as hf_config
+
+
+def hf_experiment(model_dir: str):
+  directory = os.path.abspath(os.path.expanduser(model_dir))
+  fields = hf_config.model_fields(hf_config.read(directory))
+  cfg = experiment(name=f"hf:{directory}",
+                   description=f"{hf_config.architecture(hf_config.read(directory))} from {directory}")
+  for key, value in fields.items():
+    setattr(cfg.model, key, value)
+  cfg.model.max_len = min(fields["max_len"], 4096)
+  cfg.data.seq_len = min(512, cfg.model.max_len)
+  tok = os.path.join(directory, "tokenizer.json")
+  if os.path.exists(tok):
+    cfg.data.tokenizer = f"hf_model:{tok}"
+  cfg.train.steps = 100
+  cfg.train.global_batch = 8
+  cfg.train.eval_every = 50
+  cfg.train.eval_batches = 4
+  cfg.optimizer.learning_rate = 1e-4
+  cfg.optimizer.warmup_steps = 10
+  cfg.optimizer.weight_decay = 0.0
+  cfg.checkpoint.every = 100
+  return cfg
+
+
+register_prefix("hf", hf_experiment)

@@ -1,0 +1,227 @@
+"""Hugging Face checkpoints in and out, checked against transformers' recorded outputs.
+
+The fixtures (tests/fixtures/hf/, written by tests/fixtures/make_hf_fixtures.py in its own
+torch environment) hold small random-weight models of each architecture as transformers
+saved them, with the logits and greedy tokens transformers computed. No torch here.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from shardax import configs
+from shardax.configs.schema import ConfigError
+from shardax.sharding import make_mesh, use_rules
+from shardax.sharding import rules as rules_lib
+from shardax.trainer import decode
+from shardax.trainer import state as state_lib
+from shardax.trainer.data import packing, tokenizers
+from shardax.trainer.hf import config as hf_config
+from shardax.trainer.hf import exporter, importer, safetensors
+
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3")
+PAD_TO = 32
+
+
+def experiment(arch, *overrides):
+  cfg = configs.get(f"hf:{os.path.join(FIXTURES, arch)}")
+  configs.apply_overrides(cfg, list(overrides))
+  return configs.build(cfg)
+
+
+def imported(arch, mesh_shape=(1, 1), *overrides):
+  """(setup, params) of the fixture model imported onto a mesh of the first devices."""
+  exp = experiment(arch, f"mesh.ici={mesh_shape}", *overrides)
+  n = int(np.prod(mesh_shape))
+  setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:n]))
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+    return setup, importer.import_params(setup, os.path.join(FIXTURES, arch))
+
+
+def reference(arch):
+  return dict(np.load(os.path.join(FIXTURES, arch, "reference.npz")))
+
+
+def logits_of(setup, params, ref, rows=3):
+  """Logits of the recorded sequences, right-padded to one batch (causal: padding after a
+  sequence does not change its logits)."""
+  n = len([k for k in ref if k.startswith("tokens_")])
+  tokens = np.zeros((max(rows, n), PAD_TO), np.int32)
+  for j in range(n):
+    tokens[j, :ref[f"tokens_{j}"].size] = ref[f"tokens_{j}"]
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
+    out = jax.jit(lambda p, t: setup.model(p)(t))(params, jnp.asarray(tokens))
+  out = np.asarray(out)
+  return [out[j, :ref[f"tokens_{j}"].size] for j in range(n)]
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request):
+  setup, params = imported(request.param)
+  return request.param, setup, params
+
+
+def test_logits_match_transformers(arch_model):
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  for j, got in enumerate(logits_of(setup, params, ref)):
+    np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=1e-4, rtol=0,
+                               err_msg=f"{arch} sequence {j}")
+
+
+@pytest.mark.parametrize("arch_model", ["llama3", "qwen2", "qwen3"], indirect=True)  # every option
+def test_greedy_decode_matches_transformers(arch_model):
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
+  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
+  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
+
+
+@pytest.mark.parametrize("arch", ["llama3", "qwen3"])
+def test_same_logits_on_2x4_mesh_with_2d_rules(arch):
+  # The 2d rules, but 2 kv heads cannot split 4 ways: they stay whole (jit arguments split evenly).
+  rules = tuple(r for r in rules_lib.PRESETS["2d"] if r[0] != "kv_heads")
+  setup, params = imported(arch, (2, 4), f"sharding.rules={rules!r}")
+  assert setup.mesh.shape == {"data": 2, "model": 4}
+  assert params["layers"]["blocks"]["attn"]["query"]["kernel"].sharding.spec[1:3] == ("data", "model")
+  ref = reference(arch)
+  for j, got in enumerate(logits_of(setup, params, ref, rows=4)):
+    np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"{arch} seq {j}")
+
+
+def test_import_export_round_trip_is_bit_exact(tmp_path):
+  """llama3 (sharded input, tied, biases) through a step-0 checkpoint on an fsdp (8, 1) mesh
+  and back; the export is split into several files by a small shard size."""
+  src = os.path.join(FIXTURES, "llama3")
+  exp = experiment("llama3", "mesh.ici=(8, 1)", "sharding.preset='fsdp'")
+  job = str(tmp_path / "job")
+  importer.run(exp, job)
+  with pytest.raises(ConfigError, match="fresh --job_dir"):
+    importer.run(exp, job)
+  out = str(tmp_path / "out")
+  summary = exporter.run(exp, job, out, max_shard_bytes=100_000)
+  assert summary["step"] == 0 and safetensors.INDEX in summary["files"] and len(summary["files"]) > 2
+  a, b = safetensors.Reader(src), safetensors.Reader(out)
+  assert a.names() == b.names()
+  for name in a.names():
+    x, y = a.get(name), b.get(name)
+    assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+  src_cfg, out_cfg = hf_config.read(src), hf_config.read(out)
+  assert hf_config.model_fields(src_cfg) == hf_config.model_fields(out_cfg)
+  assert os.path.exists(os.path.join(out, "tokenizer.json"))
+
+
+def test_tokenizer_encodes_like_transformers():
+  cases = json.load(open(os.path.join(FIXTURES, "tokenizer_cases.json")))["cases"]
+  tok = tokenizers.from_spec("hf_model:" + os.path.join(FIXTURES, "llama", "tokenizer.json"))
+  assert tok.own_start
+  for case in cases:
+    assert tok.encode(case["text"]) == case["ids"], case["text"]
+  # The experiment encodes with it; documents start with the model's BOS, end with its eos.
+  assert experiment("llama").data.tokenizer.startswith(tokenizers.HF_MODEL_PREFIX)
+  ex = packing.document_example(np.asarray(cases[0]["ids"]), eos=tok.eos_id, own_start=True)
+  assert ex["inputs"].tolist() == cases[0]["ids"]
+  assert ex["targets"].tolist() == cases[0]["ids"][1:] + [tok.eos_id]
+
+
+def _write_config(d, **changes):
+  cfg = {**hf_config.read(os.path.join(FIXTURES, "llama")), **changes}
+  os.makedirs(d, exist_ok=True)
+  with open(os.path.join(d, "config.json"), "w") as f:
+    json.dump({k: v for k, v in cfg.items() if v is not None}, f)
+  return d
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"some_new_scaling": 2.0}, "some_new_scaling"),
+    ({"architectures": ["MixtralForCausalLM"]}, "not supported by the importer yet"),
+    ({"architectures": ["GPT2LMHeadModel"]}, "exactly one of"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn' is not implemented"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"use_sliding_window": True}, "sliding-window"),
+])
+def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
+  d = _write_config(str(tmp_path / "m"), **changes)
+  with pytest.raises(ConfigError, match=message):
+    configs.get(f"hf:{d}")
+
+
+def test_config_reads_transformers_4_rope_spelling(tmp_path):
+  d = _write_config(str(tmp_path / "m"), rope_parameters=None, rope_theta=5e5, rope_scaling={
+      "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+      "original_max_position_embeddings": 8192})
+  m = configs.build(configs.get(f"hf:{d}")).model
+  assert (m.rope_theta, m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_len) == \
+      (5e5, "llama3", 32.0, 8192)
+
+
+MEMORY_SCRIPT = r"""
+import os, resource, sys
+import jax
+from shardax import configs
+from shardax.sharding import make_mesh, use_rules
+from shardax.sharding import rules as rules_lib
+from shardax.trainer import state as state_lib
+from shardax.trainer.hf import importer
+
+def rss():
+  with open("/proc/self/statm") as f:
+    return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+cfg = configs.get("hf:" + sys.argv[1])
+cfg.mesh.ici = (1, 1)
+exp = configs.build(cfg)
+setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:1]))
+jax.device_put(0.0).block_until_ready()
+base = rss()
+with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+  params = importer.import_params(setup, sys.argv[1])
+  jax.block_until_ready(params)
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(base, peak)
+"""
+
+
+def test_import_streams_tensor_by_tensor(tmp_path):
+  """A 66 MB model in 8+ files whose largest tensor is 1 MB: importing it grows peak RSS by
+  the params themselves (their device copy: host memory on a CPU), plus the host buffer of
+  the one param being filled (a stacked [layers, ...] leaf: 16 tensors) and a few tensors,
+  not by a second copy of the model (reading everything first doubles it). Large buffers
+  are malloc'd by mmap (MALLOC_MMAP_THRESHOLD_) so what is freed leaves the resident set."""
+  d = str(tmp_path / "big")
+  layers, dm, ff, vocab = 16, 256, 1024, 1024
+  _write_config(d, num_hidden_layers=layers, hidden_size=dm, intermediate_size=ff, vocab_size=vocab,
+                num_attention_heads=4, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+  specs = [("model.embed_tokens.weight", (vocab, dm)), ("model.norm.weight", (dm,)),
+           ("lm_head.weight", (vocab, dm))]
+  for i in range(layers):
+    p = f"model.layers.{i}."
+    specs += [(p + "input_layernorm.weight", (dm,)), (p + "post_attention_layernorm.weight", (dm,))]
+    specs += [(p + f"self_attn.{n}_proj.weight", (dm, dm)) for n in "qkvo"]
+    specs += [(p + "mlp.gate_proj.weight", (ff, dm)), (p + "mlp.up_proj.weight", (ff, dm)),
+              (p + "mlp.down_proj.weight", (dm, ff))]
+  specs = [(n, s, np.dtype(np.float32)) for n, s in specs]
+  rng = np.random.default_rng(0)
+  safetensors.write_model(d, specs, lambda n: rng.standard_normal(
+      next(s for m, s, _ in specs if m == n), np.float32), max_bytes=8 << 20)
+  total = sum(int(np.prod(s)) * 4 for _, s, _ in specs)
+  largest = max(int(np.prod(s)) * 4 for _, s, _ in specs)
+  assert len([f for f in os.listdir(d) if f.endswith(".safetensors")]) >= 8
+  assert total >= 60 * largest
+  out = subprocess.run([sys.executable, "-c", MEMORY_SCRIPT, d], capture_output=True, text=True,
+                       env={**os.environ, "JAX_NUM_CPU_DEVICES": "1", "JAX_PLATFORMS": "cpu", "MALLOC_MMAP_THRESHOLD_": "1048576"}, timeout=300)
+  assert out.returncode == 0, out.stderr[-3000:]
+  base, peak = map(int, out.stdout.split()[-2:])
+  growth = peak - base
+  print(f"import of {total / 2**20:.0f} MB: peak RSS growth {growth / 2**20:.0f} MB (largest tensor "
+        f"{largest / 2**20:.0f} MB)")
+  largest_leaf = layers * largest
+  assert growth < total + largest_leaf + 8 * largest, (growth, total, largest_leaf, largest)

@@ -1,0 +1,94 @@
+"""The latest checkpoint of an `hf:DIR` job -> a Hugging Face model directory.
+
+Writes config.json (trainer/hf/config.py), the weights as safetensors (one file, or
+`model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above the shard size),
+and the source directory's tokenizer files. Tensors are fetched one at a time (one layer
+of a stacked leaf), relaid out (trainer/hf/weights.py) and streamed into the file, so the
+host holds about one tensor beyond the restored state. The weights are written in the
+source model's dtype (config.json `dtype`/`torch_dtype`), else the param dtype: a model
+imported and exported untouched comes back bit for bit.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import sys
+import time
+
+import jax
+import ml_dtypes
+import numpy as np
+from absl import logging
+
+from shardax.configs.schema import ConfigError, Experiment
+from shardax.trainer.hf import config as hf_config
+from shardax.trainer.hf import importer, safetensors, weights
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "generation_config.json")
+DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def _order(name: str) -> tuple:
+  """Hugging Face's natural order: embeddings, layers by index, final norm, head."""
+  m = re.match(r"model\.layers\.(\d+)\.", name)
+  if m:
+    return (1, int(m.group(1)), name)
+  return (0 if "embed_tokens" in name else 2 if name.startswith("model.") else 3, 0, name)
+
+
+def export_params(params, model_cfg, out_dir: str, dtype, max_shard_bytes: int) -> list[str]:
+  """Writes `params` (our tree, jax or numpy leaves) as safetensors files in `out_dir`."""
+  plan = weights.leaves(params, model_cfg)
+  arrays = jax.tree_util.tree_leaves(params)
+  where: dict[str, tuple[weights.Leaf, object, int | None]] = {}
+  for (_, leaf), arr in zip(plan, arrays):
+    for i, name in enumerate(leaf.hf_names):
+      where[name] = (leaf, arr, i if leaf.stacked else None)
+  dtype = np.dtype(dtype)
+  specs = [(n, where[n][0].hf_shape, dtype) for n in sorted(where, key=_order)]
+
+  def tensor(name: str) -> np.ndarray:
+    leaf, arr, i = where[name]
+    one = np.asarray(arr[i] if i is not None else arr)
+    return leaf.to_hf(one).astype(dtype, copy=False)
+
+  os.makedirs(out_dir, exist_ok=True)
+  return safetensors.write_model(out_dir, specs, tensor, max_shard_bytes)
+
+
+def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) -> dict:
+  """--mode=export: the latest checkpoint of `job_dir` as a Hugging Face model in `out_dir`."""
+  from shardax.trainer import loop
+  if jax.process_count() > 1:
+    raise ConfigError("--mode=export runs in one process (it gathers each tensor to the host)")
+  source = importer.model_dir(exp)
+  src_cfg = hf_config.read(source)
+  arch = hf_config.architecture(src_cfg)
+  hf_config.check_exportable(exp.model, arch)
+  dtype_name = src_cfg.get("dtype") or src_cfg.get("torch_dtype") or exp.model.param_dtype
+  if dtype_name not in DTYPES:
+    raise ConfigError(f"config.json dtype={dtype_name!r}: export writes one of {sorted(DTYPES)}")
+  if os.path.abspath(out_dir) == os.path.abspath(source):
+    raise ConfigError(f"--hf_out={out_dir} is the source model directory; export somewhere else")
+  setup, state = loop.restore_latest(exp, job_dir)
+  step = int(state["step"])
+  params = state["params"]
+  del state
+  t0 = time.perf_counter()
+  files = export_params(params, exp.model, out_dir, DTYPES[dtype_name], max_shard_bytes)
+  seconds = time.perf_counter() - t0
+  with open(os.path.join(out_dir, "config.json"), "w") as f:
+    json.dump({**hf_config.to_hf(exp.model, arch, src_cfg), "dtype": dtype_name}, f, indent=2, sort_keys=True)
+  for name in TOKENIZER_FILES:
+    if os.path.exists(os.path.join(source, name)):
+      shutil.copy(os.path.join(source, name), os.path.join(out_dir, name))
+  nbytes = sum(os.path.getsize(os.path.join(out_dir, f)) for f in files if f.endswith(".safetensors"))
+  line = (f"exported step {step} of {job_dir} to {out_dir}: {len(files)} file(s), {nbytes / 1e6:.1f} MB "
+          f"in {seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s)")
+  logging.info(line)
+  print(line, file=sys.stderr, flush=True)
+  return {"bytes": nbytes, "seconds": seconds, "files": files, "step": step}

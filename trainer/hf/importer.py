@@ -1,0 +1,112 @@
+"""A Hugging Face model directory -> the job's orbax checkpoint at step 0, tensor by tensor.
+
+The train state is laid out for the experiment's mesh first (abstract: shapes and shardings
+from the rules, trainer/state.py). Then each param leaf is filled from the checkpoint's
+tensors: for every distinct shard this host holds, a buffer of the shard's shape; each
+Hugging Face tensor (one layer of a stacked leaf) is read once, relaid out, and its part
+copied into the buffers that cover it, then dropped. The buffers go to their devices and
+become the sharded array. So the host holds its own shards plus about one tensor (and its
+relaid view) at a time, never the whole model. The optimizer state is then initialized
+on the devices (jitted, born sharded) and the state saved as step 0.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import jax
+import numpy as np
+from absl import logging
+from jax.sharding import NamedSharding
+
+from shardax.configs.schema import ConfigError, Experiment
+from shardax.trainer.hf import config as hf_config
+from shardax.trainer.hf import safetensors, weights
+
+
+def model_dir(exp: Experiment) -> str:
+  """The model directory an `hf:DIR` experiment was built from."""
+  if not exp.name.startswith("hf:"):
+    raise ConfigError(f"--exp={exp.name!r} is not a Hugging Face experiment; use --exp=hf:DIR")
+  return os.path.expanduser(exp.name[3:])
+
+
+def _distinct_shards(sharding: NamedSharding, shape: tuple[int, ...]):
+  """{key: (index, [devices])}: this host's devices grouped by the block they hold."""
+  groups: dict = {}
+  for dev, idx in sharding.addressable_devices_indices_map(shape).items():
+    bounds = tuple(s.indices(n)[:2] for s, n in zip(idx, shape))
+    groups.setdefault(bounds, (bounds, []))[1].append(dev)
+  return groups
+
+
+def put_leaf(leaf: weights.Leaf, reader: safetensors.Reader, shape, dtype, sharding) -> jax.Array:
+  """One param as a sharded jax.Array, streamed from the checkpoint's tensors."""
+  dtype = np.dtype(dtype)
+  groups = _distinct_shards(sharding, tuple(shape))
+  bufs = {k: np.empty(tuple(b - a for a, b in bounds), dtype) for k, (bounds, _) in groups.items()}
+  def part(t, bounds):
+    return t[tuple(slice(a, b) for a, b in bounds)]
+  if leaf.stacked:
+    for i, name in enumerate(leaf.hf_names):
+      t = leaf.to_ours(reader.get(name))
+      for k, (bounds, _) in groups.items():
+        (start, stop), rest = bounds[0], bounds[1:]
+        if start <= i < stop:
+          bufs[k][i - start] = part(t, rest)
+      del t
+  else:
+    t = leaf.to_ours(reader.get(leaf.hf_names[0]))
+    for k, (bounds, _) in groups.items():
+      bufs[k][...] = part(t, bounds)
+    del t
+  arrays = [jax.device_put(bufs[k], dev) for k, (_, devs) in groups.items() for dev in devs]
+  del bufs
+  return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
+
+
+def import_params(setup, source: str):
+  """The params tree of `setup` (trainer/state.Setup) filled from the model dir `source`."""
+  reader = safetensors.Reader(source)
+  abstract = setup.abstract["params"]
+  plan = weights.leaves(abstract, setup.exp.model)
+  weights.check_names(plan, reader.names(), setup.exp.model.tied_embedding)
+  flat, treedef = jax.tree_util.tree_flatten(abstract)
+  out = [put_leaf(leaf, reader, a.shape, a.dtype, a.sharding) for (_, leaf), a in zip(plan, flat)]
+  return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def run(exp: Experiment, job_dir: str) -> dict:
+  """--mode=import: the model dir's weights as step 0 of `job_dir`; returns a summary."""
+  from shardax.sharding import make_mesh, use_rules
+  from shardax.trainer import checkpoint as ckpt_lib
+  from shardax.trainer import state as state_lib
+  source = model_dir(exp)
+  hf_config.model_fields(hf_config.read(source))   # the same checks as the experiment's build
+  mesh = make_mesh(exp.mesh)
+  setup = state_lib.create(exp, mesh)
+  checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
+  try:
+    if checkpointer.latest_step() is not None:
+      raise ConfigError(f"{job_dir}/checkpoints already holds step {checkpointer.latest_step()}; "
+                        f"import into a fresh --job_dir")
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
+      params = import_params(setup, source)
+      jax.block_until_ready(params)
+      seconds = time.perf_counter() - t0
+      opt_state = jax.jit(setup.tx.init, out_shardings=setup.shardings["opt_state"])(params)
+      step = jax.device_put(np.zeros((), np.int32), setup.replicated)
+      state = {"step": step, "params": params, "opt_state": opt_state}
+      checkpointer.save(0, state, None, force=True)
+      checkpointer.wait()
+  finally:
+    checkpointer.close()
+  nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
+  line = (f"imported {source}: {state_lib.count_params(setup):,} params, {nbytes / 1e6:.1f} MB in "
+          f"{seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {job_dir}/checkpoints step 0")
+  logging.info(line)
+  print(line, file=sys.stderr, flush=True)
+  return {"bytes": nbytes, "seconds": seconds}
