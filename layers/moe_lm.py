@@ -11,6 +11,8 @@ gating statistics; the scan stacks them and the LM averages them over layers.
 Training loss = cross entropy + aux_loss_weight * mean_layers(balance loss)
                               + z_loss_weight * mean_layers(router z-loss).
 Eval loss = cross entropy alone, every token routed to both its top-2 experts (`eval_loss`).
+On packed text (segment ids, per-document positions, a loss mask) attention stays within
+a document and the cross entropy counts only the unmasked targets, as in the dense LM.
 The gating randomness ('random'/'sampling' second expert) needs a fresh key per
 step without any RNG state in the model (the trainer carries only params): it is
 `fold_in(key(moe.seed), hash(batch tokens))`, split once per MoE layer. The hash is
@@ -59,9 +61,10 @@ class MoEBlock(nnx.Module):
                               dtype=dt, param_dtype=pdt, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array,
-               deterministic: bool = False) -> tuple[jax.Array, dict]:
+               deterministic: bool = False,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
     x = shard(x, RESIDUAL)
-    x = shard(x + self.attn(self.attn_norm(x), positions), RESIDUAL)
+    x = shard(x + self.attn(self.attn_norm(x), positions, segment_ids), RESIDUAL)
     y, stats = self.moe(self.mlp_norm(x), key, deterministic)
     return shard(x + y, RESIDUAL), stats
 
@@ -83,10 +86,11 @@ class Unit(nnx.Module):
     self.moe_block = MoEBlock(cfg, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array,
-               deterministic: bool = False) -> tuple[jax.Array, dict]:
+               deterministic: bool = False,
+               segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
     for block in self.dense:
-      x = block(x, positions)
-    return self.moe_block(x, positions, key, deterministic)
+      x = block(x, positions, segment_ids)
+    return self.moe_block(x, positions, key, deterministic, segment_ids)
 
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     dense = []
@@ -103,8 +107,8 @@ def stacked_units(cfg, num: int, *, rngs: nnx.Rngs) -> Unit:
 
 
 def _unit_fn(graphdef: nnx.GraphDef, remat: str, prevent_cse: bool, deterministic: bool = False):
-  def apply(state, x, positions, key):
-    return nnx.merge(graphdef, state)(x, positions, key, deterministic)
+  def apply(state, x, positions, key, segment_ids=None):
+    return nnx.merge(graphdef, state)(x, positions, key, deterministic, segment_ids)
   if remat == "none":
     return apply
   return jax.checkpoint(apply, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
@@ -143,24 +147,29 @@ class MoELM(nnx.Module):
         dtype=dt, param_dtype=pdt, rngs=rngs)
 
   def forward(self, tokens: jax.Array, key: jax.Array, positions: jax.Array | None = None,
-              deterministic: bool = False) -> tuple[jax.Array, dict]:
+              deterministic: bool = False,
+              segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """(logits, stats): stats are each gating statistic averaged over the MoE layers.
-    `deterministic`: route every token to both its top-2 experts (evaluation)."""
+    `deterministic`: route every token to both its top-2 experts (evaluation).
+    Packed rows (`segment_ids`, per-document `positions`): attention stays within a
+    document, as in the dense LM."""
     t = self.cfg.transformer
     if positions is None:
       positions = default_positions(tokens.shape[0], tokens.shape[1])
     keys = jax.random.split(key, self.cfg.num_moe_layers)
     x = shard(self.embed(tokens), RESIDUAL)
-    x = self._first_dense(x, positions)
+    x = self._first_dense(x, positions, segment_ids)
     if t.scan_layers:
       graphdef, state = nnx.split(self.units)
       body = _unit_fn(graphdef, t.remat, prevent_cse=False, deterministic=deterministic)
-      x, stats = jax.lax.scan(lambda c, xs: body(xs[0], c, positions, xs[1]), x, (state, keys))
+      x, stats = jax.lax.scan(lambda c, xs: body(xs[0], c, positions, xs[1], segment_ids),
+                              x, (state, keys))
     else:
       per_layer = []
       for unit, k in zip(self.units, keys):
         graphdef, state = nnx.split(unit)
-        x, s = _unit_fn(graphdef, t.remat, prevent_cse=True, deterministic=deterministic)(state, x, positions, k)
+        x, s = _unit_fn(graphdef, t.remat, prevent_cse=True,
+                        deterministic=deterministic)(state, x, positions, k, segment_ids)
         per_layer.append(s)
       stats = jax.tree.map(lambda *v: jnp.stack(v), *per_layer)
     x = self.final_norm(x)
@@ -171,7 +180,8 @@ class MoELM(nnx.Module):
       stats["next_bias"] = next_bias
     return shard(logits, ("batch", "length", "vocab")), stats
 
-  def _first_dense(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+  def _first_dense(self, x: jax.Array, positions: jax.Array,
+                   segment_ids: jax.Array | None = None) -> jax.Array:
     """The first `moe.first_dense_layers` dense blocks (scanned like the units)."""
     if self.first_dense is None:
       return x
@@ -179,9 +189,9 @@ class MoELM(nnx.Module):
     if t.scan_layers:
       graphdef, state = nnx.split(self.first_dense)
       body = block_fn(graphdef, t.remat, prevent_cse=False)
-      return jax.lax.scan(lambda c, s: (body(s, c, positions), None), x, state)[0]
+      return jax.lax.scan(lambda c, s: (body(s, c, positions, segment_ids), None), x, state)[0]
     for block in self.first_dense:
-      x = block(x, positions)
+      x = block(x, positions, segment_ids)
     return x
 
   def balance_updates(self, next_bias: jax.Array) -> dict:
@@ -193,8 +203,10 @@ class MoELM(nnx.Module):
         unit.moe_block.moe.balance_bias.value = bias
     return nnx.to_pure_dict(nnx.state(self, BalanceBias))
 
-  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None) -> jax.Array:
-    return self.forward(tokens, jax.random.key(self.cfg.moe.seed), positions)[0]
+  def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    return self.forward(tokens, jax.random.key(self.cfg.moe.seed), positions,
+                        segment_ids=segment_ids)[0]
 
   def cache_spec(self, batch: int, length: int):
     """The decode cache: per unit {'dense': [one per dense block], 'moe': ...}, stacked
@@ -245,24 +257,47 @@ class MoELM(nnx.Module):
     return x, cache
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
-    """Cross entropy + weighted balance and z losses; metrics under 'moe/...'."""
+    """Cross entropy + weighted balance and z losses; metrics under 'moe/...'.
+
+    Packed batches (trainer/data/packing.py) carry 'positions', 'segment_ids' and
+    'loss_mask' (0 on padding), as for the dense LM: attention stays within a document
+    and the cross entropy is the mean over unmasked targets; `loss_weight` (their count)
+    lets evaluation weigh batches by tokens."""
     m = self.cfg.moe
-    logits, stats = self.forward(batch["inputs"], batch_key(m.seed, batch["inputs"]))
-    ce = jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+    logits, stats = self.forward(batch["inputs"], batch_key(m.seed, batch["inputs"]),
+                                 batch.get("positions"), segment_ids=batch.get("segment_ids"))
+    ce, weight = masked_cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
     loss = ce + m.aux_loss_weight * stats["aux_loss"] + m.z_loss_weight * stats["z_loss"]
     next_bias = stats.pop("next_bias", None)
-    metrics = {"ce_loss": ce, **{f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()}}
+    metrics = {"ce_loss": ce, "loss_weight": weight,
+               **{f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()}}
     if next_bias is not None:
       metrics[STATE_UPDATES] = self.balance_updates(jax.lax.stop_gradient(next_bias))
     return loss, metrics
 
-  def eval_loss(self, batch: dict) -> jax.Array:
-    """The validation loss: cross entropy alone, with deterministic routing.
+  def eval_loss(self, batch: dict) -> tuple[jax.Array, dict]:
+    """The validation loss and {'loss_weight'}: cross entropy alone, deterministic routing.
 
     The balance and z losses are training regularizers (logged as `moe/aux_loss`,
     `moe/z_loss` with the train metrics), not a measure of the model; and every token
     goes to both its top-2 experts, so an eval of the same weights and batch never
     depends on a random draw (the 'random'/'sampling' second expert is a training-time
-    choice, as in GShard)."""
-    logits, _ = self.forward(batch["inputs"], jax.random.key(self.cfg.moe.seed), deterministic=True)
-    return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"]))
+    choice, as in GShard). Packed batches as in `loss_and_metrics`: the mean is over
+    unmasked targets and `loss_weight` is their count."""
+    logits, _ = self.forward(batch["inputs"], jax.random.key(self.cfg.moe.seed),
+                             batch.get("positions"), deterministic=True,
+                             segment_ids=batch.get("segment_ids"))
+    ce, weight = masked_cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
+    return ce, {"loss_weight": weight}
+
+
+def masked_cross_entropy(logits: jax.Array, targets: jax.Array,
+                         mask: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+  """(mean next-token cross entropy over the targets `mask` keeps (all without one),
+  float32 count of those targets)."""
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  if mask is None:
+    return jnp.mean(ce), jnp.float32(ce.size)
+  mask = mask.astype(jnp.float32)
+  weight = jnp.sum(mask)
+  return jnp.sum(ce * mask) / jnp.maximum(weight, 1.0), weight

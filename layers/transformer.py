@@ -199,13 +199,12 @@ class LayerStack(nnx.Module):
                segment_ids: jax.Array | None = None) -> jax.Array:
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
-    if self.schedule is not None:
-      if segment_ids is not None:
-        raise ValueError("packed documents (segment_ids) are not supported with a pipeline "
-                         "(model.pipeline.stages > 1) yet; use data.source='synthetic'")
+    if self.schedule is not None:  # packed rows: segment ids travel with their microbatch
       graphdef, state = nnx.split(self.blocks)
-      stage = lambda w, h, pos: apply_layers(graphdef, w, h, pos, remat=self.remat)
-      return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL)
+      stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=self.remat,
+                                                       segment_ids=seg)
+      return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
+                          segment_ids=segment_ids)
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)
       return apply_layers(graphdef, state, x, positions, remat=self.remat, segment_ids=segment_ids)

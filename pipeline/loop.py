@@ -55,9 +55,9 @@ from shardax.sharding import rules as rules_lib
 from shardax.sharding import shard
 from shardax.sharding.annotate import current_mesh_shape
 
-# (stacked weights of some layers, x, positions) -> x: runs those layers in order, so the
-# same function runs one stage's L/(S*R) layers or, unpipelined, all L of them.
-StageFn = Callable[[Any, jax.Array, jax.Array], jax.Array]
+# (stacked weights of some layers, x, positions[, segment_ids]) -> x: runs those layers in
+# order, so the same function runs one stage's L/(S*R) layers or, unpipelined, all L of them.
+StageFn = Callable[..., jax.Array]
 
 
 def mesh_axes_of(logical: str) -> str | tuple[str, ...] | None:
@@ -100,13 +100,18 @@ def merge_microbatches(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
 
 
 def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
-        schedule: Schedule, x_axes: Sequence[str | None] = ("batch", "length", "embed")) -> jax.Array:
+        schedule: Schedule, x_axes: Sequence[str | None] = ("batch", "length", "embed"),
+        segment_ids: jax.Array | None = None) -> jax.Array:
   """x [B, ...] through S stages x R repeats of `stage_fn`; returns [B, ...].
 
   weights: pytree, every leaf [S, ...] (R = 1) or [S, R, ...] (see stages.py);
   stage_fn(w, x_mb, positions_mb) runs one stage's layers (`w` without the
-  stage/repeat dims) on one microbatch; positions: int [B, length]. A batch
-  smaller than M (decoding) skips the schedule: all layers run in order.
+  stage/repeat dims) on one microbatch; positions: int [B, length]. With packed
+  documents, segment_ids int [B, length] too: then stage_fn(w, x_mb, positions_mb,
+  segment_ids_mb). These per-row inputs travel beside the buffer: each iteration a
+  stage reads the rows of the microbatch it holds (item k = t - s, microbatch k % M),
+  so every stage, in every repeat, sees its microbatch's own positions and documents.
+  A batch smaller than M (decoding) skips the schedule: all layers run in order.
   """
   S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   lead = (S,) if R == 1 else (S, R)
@@ -117,12 +122,15 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   if x.shape[0] < M:  # e.g. decoding one sequence: nothing to pipeline, same numbers in order
     logging.warning("pipeline: a batch of %d rows < model.pipeline.microbatches=%d; running "
                     "the %d stages one after another", x.shape[0], M, S)
-    return stage_fn(jax.tree.map(lambda a: from_stages(a, R), weights), x, positions)
+    side = (positions,) if segment_ids is None else (positions, segment_ids)
+    return stage_fn(jax.tree.map(lambda a: from_stages(a, R), weights), x, *side)
   rows = schedule.check_batch(x.shape[0])
   _check_data_split(rows, x_axes, M)
   state_axes = ("stage",) + tuple(x_axes)
   xs = split_microbatches(x, M, x_axes)
-  pos = split_microbatches(positions, M, tuple(x_axes[:positions.ndim]))
+  # Per-row inputs of each microbatch [M, rows, length]: positions, and segment ids if packed.
+  side = tuple(split_microbatches(a, M, tuple(x_axes[:a.ndim]))
+               for a in ((positions,) if segment_ids is None else (positions, segment_ids)))
   # Every stage group gets its own view of the inputs (a local broadcast: x is not split
   # over `stage`), so stage 0 picks its microbatch with no cross-stage traffic and the
   # backward pass sums the inputs' cotangent over the stages once, after the loop.
@@ -131,18 +139,18 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   first = (stage_ids == 0).reshape((S,) + (1,) * (xs.ndim - 1))
   queue = Queue(S, M - S if R > 1 else 0, x_axes)
 
-  def one_stage(w, h, p, k):
+  def one_stage(w, h, s, k):
     if R > 1:  # this stage's chunk for the repeat it is on (clipped in the bubble)
       r = jnp.clip(k // M, 0, R - 1)
       w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), w)
-    return stage_fn(w, h, p).astype(h.dtype)
+    return stage_fn(w, h, *s).astype(h.dtype)
 
   all_stages = jax.vmap(one_stage, spmd_axis_name=mesh_axes_of("stage"))
 
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def compute(w, buffer, t):  # saved for the backward pass: `buffer` alone (w is loop-invariant)
     k = t - stage_ids  # the work item of each stage; outside [0, M*R) = bubble
-    return shard(all_stages(w, buffer, pos[k % M], k), state_axes)
+    return shard(all_stages(w, buffer, tuple(a[k % M] for a in side), k), state_axes)
 
   def iteration(carry, t):
     out, waiting = carry

@@ -164,8 +164,9 @@ def test_eval_loss_is_the_cross_entropy_of_deterministic_routing(reference):
     with jax.set_mesh(setup.mesh), use_rules(setup.rules):
       return jax.device_get(jax.jit(fn(setup))(params, jax.device_put(batch, setup.batch_sharding)))
 
-  got = float(loss(step_lib.eval_loss_fn))
-  assert got == float(loss(step_lib.eval_loss_fn, "model.moe.seed=7"))
+  got, weight = map(float, loss(step_lib.eval_loss_fn))  # (mean per target, targets)
+  assert weight == batch["targets"].size
+  assert got == float(loss(step_lib.eval_loss_fn, "model.moe.seed=7")[0])
   # The training path's own cross entropy when routing is 'all' and no regularizer is on:
   _, all_metrics = loss(step_lib.loss_fn, "model.moe.second_expert='all'", "model.moe.aux_loss_weight=0.0")
   assert got == pytest.approx(float(all_metrics["ce_loss"]), rel=1e-6)

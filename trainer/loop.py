@@ -44,10 +44,10 @@ def _eval_batches(setup):
 def eval_sums_fn(setup) -> Callable:
   """A jitted `(params, batch) -> (loss x weight, weight)`: weight = the batch's target
   tokens (its loss mask) where the model reports it, else 1, so batches (and padding)
-  weigh what they hold."""
+  weigh what they hold. The loss is the evaluation loss (`step.eval_loss_fn`: for the
+  MoE LM cross entropy with deterministic routing), not the training objective."""
   def sums(params, batch):
-    loss, metrics = step_lib.loss_fn(setup)(params, batch)
-    weight = metrics.get("loss_weight", jnp.float32(1.0))
+    loss, weight = step_lib.eval_loss_fn(setup)(params, batch)
     return loss * weight, weight
   return jax.jit(sums, in_shardings=(setup.shardings["params"], setup.batch_sharding),
                  out_shardings=setup.replicated)

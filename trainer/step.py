@@ -116,18 +116,30 @@ def overwrite(params, opt_state, written: dict):
   return params, opt_state
 
 
-def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], jax.Array]:
-  """`(params, batch) -> loss` as evaluation reports it: the model's `eval_loss` where it
-  has one (the MoE LM: cross entropy with deterministic routing), else its training loss."""
+def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, jax.Array]]:
+  """`(params, batch) -> (loss, weight)` as evaluation reports it: the loss is the mean
+  per target token of the batch and `weight` the number of targets it averages (its
+  loss mask's sum on packed text, else every target; 1 for a model that reports no
+  `loss_weight`), so a caller weighs batches, and padding, by what they hold.
+
+  The loss measures the model, not the training objective: the model's `eval_loss`
+  where it has one (the MoE LM: cross entropy with deterministic routing, no balance or
+  z-loss), else its training loss without regularizers (`ce_loss` where the model
+  reports it, as the dense LM does with a z-loss on)."""
   def loss(params, batch):
     model = setup.model(params)
-    return model.eval_loss(batch) if hasattr(model, "eval_loss") else model.loss_and_metrics(batch)[0]
+    if hasattr(model, "eval_loss"):
+      value, metrics = model.eval_loss(batch)
+    else:
+      value, metrics = model.loss_and_metrics(batch)
+      value = metrics.get("ce_loss", value)
+    return value, jnp.asarray(metrics.get("loss_weight", 1.0), jnp.float32)
   return loss
 
 
 def eval_step_fn(setup: Setup) -> Callable:
-  """A jitted `(params, batch) -> mean eval loss`."""
-  return jax.jit(eval_loss_fn(setup),
+  """A jitted `(params, batch) -> mean eval loss` of one batch (see `eval_loss_fn`)."""
+  return jax.jit(lambda params, batch: eval_loss_fn(setup)(params, batch)[0],
                  in_shardings=(setup.shardings["params"], setup.batch_sharding),
                  out_shardings=setup.replicated)
 

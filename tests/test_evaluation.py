@@ -1,0 +1,63 @@
+"""Evaluation through the loop (the periodic eval and `--mode=eval`) reports the model's
+cross entropy per target token, with deterministic routing for the MoE LM: not the
+training objective (cross entropy + weighted balance/z losses, random second expert).
+
+The reference is computed here from the model's forward pass alone, over the same
+validation batches the loop reads, each target token weighted by the loss mask.
+"""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from shardax import configs
+from shardax.sharding import use_rules
+from shardax.trainer import loop
+from shardax.trainer import step as step_lib
+
+EVAL_BATCHES = 2
+
+
+def small_moe():
+  cfg = configs.get("moe.tiny")  # 'random' second expert, balance loss weight 1e-2
+  configs.apply_overrides(cfg, [
+      "model.transformer.num_layers=2", "model.transformer.d_model=32",
+      "model.transformer.d_ff=64", "model.transformer.max_len=32", "model.moe.d_ff=64",
+      "data.seq_len=32", "train.global_batch=8", "train.steps=1", "train.eval_every=1",
+      f"train.eval_batches={EVAL_BATCHES}", "train.log_every=1", "checkpoint.every=1",
+      "mesh.ici=(8, 1)"])
+  return configs.build(cfg)
+
+
+def test_loop_and_mode_eval_report_cross_entropy_with_deterministic_routing(tmp_path):
+  exp = small_moe()
+  assert exp.model.moe.second_expert == "random" and exp.model.moe.aux_loss_weight > 0
+  summary = loop.train(exp, str(tmp_path))
+  mode_eval = loop.evaluate(exp, str(tmp_path))            # --mode=eval on the checkpoint
+  setup, state = loop.restore_latest(exp, str(tmp_path))  # the weights both evals saw
+
+  def sums(params, batch):
+    """Per batch, (loss x targets) of: the cross entropy with both top-2 experts for every
+    token and no regularizer (what eval must report); the training objective and its
+    cross entropy under random routing (what the regression reported); and the targets."""
+    logits, _ = setup.model(params).forward(
+        batch["inputs"], jax.random.key(123), batch["positions"], deterministic=True,
+        segment_ids=batch["segment_ids"])
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+    mask = batch["loss_mask"].astype(jnp.float32)
+    loss, metrics = step_lib.loss_fn(setup)(params, batch)
+    weight = metrics["loss_weight"]
+    return jnp.sum(ce * mask), loss * weight, metrics["ce_loss"] * weight, jnp.sum(mask)
+
+  totals = [0.0] * 4
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    fn = jax.jit(sums)
+    for batch in loop._eval_batches(setup):
+      totals = [t + float(v) for t, v in zip(totals, jax.device_get(fn(state["params"], batch)))]
+  want, objective, random_ce = (t / totals[3] for t in totals[:3])
+  assert mode_eval["eval_batches"] == EVAL_BATCHES and mode_eval["eval_weight"] == totals[3]
+  assert mode_eval["eval_loss"] == pytest.approx(want, rel=1e-5)
+  assert summary["eval_losses"][1] == pytest.approx(want, rel=1e-5)
+  # The regression's numbers lie far outside that tolerance.
+  assert abs(objective - want) > 1e-3 * want and abs(random_ce - want) > 1e-4 * want
