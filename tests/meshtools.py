@@ -3,7 +3,7 @@
 import jax
 import numpy as np
 
-from shardax.sharding import make_mesh, networks, use_rules
+from shardax.sharding import make_mesh, replica_groups, use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -42,4 +42,4 @@ def coordinates(mesh_shape: dict[str, int]) -> dict[str, np.ndarray]:
 
 def pairs(collective, num_devices: int) -> list[tuple[int, int]]:
   """(source, target) partition ids of a report.Collective that is a collective-permute."""
-  return [tuple(p) for p in networks.replica_groups(collective.replica_groups, num_devices)]
+  return [tuple(p) for p in replica_groups.groups(collective.replica_groups, num_devices)]

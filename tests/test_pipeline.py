@@ -19,7 +19,7 @@ from flax import nnx
 
 from shardax import configs, pipeline
 from shardax.configs.schema import ConfigError
-from shardax.sharding import networks, report, use_rules
+from shardax.sharding import replica_groups, report, use_rules
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -109,7 +109,7 @@ def test_stages_talk_by_collective_permute(pipelined):
   assert min(sends[1], sends[stages - 1]) >= iterations * n, (name, sends)
   assert sum(sends.values()) >= 2 * iterations * n, (name, sends)
   for c in (c for c in in_loop if c.kind != "collective-permute"):
-    assert all(len({stage[d] for d in g}) == 1 for g in networks.replica_groups(c.replica_groups, n)), (name, c)
+    assert all(len({stage[d] for d in g}) == 1 for g in replica_groups.groups(c.replica_groups, n)), (name, c)
   if CASES[name][5] == "pp_dp":  # microbatching keeps rows on their devices: no resharding
     assert set(report.collective_summary(compiled.as_text())) == {"all-reduce", "collective-permute"}
 
