@@ -32,6 +32,7 @@ import re
 import jax
 
 from shardax.sharding import report
+from shardax.trainer.perf import ops
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
@@ -60,6 +61,7 @@ class Piece:
   bytes_accessed: float
   transcendentals: float
   trips: tuple[int, ...] = ()      # trip counts of the loops around it, outermost first
+  ops: tuple = ()                  # (kind, dtype, FLOPs) of library calls XLA counts as 0 (trainer/perf/ops.py)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +196,7 @@ def _loops_started_in(mod: _Module, comp: str) -> list[tuple[str, str, int]]:
 def of_hlo_text(hlo_text: str) -> Costs:
   """Loop-aware costs of compiled HLO text (`compiled.as_text()`)."""
   mod = _split(hlo_text)
+  shapes = ops.result_shapes(hlo_text.splitlines()) if "custom-call(" in hlo_text else {}
   whole = functools.lru_cache(None)(lambda c: _xla_cost(_standalone(mod, c)))
   loops: list[Loop] = []
   pieces: list[Piece] = []
@@ -203,8 +206,11 @@ def of_hlo_text(hlo_text: str) -> Costs:
     out = dict(whole(comp))
     started = _loops_started_in(mod, comp)
     own = {k: whole(comp)[k] - sum(whole(b)[k] + whole(c)[k] for c, b, _ in started) for k in _KEYS}
-    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips))
-    for c in _inside(mod, comp):
+    inside = _inside(mod, comp)
+    calls = tuple(ops.custom_call_ops((line for c in mod.blocks if c in inside for line in mod.blocks[c]),
+                                      shapes))
+    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips, calls))
+    for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:
       inner_body, inner_cond = total(body, runs * trip, trips + (trip,)), total(cond, runs * trip, trips + (trip,))
@@ -215,6 +221,7 @@ def of_hlo_text(hlo_text: str) -> Costs:
     return out
 
   result = total(mod.entry, 1)
+  result["flops"] += sum(p.executions * sum(f for _, _, f in p.ops) for p in pieces)
   return Costs(result["flops"], result["transcendentals"], result["bytes accessed"],
                tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"],
                tuple(pieces), owner)
@@ -285,4 +292,5 @@ def from_json(d: dict) -> Costs:
   return Costs(d["flops"], d["transcendentals"], d["bytes_accessed"],
                tuple(report.Collective(**c) for c in d["collectives"]),
                tuple(Loop(**l) for l in d["loops"]), d["flops_loop_bodies_once"],
-               tuple(Piece(**dict(p, trips=tuple(p["trips"]))) for p in d["pieces"]), d["owner"])
+               tuple(Piece(**dict(p, trips=tuple(p["trips"]), ops=tuple(tuple(o) for o in p.get("ops", ()))))
+                     for p in d["pieces"]), d["owner"])

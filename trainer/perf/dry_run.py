@@ -167,7 +167,9 @@ def format_report(r: dict) -> str:
   """The human-readable table printed by `--mode=dry_run`."""
   m = r["bytes_per_device"]
   fits = {True: "yes", False: "NO", None: "unknown (no chip table entry)"}[r["fits"]]
-  lines = [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
+  stand_in = (r.get("predicted") or {}).get("stand_in_for")
+  lines = [stepmodel.stand_in_line(stepmodel.Prediction(**r["predicted"]))] if stand_in else []
+  lines += [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
            f"({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}",
            f"  params {r['num_params']:,}, global batch {r['global_batch']} "
            f"({r['tokens_per_step']:,} tokens), compile {r['compile_seconds']:.1f} s "
