@@ -203,4 +203,5 @@ def format_prediction(pr: Prediction) -> list[str]:
   if c["by_kind"]:
     lines.append("    collectives by kind: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_kind"].items())))
     lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
+    lines.append("    collectives by link: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_link"].items())))
   return lines
