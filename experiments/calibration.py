@@ -28,7 +28,15 @@ from shardax.configs import experiment
 from shardax.experiments.moe import moe_experiment
 
 _GEN = {"TPU v3": "v3", "TPU v4": "v4", "TPU v5p": "v5p", "TPU v5e": "v5e", "TPU v6e": "v6e"}
-_REMAT = {"full": "full", "minimal": "dots_no_batch", "minimal_flash": "dots_no_batch"}
+# MaxText / Pax remat policies -> the shardax policy that recomputes about as much: "minimal"
+# and the with-context variants save every projection (recompute the attention scores:
+# dots_no_batch); the save-qkv/out-proj and except-MLP policies recompute the MLP, most of a
+# layer's FLOPs (full); "none" saves everything. Anything else is taken as full and said so.
+_REMAT = {"full": "full", "minimal": "dots_no_batch", "minimal_flash": "dots_no_batch",
+          "minimal_with_context": "dots_no_batch", "save_dot_with_context_except_mlp": "full",
+          "save_dot_except_mlpwi": "full", "save_dot_except_mlp": "full", "save_qkv_proj": "full",
+          "save_out_proj": "full", "qkv_proj_offloaded": "full", "dots": "dots",
+          "none": "none", "no_remat": "none", "nothing_saveable": "full"}
 
 
 def is_gpu(row: dict) -> bool:

@@ -1,5 +1,7 @@
 """Loop-aware costs: a scanned layer stack costs what its unrolled twin costs."""
 
+import dataclasses
+
 import pytest
 
 from shardax import configs
@@ -118,17 +120,33 @@ def test_a_loop_counting_in_steps_of_two_runs_half_as_often():
   assert sorted((l.trip_count, l.executions) for l in costs.of_hlo_text(hlo).loops) == [(3, 15), (5, 5)]
 
 
-def test_deepen_scales_the_layer_loop_and_what_lies_outside_it():
-  c = costs.of_hlo_text(NESTED)                  # outer loop: 5 "layers"
-  deep = costs.deepen(c, shallow=5, deep=20, outside_scale=3.0)
-  dot = 2 * 64 ** 3
-  assert 4 * c.flops * 0.99 < deep.flops < 4 * c.flops * 1.01   # the entry has almost no FLOPs
-  assert deep.collective_bytes == 4 * c.collective_bytes
-  entry = c.pieces[0]
+def test_deepen_scales_the_layer_loops_and_what_lies_outside_them(twins):
+  scanned = twins[0]
+  assert costs.layer_loops(scanned, 4) == {l.body for l in scanned.loops}   # forward and backward scan
+  assert all(l.stacked >= 4 for l in scanned.loops)     # they carry the stacked [4, ...] weights
+  deep = costs.deepen(scanned, shallow=4, deep=12, outside_scale=3.0)
+  inside = sum(p.flops * p.executions for p in scanned.pieces if p.trips)
+  outside = scanned.flops - inside
+  assert deep.flops == pytest.approx(outside + 3 * inside, rel=1e-6)
+  entry = scanned.pieces[0]
   assert deep.pieces[0].bytes_accessed == 3.0 * entry.bytes_accessed and deep.pieces[0].executions == 1
   assert sorted(p.executions for p in deep.pieces if p.trips) == sorted(
-      4 * p.executions for p in c.pieces if p.trips)
-  assert deep.flops >= 60 * dot
+      3 * p.executions for p in scanned.pieces if p.trips)
+  assert deep.collective_bytes > scanned.collective_bytes
+
+
+def test_a_trip_count_equal_to_the_depth_is_not_proof_of_a_layer_loop():
+  """NESTED's outer loop runs 5 times but carries no stacked weights: not the layer loop."""
+  c = costs.of_hlo_text(NESTED)
+  assert [l.stacked for l in sorted(c.loops, key=lambda l: l.trip_count)] == [0, 0]
+  assert costs.layer_loops(c, 5) == set()
+  deep = costs.deepen(c, shallow=5, deep=20, outside_scale=3.0)
+  assert deep.flops == pytest.approx(c.flops) and [l.executions for l in deep.loops] == [l.executions for l in c.loops]
+  # ... unless the costs predate the state check (stacked unknown): the trip count decides
+  legacy = costs.Costs(c.flops, c.transcendentals, c.bytes_accessed, c.collectives,
+                       tuple(dataclasses.replace(l, stacked=-1) for l in c.loops), c.flops_loop_bodies_once,
+                       tuple(dataclasses.replace(p, loops=()) for p in c.pieces), c.owner)
+  assert costs.deepen(legacy, shallow=5, deep=20, outside_scale=3.0).flops == pytest.approx(4 * c.flops, rel=0.01)
 
 
 def test_a_loop_unrolled_by_two_counts_both_adds():

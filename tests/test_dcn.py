@@ -206,3 +206,13 @@ def test_data_over_dcn_is_slower_than_one_slice_by_its_gradient_all_reduce():
   assert extra == pytest.approx(by_link["dcn"], rel=0.3)
   assert two["networks"]["dcn"]["all-reduce"]["bytes"] >= grads / 4
   assert "over DCN: " in dry_run.format_report(two)
+
+
+def test_processes_per_host_comes_from_the_launcher(monkeypatch):
+  for var in mesh_lib._LOCAL_SIZE_VARS:
+    monkeypatch.delenv(var, raising=False)
+  assert mesh_lib.processes_per_host() == 1
+  monkeypatch.setenv("SLURM_NTASKS_PER_NODE", "8(x2)")     # 8 tasks on each of 2 nodes
+  assert mesh_lib.processes_per_host() == 8
+  monkeypatch.setenv("SHARDAX_PROCESSES_PER_HOST", "4")    # ours wins
+  assert mesh_lib.processes_per_host() == 4

@@ -69,20 +69,27 @@ _NV = "https://www.nvidia.com/en-us/data-center/"
 # and 4 on 3D tori (v4, v5p: cube faces join through the optical switches), v3 pods
 # are 2D tori that wrap from 4. GPUs: NVLink 4 is 900 GB/s per H100 both ways; A3 VMs
 # (a3-highgpu-8g) have 4 x 200 Gbit/s NICs (GPUDirect-TCPX) for 8 GPUs = 12.5 GB/s each.
+# v5e and v6e are from their datasheets (checked 2026-11-23, docs.cloud.google.com/tpu/docs/v5e
+# and /v6e): bidirectional ICI 400 / 800 GBps per chip over 4 ports = 50 / 100 GB/s one way per
+# link; v5e hosts have 2 x 100 Gbps NICs for 8 chips = 3.125 GB/s per chip (the pod's 6.4 Tbps
+# of DCN over 256 chips agrees); the v6e page gives no NIC figure: the scaling book's 12.5 GB/s
+# per chip stands. The DCN figures are per chip (a host's NICs shared by its chips).
 _TPU_LINKS = {"TPU v3": (1e11, 2, 4, 3.125e9, 2), "TPU v4": (4.5e10, 3, 4, 6.25e9, 1),
-              "TPU v5 lite": (4.5e10, 2, 16, 6.25e9, 1), "TPU v5": (9e10, 3, 4, 6.25e9, 1),
-              "TPU v6 lite": (9e10, 2, 16, 1.25e10, 1)}
+              "TPU v5 lite": (5e10, 2, 16, 3.125e9, 1), "TPU v5": (9e10, 3, 4, 6.25e9, 1),
+              "TPU v6 lite": (1e11, 2, 16, 1.25e10, 1)}
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # v3: 123 TFLOPs, 32 GiB, 900 GBps per chip of 2 cores; all-reduce 340 TB/s per 1024-chip pod.
     Chip("TPU v3", 123e12 / 2, 16 * GiB, 900 * GB / 2, 2 * 340e12 / 1024 / 2, _TPU + "v3"),
     # v4: 275 TFLOPs, 32 GiB, 1200 GBps; all-reduce 1.1 PB/s per 4096-chip pod.
     Chip("TPU v4", 275e12, 32 * GiB, 1200 * GB, 2 * 1.1e15 / 4096, _TPU + "v4"),
-    # v5e: 197 TFLOPs, 16 GB, 819 GBps, bidirectional ICI 400 GBps.
+    # v5e: 197 TFLOPs (int8 393 TOPs), 16 GB, 819 GBps, bidirectional ICI 400 GBps (datasheet, 2026-11-23).
     Chip("TPU v5 lite", 197e12, 16 * GiB, 819 * GB, 400 * GB, _TPU + "v5e"),
     # v5p: 459 TFLOPs, 95 GiB, 2765 GBps, bidirectional ICI 1200 GBps.
     Chip("TPU v5", 459e12, 95 * GiB, 2765 * GB, 1200 * GB, _TPU + "v5p"),
-    # v6e (Trillium): 918 TFLOPs, 32 GB, 1638 GBps, bidirectional ICI 800 GBps.
+    # v6e (Trillium): 918 TFLOPs (int8 1836 TOPs), 32 GB, 1638 GBps, bidirectional ICI 800 GBps
+    # (datasheet, 2026-11-23). libtpu 0.0.42.1 also describes TPU7x ("tpu7x:2x2x1": 8 devices,
+    # two per chip); not in this table: its ICI and DCN figures were not checked here.
     Chip("TPU v6 lite", 918e12, 32 * GiB, 1638 * GB, 800 * GB, _TPU + "v6e"),
     # A100 SXM: 312 TFLOPs bf16 dense; 80 GB HBM2e at 2039 GB/s (40 GB: 1555); NVLink 600 GB/s.
     Chip("NVIDIA A100-SXM4-80GB", 312e12, 80 * GiB, 2039 * GB, 600 * GB, _NV + "a100/"),
@@ -109,10 +116,12 @@ def _with_links(chip: Chip) -> Chip:
                              matmul_efficiency=MATMUL_EFFICIENCY["gpu"])
 
 
-# What large XLA-fused bf16 matmuls reach of the datasheet peak: one figure per family,
-# not per row (docs/scale.md, "Checked against published runs"). GPU: an assumption
-# below the ~75% large cuBLAS GEMMs reach on H100; not measured here (no GPU).
-MATMUL_EFFICIENCY = {"tpu": 0.8, "gpu": 0.6}
+# What large bf16 matmuls reach of the datasheet peak: one figure per family, not per row.
+# TPU: set before the published TPU rows were compared (docs/scale.md, "Checked against
+# published runs"). GPU: measured, lm.1b on one H100 SXM (docs/performance.md, "On one H100
+# GPU", 2026-11-23): its cuBLAS and Triton gemm kernels ran 2.43e14 FLOPs in 65.3% of a
+# 0.5175 s step, 0.73 of 989 TFLOP/s. Per-op efficiencies (attention) are in ops.py.
+MATMUL_EFFICIENCY = {"tpu": 0.8, "gpu": 0.73}
 
 CHIPS = {name: _with_links(c) for name, c in CHIPS.items()}
 

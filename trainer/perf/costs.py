@@ -32,11 +32,13 @@ import re
 import jax
 
 from shardax.sharding import report
+from shardax.trainer.perf import ops
 
 _HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
 _WHILE = re.compile(r"=\s.*?\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
+_STATE_ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[(\d+(?:,\d+)*)\]")
 _KEYS = ("flops", "transcendentals", "bytes accessed")
 
 
@@ -48,6 +50,7 @@ class Loop:
   executions: int          # times the body runs per step (trip count x enclosing loops)
   flops: float             # one iteration of the body, nested loops included
   bytes_accessed: float
+  stacked: int = -1        # arrays in the loop state whose leading dim is the trip count (-1: unknown)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +63,8 @@ class Piece:
   bytes_accessed: float
   transcendentals: float
   trips: tuple[int, ...] = ()      # trip counts of the loops around it, outermost first
+  ops: tuple = ()                  # (kind, dtype, FLOPs) of library calls XLA counts as 0 (trainer/perf/ops.py)
+  loops: tuple[str, ...] = ()      # bodies of the loops around it, outermost first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +102,7 @@ class _Module:
   entry: str
   callees: dict[str, list[str]]        # computation -> computations it names
   whiles: dict[str, list[tuple[str, str, int]]]  # computation -> (cond, body, trip)
+  stacked: dict[str, int] = dataclasses.field(default_factory=dict)  # loop body -> Loop.stacked
 
 
 def _split(hlo_text: str) -> _Module:
@@ -126,7 +132,14 @@ def _split(hlo_text: str) -> _Module:
     whiles[name] = [(cond, loop_body, trips.get(loop_body, 1))
                     for line in body[1:] if (w := _WHILE.search(line))
                     for cond, loop_body in [w.groups()]]
-  return _Module("\n".join(prefix), blocks, entry, callees, whiles)
+  stacked = {}
+  for name, body in blocks.items():
+    for line in body[1:]:
+      if w := _WHILE.search(line):
+        state = line.split(" while(", 1)[0].split("=", 1)[1]
+        leading = [int(dims.split(",")[0]) for dims in _STATE_ARRAY.findall(state)]
+        stacked[w.group(2)] = sum(d == trips.get(w.group(2), 1) for d in leading)
+  return _Module("\n".join(prefix), blocks, entry, callees, whiles, stacked)
 
 
 def _reachable(mod: _Module, root: str) -> list[str]:
@@ -194,27 +207,35 @@ def _loops_started_in(mod: _Module, comp: str) -> list[tuple[str, str, int]]:
 def of_hlo_text(hlo_text: str) -> Costs:
   """Loop-aware costs of compiled HLO text (`compiled.as_text()`)."""
   mod = _split(hlo_text)
+  shapes = ops.result_shapes(hlo_text.splitlines()) if "custom-call(" in hlo_text else {}
   whole = functools.lru_cache(None)(lambda c: _xla_cost(_standalone(mod, c)))
   loops: list[Loop] = []
   pieces: list[Piece] = []
   owner: dict[str, str] = {}
 
-  def total(comp: str, runs: int, trips: tuple[int, ...] = ()) -> dict[str, float]:
+  def total(comp: str, runs: int, trips: tuple[int, ...] = (), around: tuple[str, ...] = ()) -> dict[str, float]:
     out = dict(whole(comp))
     started = _loops_started_in(mod, comp)
     own = {k: whole(comp)[k] - sum(whole(b)[k] + whole(c)[k] for c, b, _ in started) for k in _KEYS}
-    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips))
-    for c in _inside(mod, comp):
+    inside = _inside(mod, comp)
+    calls = tuple(ops.custom_call_ops((line for c in mod.blocks if c in inside for line in mod.blocks[c]),
+                                      shapes))
+    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips, calls,
+                        around))
+    for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:
-      inner_body, inner_cond = total(body, runs * trip, trips + (trip,)), total(cond, runs * trip, trips + (trip,))
-      loops.append(Loop(body, trip, runs * trip, inner_body["flops"], inner_body["bytes accessed"]))
+      inner_body = total(body, runs * trip, trips + (trip,), around + (body,))
+      inner_cond = total(cond, runs * trip, trips + (trip,), around + (body,))
+      loops.append(Loop(body, trip, runs * trip, inner_body["flops"], inner_body["bytes accessed"],
+                        mod.stacked.get(body, -1)))
       for k in _KEYS:
         out[k] += (trip - 1) * whole(body)[k] + (trip - 1) * whole(cond)[k]
         out[k] += trip * ((inner_body[k] - whole(body)[k]) + (inner_cond[k] - whole(cond)[k]))
     return out
 
   result = total(mod.entry, 1)
+  result["flops"] += sum(p.executions * sum(f for _, _, f in p.ops) for p in pieces)
   return Costs(result["flops"], result["transcendentals"], result["bytes accessed"],
                tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"],
                tuple(pieces), owner)
@@ -238,37 +259,64 @@ def of_compiled(compiled) -> Costs:
   return of_hlo_text(compiled.as_text())
 
 
+# A layer loop carries the stacked weights (and their gradients, moments) as [L, ...] arrays;
+# the TPU compiler's windowed-einsum loops carry 4-5 chunks, whose leading dim may equal L.
+_MIN_STACKED = 4
+
+
+def layer_loops(costs: Costs, shallow: int) -> set[str]:
+  """Bodies of the loops that run once per layer of a `shallow`-layer compile.
+
+  A trip count of `shallow` is not proof (a windowed einsum over a 4-way axis loops 4
+  times too). A scan over layers also carries the stacked weights: at least
+  `_MIN_STACKED` arrays of its state have the trip count as their leading dim, and it is
+  not the compiler's windowed einsum. Costs cached before the state was read
+  (`stacked` -1) fall back to the trip count alone.
+  """
+  return {l.body for l in costs.loops if l.trip_count == shallow and "windowed_dot_general" not in l.body
+          and (l.stacked < 0 or l.stacked >= _MIN_STACKED)}
+
+
 def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs:
   """The costs of the same program with `deep` layers, from a compile with `shallow`.
 
-  A scanned stack makes per-layer costs exactly linear in depth: every piece inside the
-  layer loop (the outermost loop that runs `shallow` times) runs deep/shallow times as
-  often. Outside the loop, the memory traffic (the optimizer update reads and writes
-  every parameter and its moments) and the collectives (gradient reductions of the
-  stacked weights) scale by `outside_scale`, the caller's ratio of parameter counts;
-  the FLOPs there (embedding, head, loss: independent of depth) do not.
+  A scanned stack makes per-layer costs exactly linear in depth: every piece inside a
+  layer loop (`layer_loops`) runs deep/shallow times as often. Outside every loop, the
+  memory traffic (the optimizer update reads and writes every parameter and its
+  moments) and the collectives (gradient reductions of the stacked weights) scale by
+  `outside_scale`, the caller's ratio of parameter counts; the FLOPs there (embedding,
+  head, loss: independent of depth) do not. Other loops (windowed einsums, accumulation)
+  keep their counts. This is the one way a shallow compile is deepened: the calibration
+  (benchmarks/calibrate.py) and `--shallow` dry runs (extrapolate.py) both price time with it.
   """
-  def factor(p: Piece) -> float:
-    return deep / shallow if shallow in p.trips else outside_scale if not p.trips else 1.0
+  layers = layer_loops(costs, shallow)
+
+  def in_layer_loop(p: Piece) -> bool:
+    return bool(layers & set(p.loops)) if p.loops else shallow in p.trips and bool(layers)
+
   pieces = []
   for p in costs.pieces:
-    f = factor(p)
-    if p.trips:
-      pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
-    else:  # outside every loop: per-parameter traffic scales, it still runs once
-      pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * f))
+    if in_layer_loop(p):
+      pieces.append(dataclasses.replace(p, executions=round(p.executions * deep / shallow)))
+    elif not p.trips:  # outside every loop: per-parameter traffic scales, it still runs once
+      pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale))
+    else:
+      pieces.append(p)
   by_name = {p.computation: p for p in costs.pieces}
   collectives = []
   for c in costs.collectives:
     p = by_name.get(costs.owner.get(c.computation, ""))
     if p is None or not p.trips:
       collectives.append(dataclasses.replace(c, bytes=int(c.bytes * outside_scale)))
+    elif in_layer_loop(p):
+      collectives.append(dataclasses.replace(c, executions=round(c.executions * deep / shallow)))
     else:
-      collectives.append(dataclasses.replace(c, executions=round(c.executions * factor(p))))
+      collectives.append(c)
   total = lambda key: sum(getattr(p, key) * p.executions for p in pieces)
+  flops = sum((p.flops + sum(f for _, _, f in p.ops)) * p.executions for p in pieces)
   loops = tuple(dataclasses.replace(l, executions=round(l.executions * deep / shallow))
-                if l.trip_count == shallow else l for l in costs.loops)
-  return Costs(total("flops"), total("transcendentals"), total("bytes_accessed"), tuple(collectives),
+                if l.body in layers else l for l in costs.loops)
+  return Costs(flops, total("transcendentals"), total("bytes_accessed"), tuple(collectives),
                loops, costs.flops_loop_bodies_once, tuple(pieces), costs.owner)
 
 
@@ -285,4 +333,6 @@ def from_json(d: dict) -> Costs:
   return Costs(d["flops"], d["transcendentals"], d["bytes_accessed"],
                tuple(report.Collective(**c) for c in d["collectives"]),
                tuple(Loop(**l) for l in d["loops"]), d["flops_loop_bodies_once"],
-               tuple(Piece(**dict(p, trips=tuple(p["trips"]))) for p in d["pieces"]), d["owner"])
+               tuple(Piece(**dict(p, trips=tuple(p["trips"]), ops=tuple(tuple(o) for o in p.get("ops", ())),
+                                  loops=tuple(p.get("loops", ()))))
+                     for p in d["pieces"]), d["owner"])

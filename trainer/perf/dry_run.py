@@ -88,8 +88,9 @@ def hint(mem: dict, hbm: int | None) -> str:
           f"(model.param_dtype=bfloat16), or pipeline stages (model.pipeline.stages=N)")
 
 
-def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
-  """Compile the train step for the experiment's mesh and report memory, FLOPs, comms, roofline."""
+def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None = None) -> dict:
+  """Compile the train step for the experiment's mesh and report memory, FLOPs, comms, roofline
+  (`costs_out`: a list that receives the program's loop-aware costs, for extrapolate.py)."""
   mesh, setup = prepare(exp)
   kind = mesh.devices.flat[0].device_kind
   chip = chips.lookup(kind)
@@ -130,6 +131,8 @@ def dry_run(exp: Experiment, job_dir: str | None = None) -> dict:
   fits = None if hbm is None or mem["total"] is None else bool(mem["total"] <= hbm)
   hlo = compiled.as_text()
   cost = costs_lib.of_hlo_text(hlo)
+  if costs_out is not None:
+    costs_out.append(cost)
   predicted = stepmodel.from_costs(cost, mesh, exp, chip) if chip else None
   out.update(bytes_per_device=mem, fits=fits, flops_per_device=cost.flops,
              flops_loop_bodies_once=cost.flops_loop_bodies_once,
@@ -167,7 +170,9 @@ def format_report(r: dict) -> str:
   """The human-readable table printed by `--mode=dry_run`."""
   m = r["bytes_per_device"]
   fits = {True: "yes", False: "NO", None: "unknown (no chip table entry)"}[r["fits"]]
-  lines = [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
+  stand_in = (r.get("predicted") or {}).get("stand_in_for")
+  lines = [stepmodel.stand_in_line(stepmodel.Prediction(**r["predicted"]))] if stand_in else []
+  lines += [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
            f"({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}",
            f"  params {r['num_params']:,}, global batch {r['global_batch']} "
            f"({r['tokens_per_step']:,} tokens), compile {r['compile_seconds']:.1f} s "

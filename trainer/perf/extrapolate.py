@@ -10,13 +10,13 @@ depth, f(L) = f0 + L x f1:
                                    stacked weight gradients grow with L; one layer's working
                                    set and the head's logits do not;
   collectives                      those in the loop body run L times, the rest once;
-  FLOPs, bytes accessed            as the cost model in force counts them (XLA's own cost
-                                   analysis counts a loop body once: then they are constant
-                                   in L and extrapolate to what the full compile reports);
   model FLOPs, params              the formula and the parameter count: affine by construction.
-Two compiles at depths a < b give f(L) = f(a) + (f(b) - f(a)) (L - a) / (b - a). The
-step-time prediction is re-derived from the extrapolated figures (`_derive`), not
-extrapolated itself, since it takes a max over its terms.
+Two compiles at depths a < b give f(L) = f(a) + (f(b) - f(a)) (L - a) / (b - a) for the
+memory figures. The time figures (FLOPs, bytes accessed, the step-time prediction) come
+from the deeper copy's loop-aware costs deepened by `costs.deepen`, the one way a shallow
+compile is deepened (the calibration uses it too): its layer loop runs L / b times as
+often, what lies outside it scales with the parameter count; MFU and the ratios are
+re-derived from the result (`_derive`).
 
 The unit: a shallow copy must keep the model's structure, so depths are multiples of
   dense LM                        1 layer;
@@ -194,17 +194,35 @@ def _derive(out: dict, exp: Experiment) -> dict:
   return out
 
 
-def _shallow_report(exp: Experiment, layers: int, effort: float) -> dict:
+def _shallow_report(exp: Experiment, layers: int, effort: float, costs_out: list | None = None) -> dict:
   with compile_effort(effort):
-    return dry_run_lib.dry_run(with_layers(exp, layers))
+    return dry_run_lib.dry_run(with_layers(exp, layers), costs_out=costs_out)
+
+
+def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: int) -> dict:
+  """The time figures of the full depth from the deeper copy's costs, by costs.deepen (the
+  one way a shallow compile is deepened; the calibration uses it too): the layer loop runs
+  L / layers_b times as often; outside it, per-parameter traffic scales with the parameter
+  count. Memory stays affine (above): temporaries are not a per-loop cost."""
+  from shardax.sharding import make_mesh
+  from shardax.trainer.perf import costs as costs_lib
+  from shardax.trainer.perf import stepmodel
+  scale = out["num_params"] / b["num_params"] if b.get("num_params") else 1.0
+  deep = costs_lib.deepen(costs_b, layers_b // d.unit, d.layers // d.unit, scale)
+  chip = chips.lookup(out["device_kind"])
+  out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
+  if chip is not None:
+    out["predicted"] = dry_run_lib._brief(stepmodel.from_costs(deep, make_mesh(exp.mesh), exp, chip).as_dict())
+  return out
 
 
 def extrapolated(exp: Experiment, d: Depth, effort: float = 0.0) -> dict:
   """The dry-run report of `exp` from shallow copies of 1 and 2 units."""
   xa, xb = (u * d.unit for u in SHALLOW_UNITS)
   dry_run_lib.prepare(exp)  # the full model's shardings: a mesh or rule error surfaces here
+  costs_b: list = []
   a = _shallow_report(exp, xa, effort)
-  b = _shallow_report(exp, xb, effort)
+  b = _shallow_report(exp, xb, effort, costs_b)
   shallow = {"layers": [xa, xb], "field": d.field, "unit": d.unit, "effort": effort,
              "compile_seconds": [a["compile_seconds"], b["compile_seconds"]],
              "temp_bytes": [a["bytes_per_device"].get("temp"), b["bytes_per_device"].get("temp")]}
@@ -215,7 +233,8 @@ def extrapolated(exp: Experiment, d: Depth, effort: float = 0.0) -> dict:
            "compile_seconds": a["compile_seconds"] + b["compile_seconds"],
            "compile_cpu_seconds": a["compile_cpu_seconds"] + b["compile_cpu_seconds"]}
     return _with_exact(out, exp)
-  out = affine(a, b, xa, xb, d.layers)  # then the exact and the derived fields
+  out = affine(a, b, xa, xb, d.layers)  # memory; then the deepened times, the exact and derived fields
+  out = _deepened(out, b, costs_b[0], exp, d, xb)
   out.update(compile_seconds=a["compile_seconds"] + b["compile_seconds"],
              compile_cpu_seconds=a["compile_cpu_seconds"] + b["compile_cpu_seconds"],
              compile_path="shallow", shallow=shallow)

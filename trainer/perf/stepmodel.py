@@ -9,12 +9,16 @@ it runs per step and its own FLOPs, bytes and collectives (trainer/perf/costs.py
 priced by XLA's own cost analysis, loops counted by their trip counts). Then:
 
 Assumptions
-  1. Compute. A piece's FLOPs run at the chip's peak times `matmul_efficiency`: the
-     share of the datasheet peak that large XLA-fused bf16 matmuls reach (MXU/tensor
-     core pipeline fill, operand movement HBM->VMEM/SMEM, layout copies). One number
-     per chip family, not per model (trainer/perf/chips.py MATMUL_EFFICIENCY: 0.8 on
-     TPU, 0.6 assumed on GPUs); docs/scale.md compares the result with published runs. Elementwise work is counted as FLOPs at the same rate: it is a few
-     percent of a Transformer's FLOPs, and its memory traffic is in the next term.
+  1. Compute. Every op is priced by what it is (trainer/perf/ops.py `seconds`: kind and
+     operand dtype -> the dtype's peak x the kind's efficiency on that chip family). What
+     XLA compiles itself (fusions, dots: its cost analysis) runs at `matmul_efficiency`,
+     the share of the datasheet peak that large bf16 matmuls reach (MXU/tensor core
+     pipeline fill, operand movement HBM->VMEM/SMEM, layout copies): one number per chip
+     family, not per model (chips.py MATMUL_EFFICIENCY: 0.8 on TPU, 0.73 measured on an
+     H100). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
+     GPUs) are priced from their operands at their own measured efficiency. Elementwise
+     work is counted as FLOPs at the matmul rate: it is a few percent of a Transformer's
+     FLOPs, and its memory traffic is in the next term.
   2. Memory. A piece's bytes accessed (logical, from XLA) at the HBM bandwidth. Within
      a piece, compute and memory traffic overlap (fused matmuls stream their operands),
      so a piece costs max(compute, memory), not the sum.
@@ -64,6 +68,7 @@ from shardax.trainer.perf import chips as chips_lib
 from shardax.trainer.perf import costs as costs_lib
 from shardax.trainer.perf import flops as flops_lib
 from shardax.trainer.perf import links
+from shardax.trainer.perf import ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,6 +83,7 @@ class Prediction:
   hardware_flops_per_device: float
   flops_convention: str
   breakdown: dict[str, Any]
+  stand_in_for: str = ""              # the device kind the program was compiled for, when not `chip`
 
   def as_dict(self) -> dict[str, Any]:
     return dataclasses.asdict(self)
@@ -94,11 +100,11 @@ def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Predicti
 def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Prediction:
   """`predict` from loop-aware costs already read from the program."""
   n = int(mesh.size)
-  rate = chip.peak_bf16_flops * chip.matmul_efficiency
   comm = _collective_times(costs, mesh, chip)
   pieces, totals = [], collections.Counter()
   for p in costs.pieces:
-    compute, memory = p.flops / rate, p.bytes_accessed / chip.hbm_bandwidth
+    compute = ops.seconds("xla", "bf16", p.flops, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
+    memory = p.bytes_accessed / chip.hbm_bandwidth
     local = max(compute, memory)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
     hidden = min(async_t, local)
@@ -128,7 +134,15 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
       hfu=costs.flops / (chip.peak_bf16_flops * step) if step else 0.0,
       tokens_per_second_per_device=tokens / step / n if step else 0.0,
       chip=chip.name, model_flops_per_step=model_flops, hardware_flops_per_device=costs.flops,
-      flops_convention=flops_lib.CONVENTION, breakdown=breakdown)
+      flops_convention=flops_lib.CONVENTION, breakdown=breakdown, stand_in_for=_stand_in(mesh, chip))
+
+
+def _stand_in(mesh, chip: chips_lib.Chip) -> str:
+  """The compiled-for device kind when the program is priced as another chip (a TPU program
+  timed as an H100: same partitioning, another compiler's fusion and scheduling), else ""."""
+  devices = getattr(mesh, "devices", None)
+  kind = getattr(devices.flat[0], "device_kind", "") if devices is not None else ""
+  return kind if kind and chips_lib.lookup(kind) is not chip else ""
 
 
 def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dict[str, dict]:
@@ -158,6 +172,11 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
   return out
 
 
+def stand_in_line(pr: Prediction) -> str:
+  return (f"STAND-IN: this program was compiled for {pr.stand_in_for} and is priced as {pr.chip}; "
+          f"the partitioning and collectives are real, the fusion and scheduling are {pr.stand_in_for}'s")
+
+
 def _overlaps(c) -> bool:
   """Whether a collective can run under its piece's compute (assumption 4)."""
   return c.is_async or (c.kind == "collective-permute" and "windowed_dot_general" in c.computation)
@@ -173,7 +192,8 @@ def _bubble_fraction(exp) -> float:
 def format_prediction(pr: Prediction) -> list[str]:
   """Lines for the dry run's printed report."""
   b, c = pr.breakdown, pr.breakdown["collectives"]
-  lines = [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
+  lines = [stand_in_line(pr)] if pr.stand_in_for else []
+  lines += [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
            f"{pr.step_seconds:.4g} s, {pr.tokens_per_second_per_device:,.1f} tokens/s/device",
            f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
            f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
@@ -183,4 +203,5 @@ def format_prediction(pr: Prediction) -> list[str]:
   if c["by_kind"]:
     lines.append("    collectives by kind: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_kind"].items())))
     lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
+    lines.append("    collectives by link: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_link"].items())))
   return lines
