@@ -5,3 +5,4 @@ from shardax.experiments import moe  # noqa: F401
 from shardax.experiments import vision  # noqa: F401
 from shardax.experiments import pipelined  # noqa: F401
 from shardax.experiments import pods  # noqa: F401
+from shardax.experiments import long_context  # noqa: F401
