@@ -6,3 +6,4 @@ from shardax.experiments import vision  # noqa: F401
 from shardax.experiments import pipelined  # noqa: F401
 from shardax.experiments import pods  # noqa: F401
 from shardax.experiments import hf  # noqa: F401
+from shardax.experiments import long_context  # noqa: F401

@@ -58,6 +58,7 @@ class Chip:
   dcn_bandwidth: float = 0.0
   devices_per_chip: int = 1
   matmul_efficiency: float = 0.8
+  host_bandwidth: float = 0.0         # bytes/s one way between a device and its host's memory
 
 
 _TPU = "https://cloud.google.com/tpu/docs/"
@@ -124,6 +125,16 @@ def _with_links(chip: Chip) -> Chip:
 MATMUL_EFFICIENCY = {"tpu": 0.8, "gpu": 0.73}
 
 CHIPS = {name: _with_links(c) for name, c in CHIPS.items()}
+
+# Host link (PCIe) one way per jax device: what offloaded activations (model.remat='offload*')
+# cross twice per step. TPUs: 1.5e10 B/s per chip ("How to scale your model", part 2,
+# https://jax-ml.github.io/scaling-book/tpus: "PCIe bandwidth ~1.5e10 bytes/s" per chip);
+# TPU v3's two cores share their chip's link. GPUs: the datasheets' PCIe generation x16,
+# one way (A100 Gen4 32 GB/s, H100/H200 Gen5 64 GB/s; an upper bound: real copies reach ~80%).
+_HOST_LINK = {"TPU v3": 1.5e10 / 2, "TPU v4": 1.5e10, "TPU v5 lite": 1.5e10, "TPU v5": 1.5e10,
+              "TPU v6 lite": 1.5e10}
+CHIPS = {name: dataclasses.replace(c, host_bandwidth=_HOST_LINK.get(name, (32 if "A100" in name else 64) * GB))
+         for name, c in CHIPS.items()}
 
 # Other spellings jax reports for the same parts (driver and form-factor variants).
 _PREFIXES = (

@@ -119,7 +119,7 @@ def _split(hlo_text: str) -> _Module:
         prefix.append(line)
       continue
     blocks[current].append(line)
-    if line.startswith("}"):
+    if line.rstrip() == "}":  # a computation ends; custom-call configs may start lines with "}}"
       current = None
   trips = report.trip_counts(hlo_text)
   callees, whiles = {}, {}

@@ -127,6 +127,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   mem.update(temp=analysis.get("temp_bytes"), total=analysis.get("peak_estimate_bytes"),
              **{k.removesuffix("_bytes"): v for k, v in analysis.items()
                 if k in ("argument_bytes", "output_bytes", "alias_bytes", "generated_code_bytes")})
+  mem["host_temp"] = host_temp_bytes(compiled)
   hbm = out["hbm_bytes_per_device"]
   fits = None if hbm is None or mem["total"] is None else bool(mem["total"] <= hbm)
   hlo = compiled.as_text()
@@ -141,9 +142,18 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              collectives=report.collective_summary(hlo),
              predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm))
+  if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
+    out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
+        mem["host_temp"], predicted.breakdown["compute_seconds"], chip)
   if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
     out["networks"] = networks.split_by_network(hlo, mesh, report.collectives(hlo))
   return write(out, job_dir)
+
+
+def host_temp_bytes(compiled) -> int:
+  """Bytes per device the program keeps in host memory (offloaded activations), else 0."""
+  m = compiled.memory_analysis()
+  return int(getattr(m, "host_temp_size_in_bytes", 0) or 0) if m is not None else 0
 
 
 def _brief(p: dict) -> dict:
@@ -180,6 +190,8 @@ def format_report(r: dict) -> str:
            "  per-device memory:"]
   for key in ("params", "optimizer_state", "temp", "total"):
     lines.append(f"    {key:<16}{_gib(m.get(key)):>16}")
+  if m.get("host_temp"):
+    lines.append(f"    {'host (offload)':<16}{_gib(m['host_temp']):>16}   (host memory, not HBM)")
   lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}")
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
@@ -195,6 +207,10 @@ def format_report(r: dict) -> str:
         f"{kind} x{c['count']:,} ({c['bytes']:,} bytes)" for kind, c in sorted(rows.items())) or "none"))
   if p := r.get("predicted"):
     lines.extend(stepmodel.format_prediction(stepmodel.Prediction(**p)))
+    if (off := p["breakdown"].get("offload")) and off["bytes"]:
+      lines.append(f"    host offload: {_gib(off['bytes'])} out and back at {off['host_bandwidth'] / 1e9:.0f} GB/s "
+                   f"= {off['seconds']:.3g} s per step, " + ("hidden under compute" if off["hidden"] else
+                   f"{off['exposed_seconds']:.3g} s exposed (more than the step's compute)"))
   if r.get("hint"):
     lines.append(f"  hint: {r['hint']}")
   return "\n".join(lines)

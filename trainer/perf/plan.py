@@ -65,6 +65,16 @@ class Grid:
   pipeline_microbatches_per_stage: int = 2             # M = this x S
 
 
+# Experiments whose layouts are not the 2D default's. Long-context LMs (experiments/
+# long_context.py) shard with FSDP over every chip; the choice is how to keep activations:
+# recompute ('full'), park the layer inputs (and projections) in host memory ('offload*'),
+# or split the batch into microbatches.
+_LONG_CONTEXT = dict(model_axis=(1,), presets=("fsdp",), remat=("full", "offload", "offload_proj"),
+                     fsdp=False, tp=False, pipeline_stages=())
+GRIDS = {"lm.llama3_8b_8k": Grid(microbatches=(1, 3), **_LONG_CONTEXT),   # 3 seqs per chip
+         "lm.llama3_70b_8k": Grid(microbatches=(1,), **_LONG_CONTEXT)}    # 1 seq per chip
+
+
 def _layout(axes: Sequence[str], ici: Sequence[int], preset: str) -> list[str]:
   return [f"mesh.axes={tuple(axes)!r}", f"mesh.ici={tuple(ici)!r}", f"sharding.preset={preset}"]
 
@@ -170,6 +180,7 @@ def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *
          log=print) -> dict[str, Any]:
   """Evaluate every candidate of `grid`, rank them, write plan.json; returns the plan."""
   start = time.perf_counter()
+  grid = GRIDS.get(name, grid) if grid == Grid() else grid
   cfg = configs.get(name)
   configs.apply_overrides(cfg, list(overrides))
   exp = configs.build(cfg)

@@ -205,3 +205,19 @@ def format_prediction(pr: Prediction) -> list[str]:
     lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
     lines.append("    collectives by link: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_link"].items())))
   return lines
+
+
+def offload_seconds(host_bytes: int, compute_seconds: float, chip: chips_lib.Chip) -> dict[str, Any]:
+  """The host transfers of an offload remat policy (layers/transformer.py 'offload*'), priced.
+
+  `host_bytes`: the compiler's host temp bytes per device (memory_analysis), i.e. what the
+  forward pass parks in host memory; each byte crosses the host link twice per step (out in
+  the forward pass, back in the backward pass) at `chip.host_bandwidth`. The copies are
+  asynchronous (copy-start/copy-done the scheduler overlaps with the layer's matmuls), so
+  they hide when they take less than the step's compute; the rest is exposed. Not folded
+  into `step_seconds`: reported beside it."""
+  if not host_bytes or not chip.host_bandwidth:
+    return {"bytes": int(host_bytes or 0), "seconds": 0.0, "hidden": True, "exposed_seconds": 0.0}
+  seconds = 2 * host_bytes / chip.host_bandwidth
+  return {"bytes": int(host_bytes), "seconds": seconds, "host_bandwidth": chip.host_bandwidth,
+          "hidden": seconds <= compute_seconds, "exposed_seconds": max(0.0, seconds - compute_seconds)}

@@ -1,0 +1,67 @@
+"""Long-context language models: Llama-3.1 shapes at 8192 tokens, checked with `--mode=dry_run`.
+
+`shardax --exp=lm.llama3_8b_8k --job_dir=/tmp/l8 --mode=dry_run` compiles the real train
+step for the slice in `mesh.topology` on any CPU machine with libtpu (docs/scale.md,
+"Long context", has the figures). What makes them fit, where XLA's attention did not
+(issue 21: a 3-layer copy of the 8B model asked a v6e chip for 57.4 GiB):
+  * `model.attention='auto'`: the Pallas splash flash kernel when compiling for a TPU
+    (layers/flash.py): no [batch, heads, S, S] scores, ever; cuDNN's on a GPU;
+  * FSDP (`sharding.preset=fsdp`): params, gradients and AdamW state split over every
+    chip, weights all-gathered layer by layer inside the scan;
+  * rematerialization of each scanned layer; `model.remat='offload'` also moves the saved
+    layer inputs to host memory (layers/transformer.py), `--mode=plan` ranks the choices.
+Shapes are Llama-3.1's (config.json of meta-llama/Llama-3.1-8B / -70B): RMSNorm, SwiGLU,
+grouped-query attention with 8 kv heads of 128, RoPE theta 500000, 128256-token vocabulary,
+untied head. bf16 compute with fp32 params (the AdamW update stays in fp32). Synthetic data:
+these are sized for pods; to train, point `data.source` at a tokenized corpus with
+`data.tokenizer` for that vocabulary and drop `mesh.topology`.
+
+Not here: the 32k/64k variants need the sequence split over chips (context parallelism,
+layers/context_parallel.py), which is a separate piece of work.
+"""
+
+from shardax.configs import experiment, register
+
+
+def _llama3(num_layers: int, d_model: int, num_heads: int, d_ff: int, *, topology: str,
+            ici: tuple[int, ...], per_chip: int, seq_len: int = 8192, remat: str = "full"):
+  cfg = experiment()
+  m = cfg.model
+  m.vocab_size = 128256
+  m.num_layers = num_layers
+  m.d_model = d_model
+  m.num_heads = num_heads
+  m.num_kv_heads = 8
+  m.head_dim = 128
+  m.d_ff = d_ff
+  m.max_len = seq_len
+  m.rope_theta = 500_000.0
+  m.tied_embedding = False
+  m.dtype = "bfloat16"
+  m.param_dtype = "float32"
+  m.remat = remat
+  m.scan_layers = True
+  m.attention = "auto"
+  cfg.data.source = "synthetic"
+  cfg.data.seq_len = seq_len
+  cfg.mesh.topology = topology
+  cfg.mesh.ici = ici
+  cfg.sharding.preset = "fsdp"
+  chips = 1
+  for n in ici:
+    chips *= n
+  cfg.train.global_batch = per_chip * chips
+  cfg.train.steps = 100_000
+  cfg.optimizer.learning_rate = 3e-4
+  cfg.optimizer.warmup_steps = 2000
+  return cfg
+
+
+@register("lm.llama3_8b_8k", "Llama-3.1-8B shapes at 8192 tokens, FSDP on TPU v6e-8 (3 seqs/chip), flash attention")
+def llama3_8b_8k():
+  return _llama3(32, 4096, 32, 14336, topology="v6e:2x4", ici=(8, 1), per_chip=3)
+
+
+@register("lm.llama3_70b_8k", "Llama-3.1-70B shapes at 8192 tokens, FSDP on TPU v6e-256 (1 seq/chip), flash attention")
+def llama3_70b_8k():
+  return _llama3(80, 8192, 64, 28672, topology="v6e:16x16", ici=(256, 1), per_chip=1)
