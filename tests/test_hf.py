@@ -241,3 +241,18 @@ def test_import_streams_tensor_by_tensor(tmp_path):
         f"{largest / 2**20:.0f} MB)")
   largest_leaf = layers * largest
   assert growth < total + largest_leaf + 8 * largest, (growth, total, largest_leaf, largest)
+
+
+@pytest.mark.slow   # a process start, an import, a train and an eval compile: ~60-120 s on 2 busy cores
+def test_first_train_of_an_hf_experiment_imports_then_resumes(tmp_path):
+  """The CLI: an empty job dir's first --mode=train imports (step 0), then trains from it."""
+  from clitools import run
+  job = tmp_path / "job"
+  args = [sys.executable, "-m", "shardax.main", f"--exp=hf:{os.path.join(FIXTURES, 'qwen2')}",
+          f"--job_dir={job}", "--mode=train", "--set", "data.source='synthetic'", "--set", "data.seq_len=16",
+          "--set", "train.steps=1", "--set", "train.global_batch=2", "--set", "train.eval_every=1000",
+          "--set", "checkpoint.async_save=False"]
+  out = run(args)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "imported" in out.stderr and "resumed from step 0" in out.stderr, out.stderr[-2000:]
+  assert sorted(os.listdir(job / "checkpoints")) == ["0", "1"]
