@@ -119,6 +119,22 @@ def test_import_export_round_trip_is_bit_exact(tmp_path):
   assert os.path.exists(os.path.join(out, "tokenizer.json"))
 
 
+def test_export_of_every_architecture_is_bit_exact(arch_model, tmp_path):
+  """The imported params written back (no checkpoint in between): the same tensors, bit for
+  bit, and a config.json that maps to the same model."""
+  arch, setup, params = arch_model
+  src = os.path.join(FIXTURES, arch)
+  exporter.export_params(params, setup.exp.model, str(tmp_path), np.float32, 1 << 30)
+  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
+  tied = setup.exp.model.tied_embedding
+  assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
+  for name in b.names():
+    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  src_cfg = hf_config.read(src)
+  written = hf_config.to_hf(setup.exp.model, hf_config.architecture(src_cfg), src_cfg)
+  assert hf_config.model_fields(written) == hf_config.model_fields(src_cfg)
+
+
 def test_tokenizer_encodes_like_transformers():
   cases = json.load(open(os.path.join(FIXTURES, "tokenizer_cases.json")))["cases"]
   tok = tokenizers.from_spec("hf_model:" + os.path.join(FIXTURES, "llama", "tokenizer.json"))
@@ -225,3 +241,18 @@ def test_import_streams_tensor_by_tensor(tmp_path):
         f"{largest / 2**20:.0f} MB)")
   largest_leaf = layers * largest
   assert growth < total + largest_leaf + 8 * largest, (growth, total, largest_leaf, largest)
+
+
+@pytest.mark.slow   # a process start, an import, a train and an eval compile: ~60-120 s on 2 busy cores
+def test_first_train_of_an_hf_experiment_imports_then_resumes(tmp_path):
+  """The CLI: an empty job dir's first --mode=train imports (step 0), then trains from it."""
+  from clitools import run
+  job = tmp_path / "job"
+  args = [sys.executable, "-m", "shardax.main", f"--exp=hf:{os.path.join(FIXTURES, 'qwen2')}",
+          f"--job_dir={job}", "--mode=train", "--set", "data.source='synthetic'", "--set", "data.seq_len=16",
+          "--set", "train.steps=1", "--set", "train.global_batch=2", "--set", "train.eval_every=1000",
+          "--set", "checkpoint.async_save=False"]
+  out = run(args)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "imported" in out.stderr and "resumed from step 0" in out.stderr, out.stderr[-2000:]
+  assert sorted(os.listdir(job / "checkpoints")) == ["0", "1"]

@@ -188,6 +188,8 @@ def load(data_cfg: Any) -> Tokenizer:
   the prepared shards for spm/hf, so a run and its decoding always agree)."""
   if data_cfg.tokenizer == "byte" or data_cfg.source == "synthetic":
     return ByteTokenizer()
+  if data_cfg.tokenizer.startswith(HF_MODEL_PREFIX):   # a model's own file: nothing to prepare
+    return from_spec(data_cfg.tokenizer)
   from shardax.trainer.data import preparation
   return preparation.prepare(data_cfg).tokenizer()
 

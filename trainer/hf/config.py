@@ -140,12 +140,14 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
       architectures=[cls], model_type=arch, vocab_size=model.vocab_size, hidden_size=model.d_model,
       intermediate_size=model.d_ff, num_hidden_layers=model.num_layers,
       num_attention_heads=model.num_heads, num_key_value_heads=model.kv_heads,
-      head_dim=model.dim_per_head, max_position_embeddings=model.max_len,
+      max_position_embeddings=model.max_len,
       rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tied_embedding, hidden_act="silu",
       rope_parameters=rope, rope_theta=model.rope_theta, dtype=model.param_dtype)
   if model.rope_scaling == "llama3":
     out["rope_scaling"] = rope
-  if arch in ("llama", "qwen3", "mistral") and arch != "mistral":
+  if model.head_dim is not None:   # else transformers derives it as hidden_size // heads, as we do
+    out["head_dim"] = model.head_dim
+  if arch in ("llama", "qwen3"):
     out["attention_bias"] = model.qkv_bias
   if arch == "llama":
     out["mlp_bias"] = model.mlp_bias
