@@ -117,7 +117,7 @@ class MoEFeedForward(nnx.Module):
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange)
     stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics,
-             "dropped_fraction": jnp.zeros((), jnp.float32)}
+             "expert_buffer_overflow": overflow.astype(jnp.float32)}
     if bias is not None:
       stats["next_bias"] = routers.next_bias(bias, r.load, cfg.bias_update_rate)
     return shard(y, ("batch", "length", "embed")), stats

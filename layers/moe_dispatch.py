@@ -21,8 +21,11 @@ device that holds their expert and back:
   rows per destination into a receive buffer of `expert_buffer x k x T` rows;
 - padded `all_to_all` (`exchange='padded'`, any backend, the one XLA:CPU runs): a fixed
   slot block of `ceil(expert_buffer x k x T / |X|)` rows per destination.
-A device that would need more room than its buffer raises an error naming
-`model.moe.expert_buffer` (a host callback; never a silent drop). Weights split over
+A step where some device would need more room than its buffer is not applied: its output
+turns NaN (the step's finite guard keeps the old weights) and the count reaches the
+metrics as `moe/expert_buffer_overflow`, on which the training loop raises an error
+naming `model.moe.expert_buffer`. (A host callback raising inside the SPMD program
+would leave the other devices waiting in the next all-to-all.) Weights split over
 'mlp' (tensor parallel) stay split: the partial outputs are summed over those axes.
 """
 
@@ -146,14 +149,6 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   return y, overflow
 
 
-def _raise_on_overflow(overflow) -> None:
-  if int(overflow) > 0:
-    raise RuntimeError(
-        f"dropless MoE: {int(overflow)} token copies did not fit the expert-parallel buffers "
-        f"(load imbalance beyond model.moe.expert_buffer); raise --set model.moe.expert_buffer "
-        f"(each device's buffer per expert shard is expert_buffer x its fair share)")
-
-
 def mesh_axes(logical: tuple, shape: tuple | None = None) -> tuple[tuple[str, ...], ...]:
   """The mesh axes each logical dim maps to under the rules in force (() per dim without)."""
   rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
@@ -213,5 +208,7 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
 
   y, overflow = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
                               out_specs=(tokens, P()), check_vma=False)(x, index, gates, *weights)
-  jax.debug.callback(_raise_on_overflow, overflow)
+  # Never a silent drop: the output (so the loss and the step) becomes NaN, which keeps the
+  # update out of the weights, and the count reaches the metrics, where the loop raises.
+  y = jnp.where(overflow > 0, jnp.nan, y)
   return y, overflow
