@@ -57,9 +57,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "tiled"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_dropless_equals_a_per_token_loop(case):
-  cfg = CASES[case]
+def test_dropless_equals_a_per_token_loop(case, impl):
+  """Both grouped matmuls: jax.lax.ragged_dot and the tiled one CPUs use."""
+  cfg = dataclasses.replace(CASES[case], grouped_matmul=impl)
   with nnx.use_eager_sharding(False):
     layer = MoEFeedForward(D, cfg, rngs=nnx.Rngs(3))
   graphdef, state = nnx.split(layer)
