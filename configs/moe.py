@@ -68,6 +68,9 @@ class MoEConfig:
   expert_exchange:  how dropless tokens travel under expert parallelism: 'ragged'
                     (jax.lax.ragged_all_to_all: TPU, GPU), 'padded' (all_to_all of fixed
                     blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
+  grouped_matmul:   the dropless expert matmul: 'ragged_dot' (jax.lax.ragged_dot; a grouped
+                    kernel on TPU/GPU), 'tiled' (batched matmuls over one-expert row tiles;
+                    XLA:CPU runs ragged_dot as E dense matmuls), 'auto' (tiled on CPU).
   """
   num_experts: int = 8
   d_ff: int = 512
@@ -89,6 +92,7 @@ class MoEConfig:
   first_dense_layers: int = 0
   expert_buffer: float = 2.0
   expert_exchange: str = "auto"
+  grouped_matmul: str = "auto"
 
   def __post_init__(self):
     _require(self.num_experts >= 2, f"model.moe.num_experts={self.num_experts} must be >= 2 (top-2 gating)")
@@ -112,6 +116,8 @@ class MoEConfig:
     _require(self.expert_buffer > 0, f"model.moe.expert_buffer={self.expert_buffer} must be > 0")
     _require(self.expert_exchange in ("auto", "ragged", "padded"),
              f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
+    _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled"),
+             f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot' or 'tiled'")
     if self.dispatch == "capacity":
       gshard = self.top_k == 2 and self.score == "softmax" and self.renormalize and self.gate_scale == 1.0
       _require(gshard and self.bias_update_rate == 0,

@@ -78,7 +78,159 @@ def gshard_1t():
   cfg.mesh.topology = "v3:32x32"
   cfg.train.global_batch = 4096
   cfg.train.steps = 100_000
-  cfg.optimizer.learning_rate = 1e-3
+  # Adafactor, as GShard trained it: factored second moments, so the optimizer state is a
+  # few % of the bf16 params (AdamW's moments would be 2x them); relative steps, so the
+  # peak learning rate is the pod configs' 1e-2 (experiments/pods.py).
+  cfg.optimizer.name = "adafactor"
+  cfg.optimizer.learning_rate = 1e-2
   cfg.optimizer.warmup_steps = 10_000
   cfg.checkpoint.every = 1000
   return cfg
+
+
+def _like_lm_tiny(cfg):
+  """lm.tiny's shape, data and schedule (experiments/lm.py), so the bits per byte compare."""
+  t = cfg.model.transformer
+  t.num_layers = 4
+  t.d_model = 192
+  t.num_heads = 4
+  t.d_ff = 512
+  t.max_len = 128
+  cfg.data.seq_len = 128
+  cfg.train.steps = 250
+  cfg.train.global_batch = 32
+  cfg.train.eval_every = 50
+  cfg.train.eval_batches = 8
+  cfg.train.log_every = 10
+  cfg.optimizer.learning_rate = 3e-3
+  cfg.optimizer.warmup_steps = 30
+  cfg.checkpoint.every = 100
+  return cfg
+
+
+@register("moe.mixtral_tiny", "lm.tiny with every FFN a Mixtral MoE: top-2 of 8 experts (d_ff 256), "
+          "renormalized softmax gates, dropless; lm.tiny's active FLOPs per token; CPU, minutes")
+def mixtral_tiny():
+  """Each token goes through 2 experts of d_ff 256: lm.tiny's FFN width 512 in active
+  FLOPs (plus the 192 x 8 router), with 4x the FFN parameters."""
+  cfg = _like_lm_tiny(moe_experiment())
+  m = cfg.model.moe
+  m.num_experts = 8
+  m.d_ff = 256
+  m.every = 1
+  m.top_k = 2
+  m.score = "softmax"
+  m.renormalize = True
+  m.dispatch = "dropless"
+  m.aux_loss_weight = 1e-2
+  return cfg
+
+
+@register("moe.deepseek_tiny", "lm.tiny as a DeepSeek-V3-style MoE: layer 1 dense, then 32 fine-grained "
+          "experts (d_ff 64), sigmoid top-7 + 1 shared expert, bias balancing; lm.tiny's active FLOPs")
+def deepseek_tiny():
+  """Active FFN per token: 7 routed + 1 shared expert of d_ff 64 = lm.tiny's 512. Balance:
+  DeepSeek-V3's auxiliary-loss-free bias (rate 1e-3 per step) and a tiny balance loss
+  (its sequence-wise alpha, 1e-4)."""
+  cfg = _like_lm_tiny(moe_experiment())
+  m = cfg.model.moe
+  m.num_experts = 32
+  m.d_ff = 64
+  m.every = 1
+  m.first_dense_layers = 1
+  m.top_k = 7
+  m.num_shared_experts = 1
+  m.score = "sigmoid"
+  m.renormalize = True
+  m.bias_update_rate = 1e-3
+  m.aux_loss_weight = 1e-4
+  m.dispatch = "dropless"
+  return cfg
+
+
+# Pod configurations (dry-run them: `--mode=dry_run --shallow`, docs/moe.md has the table).
+# Experts split over their own `expert` mesh axis; the tokens over (data, expert), so the
+# dropless exchange is an all-to-all within each expert group; every other weight (and
+# each expert's embed dim) FSDP-split over what its other dims leave free.
+POD_RULES = (("batch", ("data", "expert")), ("batch", "data"), ("expert", "expert"),
+             ("embed", ("data", "expert")), ("embed", "data"))
+
+
+def _pod_moe(cfg, topology: str, ici: tuple[int, int], global_batch: int, seq_len: int):
+  t = cfg.model.transformer
+  t.dtype = "bfloat16"
+  t.param_dtype = "bfloat16"
+  t.remat = "full"
+  t.scan_layers = True
+  t.tied_embedding = False
+  t.max_len = seq_len
+  cfg.data.source = "synthetic"
+  cfg.data.seq_len = seq_len
+  cfg.mesh.topology = topology
+  cfg.mesh.ici = ici
+  cfg.mesh.axes = ("data", "expert")
+  cfg.sharding.preset = None
+  cfg.sharding.rules = POD_RULES
+  cfg.train.global_batch = global_batch
+  cfg.train.steps = 100_000
+  cfg.optimizer.name = "adafactor"
+  cfg.optimizer.learning_rate = 1e-2
+  cfg.optimizer.warmup_steps = 2000
+  cfg.checkpoint.every = 1000
+  return cfg
+
+
+@register("moe.mixtral_8x7b", "Mixtral-8x7B-shaped MoE LM (46.7B params, 12.9B active): 32 layers, "
+          "top-2 of 8 experts, dropless; TPU v5p-128 (64 chips, 8 data x 8 expert)")
+def mixtral_8x7b():
+  """Mixtral 8x7B's shapes (arXiv 2401.04088): d_model 4096, 32 heads of 128, 8 KV heads,
+  every FFN 8 experts of gated d_ff 14336, top-2 renormalized softmax gates; rope theta 1e6."""
+  cfg = moe_experiment()
+  t, m = cfg.model.transformer, cfg.model.moe
+  t.num_layers = 32
+  t.d_model = 4096
+  t.num_heads = 32
+  t.num_kv_heads = 8
+  t.d_ff = 14336
+  t.vocab_size = 32000
+  t.rope_theta = 1e6
+  m.num_experts = 8
+  m.d_ff = 14336
+  m.every = 1
+  m.top_k = 2
+  m.dispatch = "dropless"
+  m.aux_loss_weight = 1e-2
+  return _pod_moe(cfg, "v5p:4x4x4", (8, 8), global_batch=256, seq_len=4096)
+
+
+@register("moe.deepseek_v3", "DeepSeek-V3-shaped MoE LM (675B params): 61 layers (3 dense), "
+          "256 fine-grained experts top-8 + 1 shared, sigmoid gates, bias balancing; TPU v5p-2048")
+def deepseek_v3():
+  """DeepSeek-V3's shapes (arXiv 2412.19437) where shardax has them: d_model 7168, 61 layers
+  of which the first 3 dense (d_ff 18432), then 256 routed experts of d_ff 2048, top-8 of
+  sigmoid scores renormalized and scaled by 2.5, 1 shared expert, auxiliary-loss-free bias
+  (rate 1e-3) and a 1e-4 balance loss; vocab 129280. Not its attention: MLA is not
+  implemented, so 128 query heads of 128 with 8 KV heads (GQA) stand in; nor multi-token
+  prediction. 1024 chips: 4 data x 256 expert, one expert per chip and layer."""
+  cfg = moe_experiment()
+  t, m = cfg.model.transformer, cfg.model.moe
+  t.num_layers = 61
+  t.d_model = 7168
+  t.num_heads = 128
+  t.num_kv_heads = 8
+  t.head_dim = 128
+  t.d_ff = 18432
+  t.vocab_size = 129280
+  m.num_experts = 256
+  m.d_ff = 2048
+  m.every = 1
+  m.first_dense_layers = 3
+  m.top_k = 8
+  m.num_shared_experts = 1
+  m.score = "sigmoid"
+  m.renormalize = True
+  m.gate_scale = 2.5
+  m.bias_update_rate = 1e-3
+  m.aux_loss_weight = 1e-4
+  m.dispatch = "dropless"
+  return _pod_moe(cfg, "v5p:8x8x16", (4, 256), global_batch=1024, seq_len=4096)

@@ -115,9 +115,10 @@ class MoEFeedForward(nnx.Module):
                       gate_scale=cfg.gate_scale, bias=bias)
     weights = tuple(w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
-                                        buffer=cfg.expert_buffer, exchange=cfg.expert_exchange)
+                                        buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
+                                        impl=cfg.grouped_matmul)
     stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics,
-             "dropped_fraction": jnp.zeros((), jnp.float32)}
+             "expert_buffer_overflow": overflow.astype(jnp.float32)}
     if bias is not None:
       stats["next_bias"] = routers.next_bias(bias, r.load, cfg.bias_update_rate)
     return shard(y, ("batch", "length", "embed")), stats

@@ -28,6 +28,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
+from shardax.layers import moe_dispatch
+
 
 class BalanceBias(nnx.Param):
   """Per-expert selection bias of auxiliary-loss-free balancing; set by the train step."""
@@ -59,7 +63,7 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   e = logits.shape[-1]
   scores = scores_of(logits, score)
   choose = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
-  _, index = jax.lax.top_k(choose, top_k)
+  index = top_k_indices(choose, top_k)
   gates = jnp.take_along_axis(scores, index, axis=-1)
   if renormalize:
     gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
@@ -72,6 +76,19 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   return Routing(index.astype(jnp.int32), gates, load, aux_loss, z_loss,
                  {"max_load": jnp.max(load) * e})
+
+
+def top_k_indices(x: jax.Array, k: int) -> jax.Array:
+  """lax.top_k's indices of x [batch, ..., E], computed where the tokens lie: the SPMD
+  partitioner does not split top_k along the batch and would all-gather every token's
+  scores to each device, so under a mesh it runs per device in shard_map."""
+  batch, = moe_dispatch.mesh_axes(("batch",))
+  mesh = jax.sharding.get_abstract_mesh()
+  if not batch or mesh.empty or mesh.size == 1:
+    return jax.lax.top_k(x, k)[1]
+  spec = P(batch, *(None,) * (x.ndim - 1))
+  return jax.shard_map(lambda v: jax.lax.top_k(v, k)[1], mesh=mesh, in_specs=spec,
+                       out_specs=spec, check_vma=False)(x)
 
 
 def next_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:

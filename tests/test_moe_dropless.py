@@ -57,9 +57,11 @@ CASES = {
 }
 
 
+@pytest.mark.parametrize("impl", ["ragged_dot", "tiled"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_dropless_equals_a_per_token_loop(case):
-  cfg = CASES[case]
+def test_dropless_equals_a_per_token_loop(case, impl):
+  """Both grouped matmuls: jax.lax.ragged_dot and the tiled one CPUs use."""
+  cfg = dataclasses.replace(CASES[case], grouped_matmul=impl)
   with nnx.use_eager_sharding(False):
     layer = MoEFeedForward(D, cfg, rngs=nnx.Rngs(3))
   graphdef, state = nnx.split(layer)
@@ -120,3 +122,72 @@ def test_capacity_dispatch_rejects_routers_it_cannot_run():
     MoEConfig(top_k=4)
   with pytest.raises(Exception, match="model.moe.top_k=9"):
     MoEConfig(num_experts=8, top_k=9, dispatch="dropless")
+
+
+# ---------------------------------------------------------------- expert parallel == one device
+
+from shardax import configs  # noqa: E402
+from shardax.sharding import report  # noqa: E402
+from shardax.trainer import state as state_lib  # noqa: E402
+from meshtools import loss_and_grads, setup_for  # noqa: E402
+
+MODES = {"expert": ((8,), ("data",), 8), "expert_axis": ((2, 4), ("data", "expert"), 4)}
+DROPLESS = ["model.moe.dispatch='dropless'", "model.moe.top_k=2", "model.moe.num_shared_experts=1",
+            "model.moe.first_dense_layers=1", "model.transformer.num_layers=3", "model.moe.every=1"]
+
+
+def tiny_dropless(preset, ici, axes, *more):
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, [
+      "model.transformer.d_model=32", "model.transformer.num_heads=4", "model.transformer.d_ff=64",
+      "model.transformer.max_len=16", "model.moe.d_ff=32", "data.seq_len=16", "train.global_batch=8",
+      "data.source='synthetic'", f"sharding.preset={preset!r}", f"mesh.ici={ici!r}",
+      f"mesh.axes={axes!r}", "model.moe.expert_buffer=4.0", *DROPLESS, *more])
+  return configs.build(cfg)
+
+
+@pytest.fixture(scope="module")
+def reference_run():
+  setup = setup_for(tiny_dropless("dp", (1,), ("data",)), jax.devices()[:1])
+  params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
+  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  (loss, grads, metrics), _ = loss_and_grads(setup, params, batch)
+  return jax.device_get(params), batch, float(loss), jax.device_get(grads), jax.device_get(metrics)
+
+
+@pytest.fixture(scope="module", params=list(MODES))
+def sharded_run(request, reference_run):
+  ici, axes, expert_shards = MODES[request.param]
+  setup = setup_for(tiny_dropless(request.param, ici, axes))
+  params_host, batch, *_ = reference_run
+  (loss, grads, metrics), compiled = loss_and_grads(setup, params_host, batch)
+  return request.param, expert_shards, setup, float(loss), jax.device_get(grads), metrics, compiled
+
+
+def test_dropless_expert_parallel_equals_single_device(sharded_run, reference_run):
+  mode, _, _, loss, grads, metrics, _ = sharded_run
+  _, _, ref_loss, ref_grads, ref_metrics = reference_run
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for k in ("ce_loss", "moe/aux_loss", "moe/max_load"):
+    np.testing.assert_allclose(metrics[k], ref_metrics[k], rtol=1e-5, err_msg=k)
+  flat, ref_flat = jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)
+  assert len(flat) == len(ref_flat) > 10
+  for (path, g), r in zip(flat, ref_flat):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=f"{mode} {jax.tree_util.keystr(path)}")
+
+
+def test_dropless_step_moves_tokens_by_all_to_all_not_weights(sharded_run):
+  """Forward and backward of the 2 MoE layers (scanned: one body) each send the token
+  copies out and back: 4 all-to-alls of rows and 4 of their expert ids... and no
+  all-gather moves an expert weight (they stay split over the expert shards)."""
+  mode, expert_shards, setup, *_, compiled = sharded_run
+  hlo = compiled.as_text()
+  colls = report.collectives(hlo)
+  a2a = [c for c in colls if c.kind == "all-to-all"]
+  assert a2a and {c.group_size for c in a2a} == {expert_shards}, a2a
+  assert all("moe_dispatch.py" in c.source for c in a2a), a2a
+  expert_bytes = {int(np.prod(a.shape[-3:])) * 4 for p, a in jax.tree.leaves_with_path(setup.abstract["params"])
+                  if "wi_gate" in jax.tree_util.keystr(p) or "wo" in jax.tree_util.keystr(p)}
+  gathers = [c for c in colls if c.kind == "all-gather"]
+  assert not [c for c in gathers if c.bytes >= min(expert_bytes) // expert_shards], gathers

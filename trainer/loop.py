@@ -208,6 +208,11 @@ def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device) -> No
   fetched = jax.device_get([m for _, m in pending])
   for (step, _), m in zip(pending, fetched):
     summary["losses"][step] = float(m["loss"])
+    if m.get("moe/expert_buffer_overflow", 0) > 0:   # its step was poisoned, never applied
+      raise NonFiniteError(
+          f"step {step}: {m['moe/expert_buffer_overflow']:g} token copies per MoE layer did not fit "
+          f"the dropless expert-parallel buffers (load imbalance); raise --set "
+          f"model.moe.expert_buffer (now a multiple of each device's fair share)")
     if not m["finite"]:
       summary["skipped_steps"].append(step)
       logging.warning("step %d: non-finite loss %s / grad norm %s; update skipped",

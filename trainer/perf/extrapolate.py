@@ -81,6 +81,7 @@ class Depth:
   layers: int
   unit: int
   field: str  # the config path of the layer count, for messages
+  offset: int = 0  # layers outside the repeating units (an MoE LM's first dense layers)
 
 
 def _transformer(model):
@@ -101,11 +102,13 @@ def depth(exp: Experiment) -> Depth | str:
   unit = 1
   if t.pipeline.stages > 1:
     unit = t.pipeline.stages * t.pipeline.circular_repeats
+  offset = 0
   if hasattr(model, "moe"):
-    unit = model.moe.every
-  if t.num_layers <= SHALLOW_UNITS[-1] * unit:
-    return f"{field}={t.num_layers} is already as shallow as the copies ({SHALLOW_UNITS[-1] * unit})"
-  return Depth(t.num_layers, unit, field)
+    unit, offset = model.moe.every, model.moe.first_dense_layers
+  if t.num_layers <= offset + SHALLOW_UNITS[-1] * unit:
+    return (f"{field}={t.num_layers} is already as shallow as the copies "
+            f"({offset + SHALLOW_UNITS[-1] * unit})")
+  return Depth(t.num_layers, unit, field, offset)
 
 
 def with_layers(exp: Experiment, layers: int) -> Experiment:
@@ -218,7 +221,7 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
 
 def extrapolated(exp: Experiment, d: Depth, effort: float = 0.0) -> dict:
   """The dry-run report of `exp` from shallow copies of 1 and 2 units."""
-  xa, xb = (u * d.unit for u in SHALLOW_UNITS)
+  xa, xb = (d.offset + u * d.unit for u in SHALLOW_UNITS)
   dry_run_lib.prepare(exp)  # the full model's shardings: a mesh or rule error surfaces here
   costs_b: list = []
   a = _shallow_report(exp, xa, effort)
