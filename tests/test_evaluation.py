@@ -61,3 +61,28 @@ def test_loop_and_mode_eval_report_cross_entropy_with_deterministic_routing(tmp_
   assert summary["eval_losses"][1] == pytest.approx(want, rel=1e-5)
   # The regression's numbers lie far outside that tolerance.
   assert abs(objective - want) > 1e-3 * want and abs(random_ce - want) > 1e-4 * want
+
+
+def test_dense_eval_leaves_out_the_z_loss():
+  """The dense LM with PaLM's z-loss: eval reports its cross entropy, weighted by targets."""
+  import numpy as np
+  from meshtools import setup_for
+  from shardax.trainer import state as state_lib
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [
+      "model.num_layers=1", "model.d_model=32", "model.num_heads=2", "model.d_ff=64",
+      "model.max_len=16", "data.seq_len=16", "train.global_batch=2", "model.z_loss=0.1"])
+  setup = setup_for(configs.build(cfg), jax.devices()[:1])
+  params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
+  rng = np.random.default_rng(0)
+  batch = {"inputs": rng.integers(1, 256, (2, 16)).astype(np.int32),
+           "targets": rng.integers(1, 256, (2, 16)).astype(np.int32),
+           "segment_ids": np.ones((2, 16), np.int32),
+           "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
+           "loss_mask": np.concatenate([np.ones((2, 10)), np.zeros((2, 6))], 1).astype(np.float32)}
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    total, weight = jax.device_get(loop.eval_sums_fn(setup)(params, batch))
+    loss, metrics = jax.device_get(jax.jit(step_lib.loss_fn(setup))(params, batch))
+  assert weight == 20 and metrics["z_loss"] > 1e-3
+  assert total / weight == pytest.approx(float(metrics["ce_loss"]), rel=1e-6)
+  assert abs(total / weight - float(loss)) > 1e-4
