@@ -96,7 +96,9 @@ def restore_latest(exp: Experiment, job_dir: str):
   checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
   try:
     if checkpointer.latest_step() is None:
-      raise FileNotFoundError(f"no checkpoint in {job_dir}/checkpoints; train first (--mode=train)")
+      how = "import or train first (--mode=import / --mode=train)" if exp.name.startswith("hf:") \
+          else "train first (--mode=train)"
+      raise FileNotFoundError(f"no checkpoint in {job_dir}/checkpoints; {how}")
     state, _ = checkpointer.restore(setup.abstract)
   finally:
     checkpointer.close()
