@@ -181,7 +181,7 @@ def _pod_moe(cfg, topology: str, ici: tuple[int, int], global_batch: int, seq_le
 
 
 @register("moe.mixtral_8x7b", "Mixtral-8x7B-shaped MoE LM (46.7B params, 12.9B active): 32 layers, "
-          "top-2 of 8 experts, dropless; TPU v5p-128 (64 chips, 8 data x 8 expert)")
+          "top-2 of 8 experts, dropless; TPU v5p-256 (128 chips, 16 data x 8 expert)")
 def mixtral_8x7b():
   """Mixtral 8x7B's shapes (arXiv 2401.04088): d_model 4096, 32 heads of 128, 8 KV heads,
   every FFN 8 experts of gated d_ff 14336, top-2 renormalized softmax gates; rope theta 1e6."""
@@ -200,7 +200,7 @@ def mixtral_8x7b():
   m.top_k = 2
   m.dispatch = "dropless"
   m.aux_loss_weight = 1e-2
-  return _pod_moe(cfg, "v5p:4x4x4", (8, 8), global_batch=256, seq_len=4096)
+  return _pod_moe(cfg, "v5p:4x4x8", (16, 8), global_batch=256, seq_len=4096)
 
 
 @register("moe.deepseek_v3", "DeepSeek-V3-shaped MoE LM (675B params): 61 layers (3 dense), "
@@ -211,7 +211,8 @@ def deepseek_v3():
   sigmoid scores renormalized and scaled by 2.5, 1 shared expert, auxiliary-loss-free bias
   (rate 1e-3) and a 1e-4 balance loss; vocab 129280. Not its attention: MLA is not
   implemented, so 128 query heads of 128 with 8 KV heads (GQA) stand in; nor multi-token
-  prediction. 1024 chips: 4 data x 256 expert, one expert per chip and layer."""
+  prediction. 1024 chips: 8 data x 128 expert (the topology's 8 x 16 plane), two experts
+  per chip and layer."""
   cfg = moe_experiment()
   t, m = cfg.model.transformer, cfg.model.moe
   t.num_layers = 61
@@ -233,4 +234,4 @@ def deepseek_v3():
   m.bias_update_rate = 1e-3
   m.aux_loss_weight = 1e-4
   m.dispatch = "dropless"
-  return _pod_moe(cfg, "v5p:8x8x16", (4, 256), global_batch=1024, seq_len=4096)
+  return _pod_moe(cfg, "v5p:8x8x16", (8, 128), global_batch=1024, seq_len=4096)

@@ -191,3 +191,33 @@ def test_dropless_step_moves_tokens_by_all_to_all_not_weights(sharded_run):
                   if "wi_gate" in jax.tree_util.keystr(p) or "wo" in jax.tree_util.keystr(p)}
   gathers = [c for c in colls if c.kind == "all-gather"]
   assert not [c for c in gathers if c.bytes >= min(expert_bytes) // expert_shards], gathers
+
+
+def test_train_step_writes_the_balance_bias_the_optimizer_leaves_alone():
+  """Through the real train step (AdamW, lr 1e-2, weight decay): each step the bias moves
+  by exactly +-rate per expert (the layer's next_bias written over the params), while
+  the optimizer moves the router. Seen failing with the write-back removed (bias stays 0)."""
+  from shardax.sharding import use_rules
+  from shardax.trainer import step as step_lib
+  rate = 0.125   # a power of two: the sums below are exact in float32
+  exp = tiny_dropless("dp", (1,), ("data",), f"model.moe.bias_update_rate={rate}",
+                      "optimizer.learning_rate=1e-2", "optimizer.warmup_steps=0")
+  setup = setup_for(exp, jax.devices()[:1])
+  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
+  batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, setup.batch_sharding)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    state = state_lib.init_fn(setup)(jax.random.key(0))
+    router0 = np.asarray(state["params"]["units"]["moe_block"]["moe"]["router"]["kernel"])
+    step = step_lib.train_step_fn(setup)
+    biases = []
+    for _ in range(2):
+      state, metrics = step(state, batch)
+      assert step_lib.STATE_UPDATES not in metrics
+      biases.append(np.asarray(state["params"]["units"]["moe_block"]["moe"]["balance_bias"]))
+  first, second = biases
+  assert first.shape == (2, 8)                        # [moe layers, experts]
+  assert set(np.unique(first / rate)) <= {-1, 0, 1} and np.abs(first).max() == rate
+  assert set(np.unique((second - first) / rate)) <= {-1, 0, 1}
+  assert not np.array_equal(second, first)
+  router = np.asarray(state["params"]["units"]["moe_block"]["moe"]["router"]["kernel"])
+  assert np.abs(router - router0).max() > 1e-3       # the router itself trains
