@@ -12,7 +12,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardax.configs.schema import ConfigError, DataConfig, TransformerConfig
+from shardax.configs import flops
+from shardax.configs.schema import ConfigError, DataConfig, TransformerConfig, make_model
 
 SECOND_EXPERT_POLICIES = ("all", "random", "sampling")
 SCORES = ("softmax", "sigmoid")
@@ -181,8 +182,7 @@ class MoELMConfig:
     return (self.transformer.num_layers - self.moe.first_dense_layers) // self.moe.every
 
   def make(self, rngs):
-    from shardax.layers.moe_lm import MoELM
-    return MoELM(self, rngs=rngs)
+    return make_model(self, rngs)   # layers/moe_lm.MoELM, registered by layers/__init__.py
 
   def batch_fields(self, data: DataConfig):
     return self.transformer.batch_fields(data)
@@ -192,7 +192,6 @@ class MoELMConfig:
 
   def flops_per_example(self, data: DataConfig) -> float:
     """Model FLOPs of one example, counting only the activated (top-k and shared) experts."""
-    from shardax.trainer.perf import flops
     return flops.moe_per_token(self, data.seq_len) * data.seq_len
 
   def param_count(self) -> int:

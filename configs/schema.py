@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shardax.configs import flops
+from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
 from shardax.sharding.mesh import MeshConfig
 
 
@@ -22,6 +24,24 @@ class ConfigError(ValueError):
 def _require(cond: bool, msg: str) -> None:
   if not cond:
     raise ConfigError(msg)
+
+
+# Model class of each model config class. layers/ registers its models (layers/__init__.py),
+# so the configs stay a leaf that imports nothing of layers/ or trainer/.
+_MODELS: dict[type, Any] = {}
+
+
+def register_model(config_cls: type, model_cls: Any) -> None:
+  _MODELS[config_cls] = model_cls
+
+
+def make_model(cfg: Any, rngs):
+  """`model_cls(cfg, rngs=rngs)` for the class registered for type(cfg)."""
+  cls = _MODELS.get(type(cfg))
+  if cls is None:
+    raise ConfigError(f"no model is registered for {type(cfg).__name__}; import shardax.layers "
+                      f"(it registers the model classes)")
+  return cls(cfg, rngs=rngs)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +168,7 @@ class TransformerConfig:
 
   def make(self, rngs):
     """The model this config describes (the trainer calls this, abstractly and for real)."""
-    from shardax.layers import TransformerLM
-    return TransformerLM(self, rngs=rngs)
+    return make_model(self, rngs)
 
   def batch_fields(self, data: DataConfig) -> dict[str, tuple[tuple[int, ...], str, tuple[str, ...]]]:
     """Per-example shape, dtype and logical axes (batch first) of each batch field."""
@@ -164,8 +183,7 @@ class TransformerConfig:
     return data.seq_len
 
   def flops_per_example(self, data: DataConfig) -> float:
-    """Model FLOPs (forward + backward) of one training example; see trainer/flops.py."""
-    from shardax.trainer.perf import flops
+    """Model FLOPs (forward + backward) of one training example; see configs/flops.py."""
     return flops.per_token(self, data.seq_len) * data.seq_len
 
   @property
@@ -221,7 +239,6 @@ class DataConfig:
              or self.source.startswith(("tfds:", "files:")),
              f"data.source={self.source!r}: use 'stdlib', 'synthetic', 'tfds:NAME', 'files:GLOB' "
              f"or an image source {tuple(IMAGE_SOURCES)}")
-    from shardax.trainer.data.tokenizers import TokenizerError, check_spec
     try:
       check_spec(self.tokenizer)
     except TokenizerError as e:
@@ -350,7 +367,6 @@ class Experiment:
                f"raise model.max_len or lower data.seq_len")
     if hasattr(self.model, "vocab_size") and (self.data.source in ("stdlib",) or
                                              self.data.source.startswith(("tfds:", "files:"))):
-      from shardax.trainer.data.tokenizers import BYTE_VOCAB, trained_vocab
       need = BYTE_VOCAB if self.data.tokenizer == "byte" else trained_vocab(self.data.tokenizer)
       _require(need is None or self.model.vocab_size >= need,
                f"model.vocab_size={self.model.vocab_size} is below the {need} ids of data.tokenizer="

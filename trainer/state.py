@@ -21,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from shardax import layers  # noqa: F401  (registers the model classes the configs make)
 from shardax.configs.schema import Experiment
 from shardax.sharding import params as params_lib
 from shardax.sharding import rules as rules_lib

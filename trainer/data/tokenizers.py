@@ -25,19 +25,15 @@ from typing import Any
 
 import numpy as np
 
-BYTE_VOCAB = 256
+from shardax.configs.tokenizer_spec import (BYTE_VOCAB, HF_MODEL_PREFIX, SPM_TRAIN_PREFIX,  # noqa: F401
+                                            TokenizerError, check_spec, trained_vocab)
+
 SEPARATOR_ID = 0  # the byte tokenizer's end-of-document / padding id
-SPM_TRAIN_PREFIX = "spm:train:"
 # Special pieces of a trained SentencePiece model: padding, unknown, end of document.
 SPM_PAD, SPM_UNK, SPM_EOS = 0, 1, 2
 _HF_EOS = ("<|endoftext|>", "</s>", "<eos>", "<|end_of_text|>", "[SEP]")
 _HF_PAD = ("<pad>", "[PAD]", "<|padding|>")
-HF_MODEL_PREFIX = "hf_model:"
 HF_MODEL_FILE = "hf_model.tokenizer.json"   # its copy beside prepared data (from_file tells it apart)
-
-
-class TokenizerError(ValueError):
-  """A tokenizer spec or file that cannot work; the message says how to fix it."""
 
 
 class Tokenizer:
@@ -133,27 +129,6 @@ class HuggingFaceTokenizer(Tokenizer):
 
   def decode(self, ids: Iterable[int]) -> str:
     return self._tok.decode(self._valid(ids), skip_special_tokens=True)
-
-
-def check_spec(spec: str) -> None:
-  """A clear error for a malformed data.tokenizer (no files are touched)."""
-  if spec == "byte" or spec.startswith(("hf:", HF_MODEL_PREFIX)) or (spec.endswith(".json") and ":" not in spec):
-    return
-  if spec.startswith(SPM_TRAIN_PREFIX):
-    vocab = spec[len(SPM_TRAIN_PREFIX):]
-    if not vocab.isdigit() or not 260 <= int(vocab) <= 1_000_000:
-      raise TokenizerError(f"data.tokenizer={spec!r}: VOCAB in 'spm:train:VOCAB' must be a "
-                           f"number of pieces >= 260 (e.g. 'spm:train:8000')")
-    return
-  if spec.startswith("spm:") and len(spec) > 4:
-    return
-  raise TokenizerError(f"data.tokenizer={spec!r}: use 'byte', 'spm:PATH', 'spm:train:VOCAB', "
-                       f"'hf:PATH' or a tokenizer .json file")
-
-
-def trained_vocab(spec: str) -> int | None:
-  """VOCAB of 'spm:train:VOCAB', else None (known before anything is prepared)."""
-  return int(spec[len(SPM_TRAIN_PREFIX):]) if spec.startswith(SPM_TRAIN_PREFIX) else None
 
 
 def from_spec(spec: str, prepared_dir: str | None = None) -> Tokenizer:

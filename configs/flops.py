@@ -1,0 +1,58 @@
+"""Model FLOPs per step: the one formula benchmarks, metrics and dry runs share.
+
+Pure arithmetic on a model config's fields, so it lives with the configs (a leaf that imports
+nothing of layers/ or trainer/); trainer/perf/flops.py re-exports it.
+
+Training a dense Transformer costs 6 FLOPs per matmul parameter per token
+(2 forward, 4 backward) plus attention's two score matmuls (QK^T and AV), which
+grow with sequence length and have no parameters: per layer and token
+2 x 2 x seq_len x (heads x head_dim) forward, x3 with backward, halved for a
+causal mask because half the scores are never needed. The output head counts as
+a matmul (d_model x vocab) even when tied to the embedding; the embedding lookup
+itself is a gather and counts nothing. This is the convention of the PaLM paper
+(appendix B) and MaxText, so MFU figures compare.
+"""
+
+from __future__ import annotations
+
+# How every "model FLOPs" / MFU figure in shardax is counted, said where it is shown.
+CONVENTION = "6N + attention, causal-halved (PaLM app. B)"
+
+
+def matmul_params(cfg) -> int:
+  """Parameters in matmuls of a `TransformerConfig` (the head counted even when tied)."""
+  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+  attn = d * h * dh + 2 * d * kv * dh + h * dh * d
+  mlp = (2 if getattr(cfg, "mlp", "gated") == "plain" else 3) * d * cfg.d_ff
+  return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
+
+
+def per_token(cfg, seq_len: int, causal: bool = True) -> float:
+  """Training FLOPs per token; causal=False counts every attention score (MaxText before
+  2023-11-29, Megatron's and many papers' figures)."""
+  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
+  return 6 * matmul_params(cfg) + attention
+
+
+def per_step(cfg, global_batch: int, seq_len: int) -> float:
+  return per_token(cfg, seq_len) * global_batch * seq_len
+
+
+def moe_per_token(cfg, seq_len: int) -> float:
+  """Training FLOPs per token of a `configs.moe.MoELMConfig` (top-k MoE LM, shared experts).
+
+  Counts the matmuls a token actually activates: attention and the head as above, the
+  dense FFN of the non-MoE layers, and in each MoE layer the router (d_model x E) plus
+  the FFNs of its top_k chosen and its shared experts. Not counted: the experts it did not choose, and
+  the dispatch/combine einsums (data movement written as matmuls, not model compute;
+  about 4 x S x E x C x d_model per group and layer forward, which the compiler's own
+  FLOP count does include). Dropped tokens and skipped second experts are counted as if
+  processed, so the figure does not depend on the routing.
+  """
+  t, m = cfg.transformer, cfg.moe
+  n_moe = cfg.num_moe_layers
+  d = t.d_model
+  active = m.top_k + m.num_shared_experts   # routed + shared experts a token goes through
+  swap = n_moe * (d * m.num_experts + active * 3 * d * m.d_ff - 3 * d * t.d_ff)
+  attention = 12 * t.num_layers * seq_len * t.num_heads * t.dim_per_head / 2
+  return 6 * (matmul_params(t) + swap) + attention
