@@ -53,6 +53,9 @@ def gshard_1t():
   1T model used a 2-matrix ReLU FFN and 60 layers; a gated FFN has 3 matrices, so 40
   layers give the same size. One expert per TPUv3 core (v3:32x32 = 2048 cores), groups
   of 2048 tokens (2 sequences) per core, capacity max(4, ceil(2.0 x 2 x 2048 / 2048)) = 4.
+  Adafactor, as GShard trained it, each expert's matrix factored on its own: the dry run
+  (v3:32x32, --compile_effort=-1, 2026-11-23) gives 7.15 GiB per core, 0.31 GiB of it
+  optimizer state (AdamW: 11.49 GiB, 4.66 GiB state; docs/scale.md).
   Built abstractly by dry runs; not meant to be compiled on a CPU host.
   """
   cfg = moe_experiment()
@@ -78,11 +81,8 @@ def gshard_1t():
   cfg.mesh.topology = "v3:32x32"
   cfg.train.global_batch = 4096
   cfg.train.steps = 100_000
-  # Adafactor, as GShard trained it: factored second moments, so the optimizer state is a
-  # few % of the bf16 params (AdamW's moments would be 2x them); relative steps, so the
-  # peak learning rate is the pod configs' 1e-2 (experiments/pods.py).
-  cfg.optimizer.name = "adafactor"
-  cfg.optimizer.learning_rate = 1e-2
+  cfg.optimizer.name = "adafactor"  # GShard's optimizer: factored second moments, per expert
+  cfg.optimizer.learning_rate = 1e-2  # relative to each weight's RMS (parameter_scale)
   cfg.optimizer.warmup_steps = 10_000
   cfg.checkpoint.every = 1000
   return cfg

@@ -309,3 +309,37 @@ def test_z_loss_adds_the_squared_log_normalizer_and_reports_it():
   np.testing.assert_allclose(loss, ce + 1e-2 * z, rtol=1e-6)
   with pytest.raises(ConfigError, match="model.z_loss=-1"):
     experiment("model.z_loss=-1.0")
+
+
+def test_adafactor_factors_each_expert_matrix_on_its_own():
+  """MoE expert weights [layers, expert, embed, mlp]: every expert's [embed, mlp] matrix is
+  one weight to Adafactor (its steps are the ones it would take alone), and the factored
+  moments keep the expert dim, so expert parallelism splits them (moe.gshard_1t)."""
+  cfg = OptimizerConfig(name="adafactor", factored_min_dim=4, clip_norm=None, warmup_steps=0,
+                        weight_decay=0.0)
+  rng = np.random.default_rng(0)
+  scales = np.array([1.0, 30.0, 0.01], np.float32)[None, :, None, None]
+  params = {"w": rng.normal(size=(2, 3, 8, 16)).astype(np.float32) * scales}
+  grads = [{"w": rng.normal(size=(2, 3, 8, 16)).astype(np.float32) * scales} for _ in range(3)]
+
+  def run(params, axes, grads):
+    tx = optimizer.make(cfg, 10, params, axes)
+    state, out = tx.init(params), []
+    for g in grads:
+      updates, state = jax.jit(tx.update)(g, state, params)
+      out.append(updates["w"])
+    return np.stack(out), state
+
+  axes = {"w": ("layers", "expert", "embed", "mlp")}
+  stacked, state = run(params, axes, grads)
+  for layer in range(2):
+    for e in range(3):
+      alone, _ = run({"w": params["w"][layer, e]}, {"w": ("embed", "mlp")},
+                     [{"w": g["w"][layer, e]} for g in grads])
+      np.testing.assert_allclose(stacked[:, layer, e], alone, rtol=1e-5, atol=1e-9,
+                                 err_msg=f"layer {layer} expert {e}")
+  moments = {}
+  optimizer.map_state_axes(jax.eval_shape(lambda: state), params, axes,
+                           lambda a, leaf: moments.setdefault(leaf.shape, a))
+  assert moments[(2, 3, 8)] == ("layers", "expert", "embed")    # v_row: one per expert
+  assert moments[(2, 3, 16)] == ("layers", "expert", "mlp")     # v_col

@@ -7,7 +7,8 @@ pipelined one as [stage, layers/stage, embed]), and a rank test would decay them
 in the scanned twin and not in the unscanned one.
 
 Layer stacks: the leading `stage` / `repeat` / `layers` dims of a scanned or
-pipelined weight hold copies of one layer's weight. Elementwise rules (AdamW) do
+pipelined weight hold copies of one layer's weight (and an MoE layer's leading
+`expert` dim one matrix per expert). Elementwise rules (AdamW) do
 not care, but Adafactor's factored moments, its update clipping and its parameter
 scale all look at a whole weight matrix, so Adafactor runs under `per_param`, which
 vmaps it over those dims: every layer of a stack is optimized exactly as the same
@@ -31,7 +32,11 @@ import optax
 
 from shardax.configs.schema import OptimizerConfig
 
-STACK_AXES = ("stage", "repeat", "layers")   # leading dims that stack copies of one layer
+# Leading dims that stack independent weight matrices: copies of one layer, and the experts
+# of an MoE layer ([layers, expert, embed, mlp]: Adafactor factors each expert's own
+# [embed, mlp] matrix, as GShard's Adafactor factored the last two dims, and its moments keep
+# the expert dim's sharding instead of a replicated [embed, mlp] statistic).
+STACK_AXES = ("stage", "repeat", "layers", "expert")
 NO_DECAY_NAMES = ("scale", "bias")           # norm scales and biases: never decayed
 EMBEDDING_NAMES = ("embedding",)             # decayed only with optimizer.decay_embeddings
 
