@@ -61,7 +61,7 @@ def test_offload_moves_the_saved_layer_inputs_to_host_on_a_tpu_compile():
   assert full_host == 0 and off_host == inputs, (full_host, off_host)
   # Device temp does NOT fall at this toy size (measured 2026-11-23: 8.93 MB full, 11.06 MB
   # offload): 3 MiB of inputs are small against one layer's working set, and the transfers
-  # need staging buffers. At 8B x 8k it does (docs/scale.md, "Long context").
+  # need staging buffers. The long-context figures: docs/scale.md, "Long context".
   assert off_temp > 0 and full_temp > 0
 
 
