@@ -55,10 +55,14 @@ def _memory(remat):
 def test_offload_moves_the_saved_layer_inputs_to_host_on_a_tpu_compile():
   full_temp, full_host = _memory("full")
   off_temp, off_host = _memory("offload")
-  # 8 layers x [2 seqs per chip, 384, 256] bf16 layer inputs = 3 MiB saved for the backward pass
+  # 8 layers x [2 seqs per chip, 384, 256] bf16 layer inputs = 3 MiB saved for the backward
+  # pass: exactly what the offload policy parks in host memory (full remat keeps it in HBM).
   inputs = 8 * 2 * SEQ * 256 * 2
-  assert full_host == 0 and off_host >= inputs
-  assert off_temp < full_temp, (off_temp, full_temp)
+  assert full_host == 0 and off_host == inputs, (full_host, off_host)
+  # Device temp does NOT fall at this toy size (measured 2026-11-23: 8.93 MB full, 11.06 MB
+  # offload): 3 MiB of inputs are small against one layer's working set, and the transfers
+  # need staging buffers. The long-context figures: docs/scale.md, "Long context".
+  assert off_temp > 0 and full_temp > 0
 
 
 def test_host_transfers_are_priced_at_the_host_link_and_hide_under_enough_compute():

@@ -142,12 +142,23 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              collectives=report.collective_summary(hlo),
              predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm))
+  if out["predicted"] and "tpu_custom_call" in hlo and "splash" in hlo:
+    _add_kernel_time(out["predicted"], stepmodel.flash_kernel_seconds(exp, int(mesh.size), chip))
   if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)
   if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
     out["networks"] = networks.split_by_network(hlo, mesh, report.collectives(hlo))
   return write(out, job_dir)
+
+
+def _add_kernel_time(p: dict, seconds: float) -> None:
+  """The flash kernel's time (0 FLOPs in XLA's costs) added to the prediction, ratios rescaled."""
+  step = p["step_seconds"]
+  scale = step / (step + seconds) if step + seconds else 0.0
+  p.update(step_seconds=step + seconds, mfu=p["mfu"] * scale, hfu=p["hfu"] * scale,
+           tokens_per_second_per_device=p["tokens_per_second_per_device"] * scale)
+  p["breakdown"]["flash_kernel_seconds"] = seconds
 
 
 def host_temp_bytes(compiled) -> int:
@@ -207,6 +218,9 @@ def format_report(r: dict) -> str:
         f"{kind} x{c['count']:,} ({c['bytes']:,} bytes)" for kind, c in sorted(rows.items())) or "none"))
   if p := r.get("predicted"):
     lines.extend(stepmodel.format_prediction(stepmodel.Prediction(**p)))
+    if kernel := p["breakdown"].get("flash_kernel_seconds"):
+      lines.append(f"    flash attention kernel: {kernel:.4g} s of the step (its FLOPs priced from the model, "
+                   f"XLA's costs count a Pallas call as 0)")
     if (off := p["breakdown"].get("offload")) and off["bytes"]:
       lines.append(f"    host offload: {_gib(off['bytes'])} out and back at {off['host_bandwidth'] / 1e9:.0f} GB/s "
                    f"= {off['seconds']:.3g} s per step, " + ("hidden under compute" if off["hidden"] else

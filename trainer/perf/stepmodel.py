@@ -221,3 +221,20 @@ def offload_seconds(host_bytes: int, compute_seconds: float, chip: chips_lib.Chi
   seconds = 2 * host_bytes / chip.host_bandwidth
   return {"bytes": int(host_bytes), "seconds": seconds, "host_bandwidth": chip.host_bandwidth,
           "hidden": seconds <= compute_seconds, "exposed_seconds": max(0.0, seconds - compute_seconds)}
+
+
+def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
+  """Seconds per step of the Pallas flash-attention kernel (layers/flash.py) on one device.
+
+  XLA's cost analysis prices a Pallas `tpu_custom_call` at 0 FLOPs, so the compiled program's
+  costs miss the attention score matmuls the kernel does. They are the attention term of
+  the model FLOPs (trainer/perf/flops.py: causal-halved; the kernel skips fully masked
+  blocks), plus one more forward (a third of it) when the layer is rematerialized, at the
+  same matmul rate as the rest (assumption 1)."""
+  t = getattr(exp.model, "transformer", exp.model)
+  seq = exp.data.seq_len
+  per_token = 12 * t.num_layers * seq * t.num_heads * t.dim_per_head / 2
+  if t.remat != "none":
+    per_token *= 4 / 3
+  tokens = seq * exp.train.global_batch
+  return per_token * tokens / num_devices / (chip.peak_bf16_flops * chip.matmul_efficiency)
