@@ -217,7 +217,7 @@ class MoELM(nnx.Module):
     k = self.cfg.moe.first_dense_layers
     if t.scan_layers:
       units = jax.tree.map(lambda c: c.stacked(self.cfg.num_moe_layers), unit)
-      first = one.stacked(k) if k else None
+      first = jax.tree.map(lambda c: c.stacked(k), one) if k else None
     else:
       units = [unit for _ in range(self.cfg.num_moe_layers)]
       first = [one] * k if k else None
