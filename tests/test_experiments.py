@@ -27,6 +27,10 @@ SKIPPED = {
     "lm.small_spm": "benchmark size: 6.1e12 FLOPs a step, and evals over the whole validation split",
     "lm.gpt3_175b_pipelined": "pod-sized (v4:8x8x8, 175B params): built and compiled by dry runs only",
     "moe.gshard_1t": "pod-sized (v3:32x32, 1T params): built and compiled by dry runs only",
+    "moe.mixtral_8x7b": "pod-sized (v5p:4x4x8, 46.7B params): built and compiled by dry runs only",
+    "moe.deepseek_v3": "pod-sized (v5p:8x8x16, 675B params): built and compiled by dry runs only",
+    "lm.llama3_8b_8k": "pod-sized (v6e:2x4, Llama-3.1-8B at 8k): built and compiled by dry runs only",
+    "lm.llama3_70b_8k": "pod-sized (v6e:16x16, Llama-3.1-70B at 8k): built and compiled by dry runs only",
 }
 FAST = ("lm.tiny_pipelined",)
 
