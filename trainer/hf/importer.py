@@ -12,6 +12,7 @@ on the devices (jitted, born sharded) and the state saved as step 0.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import time
@@ -62,8 +63,15 @@ def put_leaf(leaf: weights.Leaf, reader: safetensors.Reader, shape, dtype, shard
     for k, (bounds, _) in groups.items():
       bufs[k][...] = part(t, bounds)
     del t
-  arrays = [jax.device_put(bufs[k], dev) for k, (_, devs) in groups.items() for dev in devs]
+  # A copy (never an alias of the numpy buffer, which a CPU device may otherwise keep as
+  # the param), waited for; the runtime hands the buffer back from its transfer thread through
+  # jaxlib's gc callback, which a young-generation collection runs. So this leaf's host
+  # buffers are freed before the next leaf's are filled, not held beside them.
+  arrays = [jax.device_put(bufs[k], dev, may_alias=False) for k, (_, devs) in groups.items()
+            for dev in devs]
+  jax.block_until_ready(arrays)
   del bufs
+  gc.collect(0)
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
