@@ -63,10 +63,14 @@ def test_checkpoints_move_between_one_and_two_processes(runs, tmp_path):
   shutil.copytree(multi, a)
   out = one_process(a, data_dir, "train.steps=8", "checkpoint.every=3")
   assert "resumed from step 6" in out.stderr
+  # it rebuilt its readers from both processes' saved states: nothing read twice
+  assert "process 0 restored its data state at step 6, 0 batches replayed" in out.stderr
   # ... and one-process checkpoint, resumed by two processes: the same steps 7 and 8.
   b = tmp_path / "b"
   shutil.copytree(single, b)
-  two_processes(b, data_dir, "train.steps=8", "checkpoint.every=3", tmp_path=tmp_path)
+  logs = two_processes(b, data_dir, "train.steps=8", "checkpoint.every=3", tmp_path=tmp_path)
+  for i, log in enumerate(logs):
+    assert f"process {i} restored its data state at step 6, 0 batches replayed" in log
   la, lb = cli.losses(a), cli.losses(b)
   np.testing.assert_allclose([la[7], la[8]], [lb[7], lb[8]], rtol=1e-5)
 

@@ -137,8 +137,10 @@ def agree_at_start(config_text: str) -> None:
                       ", ".join(f"process {i}: {h}" for i, h in enumerate(hashes)) +
                       "; start every process with the same --exp and --set flags (and the same code)")
   hosts = mesh_lib.set_node_ids([None if n < 0 else int(n) for n in rows[:, 2]])
-  if hosts:
-    logging.info("processes by host (node ids): %s", hosts)
+  if hosts and jax.process_index() == 0:
+    import sys
+    logging.info(line := f"processes by host (from node ids): {hosts}")
+    print(line, file=sys.stderr, flush=True)
 
 
 def is_primary() -> bool:
