@@ -132,6 +132,16 @@ RETRIES = 4           # reads of one step before giving up on it (damage is prov
 BACKOFF_S = 0.5       # first wait between reads; doubles each time
 
 
+def _chain_text(e: BaseException) -> str:
+  """The error and its causes (orbax wraps tensorstore's status in a plain Exception)."""
+  parts, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    parts.append(f"{type(e).__name__}: {e}")
+    e = e.__cause__ or e.__context__
+  return " <- ".join(parts)
+
+
 def _allgather(values: list[int]) -> np.ndarray:
   """[process, len(values)]: every process's values (a tiny all-gather; one process: as is)."""
   if jax.process_count() == 1:
@@ -303,7 +313,7 @@ class Checkpointer:
           return "mismatch", f"state does not match the checkpoint: {mismatch}"
         if missing := self._missing_files(step):
           return "damaged", missing
-        damage = _DAMAGE.search(f"{type(e).__name__} {e}")
+        damage = _DAMAGE.search(_chain_text(e))
         kind = damage.group(0).upper() if damage else None
         if kind and kind == last_kind:   # the files' fault twice in a row: not a hiccup
           return "damaged", f"{text} ({kind} again on a second read)"
