@@ -12,6 +12,11 @@ import clitools as cli
 from shardax.sharding import mesh as mesh_lib
 from shardax.trainer import distributed, jobdir
 
+try:   # the gs:// emulator fixture, where the test extra is installed
+  from test_cloud import BUCKET, emulator  # noqa: F401
+except pytest.skip.Exception:
+  BUCKET = emulator = None
+
 # A SLURM step whose task count is garbled: jax's detection raises on it.
 BROKEN_SLURM = {"SLURM_JOB_ID": "7", "SLURM_STEP_NODELIST": "localhost", "SLURM_NTASKS": "two",
                 "SLURM_PROCID": "0", "SLURM_LOCALID": "0"}
@@ -104,3 +109,43 @@ def test_processes_with_different_configs_refuse_to_start(tmp_path):
   for log in logs:
     assert "the processes hold different configs" in log and "process 0: " in log and "process 1: " in log
   assert not (tmp_path / "job").exists()
+
+
+def test_a_second_job_on_a_leased_job_dir_is_refused(tmp_path):
+  """Real processes: job A trains; job B on the same job dir exits 2 naming A's host and
+  pid and writes nothing; A, stopped, frees the lease; a restart resumes."""
+  job, data = tmp_path / "job", tmp_path / "data"
+  a = cli.start(cli.command(job, data, "train.steps=100000", "checkpoint.every=100000"), log=tmp_path / "a.log")
+  try:
+    assert cli.wait_for(lambda: cli.losses(job), timeout=180), open(tmp_path / "a.log").read()[-2000:]
+    # A keeps appending to its logs and metrics; B must add no file and rewrite no config.
+    config = lambda: {k: v for k, v in cli.snapshot(job).items() if k.startswith("config")}  # noqa: E731
+    names, before = set(cli.snapshot(job)), config()
+    b = cli.run(cli.command(job, data, "train.steps=5"))
+    assert b.returncode == 2, b.stderr[-2000:]
+    assert (f"is in use by another live job: host {socket.gethostname()} (pid {a.pid}), started "
+            in b.stderr), b.stderr[-2000:]
+    assert set(cli.snapshot(job)) == names and config() == before
+    a.send_signal(cli.SIGTERM)
+    assert a.wait(timeout=120) == 0
+  finally:
+    a.kill()
+  assert not (job / jobdir.LEASE_FILE).exists()
+
+
+@pytest.mark.skipif(emulator is None, reason="the test extra (fake-gcs-server, gcsfs) is not installed")
+def test_the_lease_lives_in_a_gs_job_dir(emulator):
+  """The lease goes through epath like every job-dir file: on a bucket it refuses too."""
+  from etils.epath import gpath
+  _, fs = emulator
+  url, key = f"gs://{BUCKET}/leased", f"{BUCKET}/leased/{jobdir.LEASE_FILE}"
+  gpath._is_tf_installed.cache_clear()   # epath decides its client once: now fsspec (EPATH_USE_TF=false)
+  try:
+    with jobdir.Lease(url):
+      assert fs.exists(key)
+      with pytest.raises(jobdir.LeaseError, match=f"host {socket.gethostname()}"):
+        jobdir.Lease(url).check()
+    fs.invalidate_cache()
+    assert not fs.exists(key)
+  finally:
+    gpath._is_tf_installed.cache_clear()
