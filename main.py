@@ -39,6 +39,8 @@ flags.DEFINE_integer("process_id", None, "Multi-process: this process's id, 0..n
 flags.DEFINE_integer("heartbeat_timeout_s", None,
                      "Multi-process: a process that hears nothing from its peers for this many seconds "
                      "exits non-zero (default: SHARDAX_HEARTBEAT_TIMEOUT_S, else 100).")
+flags.DEFINE_bool("single_process", False, "Run as one process even where a cluster launcher is "
+                  "present but its detection fails (otherwise that failure stops the job).")
 flags.DEFINE_bool("shallow", False, "dry_run/plan: compile shallow copies of a scanned stack and "
                   "extrapolate to full depth (trainer/perf/extrapolate.py) instead of the full model.")
 flags.DEFINE_float("compile_effort", None, "dry_run/plan: compile effort in [-1, 1] (jax 0.10: "
@@ -108,8 +110,13 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     return
   if mode == "train":
     _hf_import_if_new(exp, job_dir)
-    from shardax.trainer import loop
-    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
+    from shardax.trainer import distributed, loop
+    lease = distributed.lease(job_dir)   # one live job per job dir: checked before anything
+    lease.check()                        # is read or written, taken once the config fits
+    try:
+      summary = loop.train(exp, job_dir, on_ready=lambda: (lease.take(), write_config(exp, job_dir)))
+    finally:
+      lease.release()
     evals = summary["eval_losses"]
     if summary["start_step"] == summary["final_step"]:
       print(f"nothing to do: {job_dir} is already at step {summary['final_step']} "
@@ -189,6 +196,8 @@ def main(argv) -> None:
       print(f"{name:<28} {desc}")
     return
   from shardax.trainer.checkpoint import CheckpointError
+  from shardax.trainer.distributed import LaunchError
+  from shardax.trainer.jobdir import LeaseError
   try:
     if not FLAGS.exp:
       raise UserError("--exp is required (shardax --mode=list shows the experiments)")
@@ -203,11 +212,15 @@ def main(argv) -> None:
     _set_cpu_devices(exp)
     from shardax.trainer import distributed
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
-                                    heartbeat_timeout_s=FLAGS.heartbeat_timeout_s)
+                                    heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
+                                    single_process=FLAGS.single_process)
+    from shardax.configs import registry
+    distributed.agree_at_start(registry.to_json(exp))
     logging.info(line := platform.describe(PLATFORM, joined))
     print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
-  except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError) as e:
+  except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError,
+          LaunchError, LeaseError) as e:
     logging.debug("error", exc_info=True)
     print(f"shardax: error: {e}", file=sys.stderr, flush=True)
     sys.exit(2)

@@ -87,6 +87,37 @@ def processes_per_host() -> int:
   return 1
 
 
+# Launchers that say which node a process runs on (any order of ranks).
+NODE_ID_VARS = ("SHARDAX_NODE_ID", "SLURM_NODEID", "GROUP_RANK", "NODE_RANK", "OMPI_COMM_WORLD_NODE_RANK")
+_host_of_process: dict[int, int] | None = None   # set once per job by set_node_ids
+
+
+def node_id() -> int | None:
+  """This process's node id from the launcher (SHARDAX_NODE_ID wins), or None."""
+  for var in NODE_ID_VARS:
+    if m := re.fullmatch(r"\s*(\d+)\s*", os.environ.get(var, "")):
+      return int(m.group(1))
+  return None
+
+
+def set_node_ids(ids: Sequence[int | None] | None) -> dict[int, int] | None:
+  """Every process's node id (index = process index), gathered at start
+  (trainer/distributed.py): processes on one node form one host granule, numbered in
+  order of their first process. None, or no ids at all, clears it (processes per host
+  then decide). Returns {process: host}."""
+  global _host_of_process
+  if not ids or all(i is None for i in ids):
+    _host_of_process = None
+    return None
+  if any(i is None for i in ids):
+    missing = [p for p, i in enumerate(ids) if i is None]
+    raise ValueError(f"processes {missing} have no node id while others do ({NODE_ID_VARS[0]} or "
+                     f"the launcher's {', '.join(NODE_ID_VARS[1:])}); set it on every process")
+  hosts = {n: h for h, n in enumerate(dict.fromkeys(ids))}
+  _host_of_process = {p: hosts[n] for p, n in enumerate(ids)}
+  return dict(_host_of_process)
+
+
 def granule_kind(device) -> str:
   """"slice" on TPUs (slices are joined by DCN), else "host" (a node: GPUs, CPUs)."""
   return "slice" if device.platform == "tpu" else "host"
@@ -96,12 +127,23 @@ def granule_of(device, per_host: int | None = None) -> int:
   """The DCN granule of one device: the one definition the mesh, the report and the step model use.
 
   TPU: its slice (`slice_index`; a single-slice topology may omit it: 0). GPU and CPU:
-  its host, i.e. its process index over the processes per host, whatever the launcher
-  ran per node (one process per host or one per GPU).
+  its host, whatever the launcher ran per node (one process per host or one per GPU):
+  the node its process runs on when the launcher names nodes (`set_node_ids`), else its
+  process index over the processes per host (ranks node-major).
   """
   if granule_kind(device) == "slice":
     return int(getattr(device, "slice_index", 0) or 0)
+  if _host_of_process is not None and int(device.process_index) in _host_of_process:
+    return _host_of_process[int(device.process_index)]
   return int(device.process_index) // (per_host or processes_per_host())
+
+
+def processes_share_hosts() -> bool:
+  """Whether some host runs several of the job's processes (then jax's granule, the
+  process, is not ours)."""
+  if _host_of_process is not None:
+    return len(set(_host_of_process.values())) < len(_host_of_process)
+  return processes_per_host() > 1
 
 
 def granules(devices: Sequence[jax.Device]) -> tuple[str, list[list[jax.Device]]]:
@@ -132,14 +174,16 @@ def _hybrid_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
                      f"{' x N' if -1 in dcn else ''} granules ({_PLURAL[kind]} joined by DCN), "
                      f"{len(groups)} {kind if len(groups) == 1 else _PLURAL[kind]} found: {how}, or drop mesh.dcn")
   ici = resolve_shape(cfg.ici, sizes.pop(), f"mesh.ici (devices per {kind})")
+  logging.info("mesh.dcn=%s over %d %s: %s", dcn, len(groups), _PLURAL[kind], "; ".join(
+      f"{kind} {k}: processes {sorted({d.process_index for d in g})}" for k, g in enumerate(groups)))
   from jax.experimental import mesh_utils
   try:
-    if kind == "host" and processes_per_host() > 1:  # jax's granule would be the process
+    if kind == "host" and processes_share_hosts():  # jax's granule would be the process
       raise NotImplementedError("several processes per host")
     return mesh_utils.create_hybrid_device_mesh(ici, dcn, devices=devices,
                                                 process_is_granule=kind == "host")
   except (ValueError, NotImplementedError, AssertionError) as e:
-    if kind == "slice" or processes_per_host() == 1:
+    if kind == "slice" or not processes_share_hosts():
       _warn_plain_order(ici, groups[0], e)
     # Each granule in plain order, granules outermost on every axis (as jax lays them out).
     grid = np.array([np.array(g).reshape(ici) for g in groups]).reshape(dcn + ici)

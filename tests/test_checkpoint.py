@@ -16,6 +16,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.configs.schema import CheckpointConfig
+from shardax.trainer import checkpoint
 from shardax.trainer.checkpoint import (CheckpointError, CheckpointMismatchError,
                                         Checkpointer)
 
@@ -150,7 +151,8 @@ def _damage(step_dir: pathlib.Path, how: str):
 
 
 @pytest.mark.parametrize("how", ["truncate", "delete"])
-def test_damaged_latest_step_falls_back_with_warning(tmp_path, how, caplog):
+def test_damaged_latest_step_is_moved_aside_and_the_previous_restored(tmp_path, how, caplog, monkeypatch):
+  monkeypatch.setattr(checkpoint, "BACKOFF_S", 0.01)
   ckpt = Checkpointer(tmp_path, CheckpointConfig(every=1))
   ckpt.save(1, _small_state(1.0), {"pos": 1})
   ckpt.save(2, _small_state(2.0), {"pos": 2})
@@ -159,8 +161,12 @@ def test_damaged_latest_step_falls_back_with_warning(tmp_path, how, caplog):
   with caplog.at_level(logging.WARNING):
     state, data = ckpt.restore(_small_state())
   assert data == {"pos": 1} and float(state["params"]["w"][0, 0]) == 1.0
-  assert any("step 2" in r.getMessage() and str(tmp_path) in r.getMessage() for r in caplog.records)
-  # Reaching step 2 again rewrites the damaged step instead of skipping it.
+  assert any("step 2" in r.getMessage() and "moved aside" in r.getMessage() and str(tmp_path) in r.getMessage()
+             for r in caplog.records)
+  # Moved, not deleted: the damaged files are kept under damaged/; step 2 is written afresh.
+  aside = list((tmp_path / "damaged").iterdir())
+  assert [p.name.split("-")[0] for p in aside] == ["2"] and (aside[0] / "state").is_dir()
+  assert ckpt.latest_step() == 1
   assert ckpt.save(2, _small_state(2.0), {"pos": 2})
   assert ckpt.restore(_small_state())[1] == {"pos": 2}
   ckpt.wait()
@@ -168,8 +174,48 @@ def test_damaged_latest_step_falls_back_with_warning(tmp_path, how, caplog):
   _damage(tmp_path / "2", how)
   with pytest.raises(CheckpointError, match=str(tmp_path)):
     ckpt.restore(_small_state())
+  assert len(list((tmp_path / "damaged").iterdir())) == 3
   ckpt.close()
   gc.collect()
+
+
+class Flaky:
+  """The real orbax restore behind a storage that fails `failures` times first."""
+
+  def __init__(self, restore, failures):
+    self.restore, self.failures, self.calls = restore, failures, 0
+
+  def __call__(self, *args, **kwargs):
+    self.calls += 1
+    if self.calls <= self.failures:
+      raise OSError("503 Service Unavailable: backend error, retry")
+    return self.restore(*args, **kwargs)
+
+
+@pytest.fixture
+def two_steps(tmp_path, monkeypatch):
+  monkeypatch.setattr(checkpoint, "BACKOFF_S", 0.01)
+  ckpt = Checkpointer(tmp_path, CheckpointConfig(every=1))
+  ckpt.save(1, _small_state(1.0), {"pos": 1})
+  ckpt.save(2, _small_state(2.0), {"pos": 2})
+  ckpt.wait()
+  yield ckpt
+  ckpt.close()
+
+
+def test_a_transient_read_error_is_retried_and_the_newest_step_restored(two_steps, caplog):
+  two_steps._manager.restore = flaky = Flaky(two_steps._manager.restore, failures=1)
+  with caplog.at_level(logging.WARNING):
+    assert two_steps.restore(_small_state())[1] == {"pos": 2}
+  assert flaky.calls == 2 and "retrying" in caplog.text
+  assert sorted(p.name for p in two_steps.directory.iterdir() if p.name.isdigit()) == ["1", "2"]
+
+
+def test_a_persistent_error_that_proves_no_damage_stops_without_rolling_back(two_steps):
+  two_steps._manager.restore = Flaky(two_steps._manager.restore, failures=100)
+  with pytest.raises(CheckpointError, match=r"step 2 .* not rolling back"):
+    two_steps.restore(_small_state())
+  assert two_steps.latest_step() == 2 and not (two_steps.directory / "damaged").exists()
 
 
 def test_structure_mismatch_is_a_clear_error(tmp_path):

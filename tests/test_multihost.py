@@ -63,10 +63,14 @@ def test_checkpoints_move_between_one_and_two_processes(runs, tmp_path):
   shutil.copytree(multi, a)
   out = one_process(a, data_dir, "train.steps=8", "checkpoint.every=3")
   assert "resumed from step 6" in out.stderr
+  # it rebuilt its readers from both processes' saved states: nothing read twice
+  assert "process 0 restored its data state at step 6, 0 batches replayed" in out.stderr
   # ... and one-process checkpoint, resumed by two processes: the same steps 7 and 8.
   b = tmp_path / "b"
   shutil.copytree(single, b)
-  two_processes(b, data_dir, "train.steps=8", "checkpoint.every=3", tmp_path=tmp_path)
+  logs = two_processes(b, data_dir, "train.steps=8", "checkpoint.every=3", tmp_path=tmp_path)
+  for i, log in enumerate(logs):
+    assert f"process {i} restored its data state at step 6, 0 batches replayed" in log
   la, lb = cli.losses(a), cli.losses(b)
   np.testing.assert_allclose([la[7], la[8]], [lb[7], lb[8]], rtol=1e-5)
 
@@ -88,3 +92,23 @@ def test_dcn_names_the_granules_found(runs, tmp_path):
                             "mesh.ici=(1, 4)"), devices=8)
   assert out.returncode == 2
   assert "mesh.dcn=(2, 1) needs 2 granules (hosts joined by DCN), 1 host found" in out.stderr
+
+
+def test_processes_that_see_different_checkpoints_stop_naming_each_step(runs, tmp_path):
+  """Each process restores the step an all-gather agreed on; here process 1 reads a job dir
+  whose newest step is 3 (not shared storage): both stop, naming the step each one saw."""
+  data_dir, multi, _, _ = runs
+  for name in ("a", "b"):
+    shutil.copytree(multi, tmp_path / name)
+  shutil.move(tmp_path / "b" / "checkpoints" / "6", tmp_path / "b-step6")
+  port = cli.free_port()
+  procs = [cli.start(cli.command(tmp_path / job, data_dir, *DCN_DATA, "mesh.num_cpu_devices=4", "train.steps=8",
+                                 "checkpoint.every=3",
+                                 extra=[f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+                                        f"--process_id={i}"]),
+                     devices=4, log=tmp_path / f"p{i}.log") for i, job in enumerate(("a", "b"))]
+  codes = [cli.wait_or_kill(p, timeout=300) for p in procs]
+  logs = [open(tmp_path / f"p{i}.log").read() for i in range(2)]
+  assert codes == [2, 2], "\n".join(l[-2000:] for l in logs)
+  for log in logs:
+    assert "the processes see different newest checkpoints" in log and "process 0: step 6, process 1: step 3" in log

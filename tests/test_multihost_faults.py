@@ -2,9 +2,11 @@
 a pod-wide SIGTERM (maintenance event) and one process SIGKILLed (a host lost)."""
 
 import os
+import subprocess
 import time
 
 import numpy as np
+import pytest
 
 import clitools as cli
 
@@ -56,6 +58,9 @@ def test_sigterm_to_every_process_saves_one_step_and_resumes_the_curve(tmp_path)
   stopped = saved[0]
   log = finish_two(job, data_dir, tmp_path, stopped + 3)
   assert f"resumed from step {stopped}" in log
+  for i in range(2):   # each process resumed its own readers: nothing read twice
+    assert (f"process {i} restored its data state at step {stopped}, 0 batches replayed"
+            in open(tmp_path / f"resume{i}.log").read())
   got, ref = cli.losses(job), reference_losses(tmp_path, data_dir, stopped + 3)
   steps = range(stopped + 1, stopped + 4)
   np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
@@ -81,3 +86,45 @@ def test_a_process_that_loses_its_peer_exits_within_the_bound_and_restart_resume
   log = finish_two(job, data_dir, tmp_path, complete[-1] + 2)
   assert f"resumed from step {complete[-1]}" in log
   assert not [n for n in os.listdir(job / "checkpoints") if "tmp" in n]
+
+
+MESH4 = ["mesh.dcn=(2, 1)", "mesh.ici=(1, 4)", "sharding.preset='2d'", "mesh.num_cpu_devices=2", SCHEDULE]
+
+
+def start_four_on_two_hosts(job, data_dir, tmp_path, *sets, tag):
+  """4 processes x 2 CPU devices; SHARDAX_NODE_ID fakes 2 hosts of 2 processes each."""
+  port = cli.free_port()
+  return [subprocess.Popen(
+      cli.command(job, data_dir, *MESH4, *sets, extra=[f"--coordinator_address=127.0.0.1:{port}",
+                                                       "--num_processes=4", f"--process_id={i}"]),
+      stdout=open(tmp_path / f"{tag}{i}.log", "w"), stderr=subprocess.STDOUT,
+      env=dict(cli.env(2), SHARDAX_NODE_ID=str(i // 2))) for i in range(4)]
+
+
+@pytest.mark.slow
+def test_four_processes_on_two_hosts_resume_their_own_data_state(tmp_path):
+  """mesh.dcn=(2, 1) over 2 faked hosts of 2 processes (4 processes would be 4 granules
+  without node ids, and the run would refuse); SIGTERM mid-run; each process resumes its
+  own data state with nothing replayed; the losses are the uninterrupted 8-device run's."""
+  data_dir, job = tmp_path / "data", tmp_path / "job"
+  procs = start_four_on_two_hosts(job, data_dir, tmp_path, "train.steps=1000", "checkpoint.every=100", tag="run")
+  read = lambda tag: "\n".join(open(tmp_path / f"{tag}{i}.log").read()[-2000:] for i in range(4))  # noqa: E731
+  try:
+    assert cli.wait_for(lambda: max(cli.losses(job), default=0) >= 4, timeout=400), read("run")
+    for p in procs:
+      p.send_signal(cli.SIGTERM)
+    assert [cli.wait_or_kill(p, timeout=180) for p in procs] == [0] * 4, read("run")
+  finally:
+    for p in procs:
+      p.kill()
+  assert "processes by host (from node ids): {0: 0, 1: 0, 2: 1, 3: 1}" in open(tmp_path / "run0.log").read()
+  [stopped] = cli.checkpoint_steps(job)
+  procs = start_four_on_two_hosts(job, data_dir, tmp_path, f"train.steps={stopped + 3}", "checkpoint.every=100",
+                                  tag="resume")
+  assert [cli.wait_or_kill(p, timeout=400) for p in procs] == [0] * 4, read("resume")
+  for i in range(4):
+    assert (f"process {i} restored its data state at step {stopped}, 0 batches replayed"
+            in open(tmp_path / f"resume{i}.log").read()), read("resume")
+  got, ref = cli.losses(job), reference_losses(tmp_path, data_dir, stopped + 3)
+  steps = range(stopped + 1, stopped + 4)
+  np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)

@@ -81,6 +81,8 @@ def test_truncated_checkpoint_is_detected_and_skipped(tmp_path, data_dir, refere
   assert out.returncode == 0, out.stderr[-3000:]
   assert "step 30" in out.stderr and "cannot be restored" in out.stderr
   assert "resumed from step 20" in out.stderr
+  # moved aside, not deleted (then step 30 was trained and saved afresh)
+  assert [n.split("-")[0] for n in os.listdir(job / "checkpoints" / "damaged")] == ["30"]
   got = cli.losses(job)
   for step in range(21, 31):
     np.testing.assert_allclose(got[step], ref[step], rtol=1e-5)

@@ -1,16 +1,31 @@
 """Checkpoints: async, atomic orbax saves of the train state plus the data iterator's state.
 
 One step directory holds two items, `state` (the sharded pytree, via StandardSave) and
-`data` (the grain iterator state, via JsonSave), written by one orbax save so both are
-committed together: a resumed run never pairs weights with the wrong data position.
+`data_states` (every process's data iterator state, one JSON file per process named as
+grain's own handler names them, `process_<i>-of-<n>.json`), written by one orbax save so
+both are committed together: a resumed run never pairs weights with the wrong data
+position, and every process resumes its own readers without reading anything twice.
+(grain's `grain.checkpoint.CheckpointHandler` writes the same files but reads them back
+only on the same process count and takes the live iterator; ours takes the state the
+loop captured at the step and, on another count, hands the iterator every process's
+state so it can reassemble its readers; steps written before it keep a `data` item,
+read as before.)
 Orbax writes into `<step>.orbax-checkpoint-tmp-*` and renames on commit (on GCS it writes
 `commit_success.txt`), so a save killed halfway is invisible to `latest_step` and is
 deleted on the next start (`cleanup_tmp_directories`).
 
 Restore reads onto whatever shardings the abstract state asks for, so a run saved on a
-(2, 4) mesh resumes on (8,), (4, 2) or one device. A committed step can still be damaged
-later (a truncated or deleted file); restore then warns and falls back to the previous
-step instead of killing the job.
+(2, 4) mesh resumes on (8,), (4, 2) or one device. Restores that agree:
+
+- a read error is retried with backoff (object stores fail transiently); a step is
+  skipped only when proven damaged (a required file missing, or the same damage error,
+  not-found / data-loss / out-of-range / undecodable, on a second read); it is then moved
+  aside into `damaged/<step>-<time>` (never deleted) and the previous step is tried;
+- an error that persists but proves nothing stops the job naming the step: rolling back
+  because storage hiccupped would throw away progress;
+- every process restores the same step: the newest step each sees, and each attempt's
+  outcome, go through a small all-gather; processes that disagree stop the job with the
+  step each one saw.
 
 Multi-host: every process constructs a Checkpointer and calls should_save/save/restore
 with the same steps; orbax runs the barriers and writes each process's shards.
@@ -18,15 +33,20 @@ with the same steps; orbax runs the barriers and writes each process's shards.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import re
 import signal
 import threading
 import time
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
+from etils import epath
 
 from shardax.configs.schema import CheckpointConfig, ConfigError
 from shardax.trainer import jobdir
@@ -40,6 +60,94 @@ class CheckpointError(RuntimeError):
 
 class CheckpointMismatchError(CheckpointError):
   """The checkpoint holds a different state (another model or optimizer) than asked for."""
+
+
+def state_file(index: int, count: int) -> str:
+  """One process's data state file in a step's `data_states` item (grain's naming)."""
+  return f"process_{index}-of-{count}.json"
+
+
+class DataStatesHandler(ocp.AsyncCheckpointHandler):
+  """Every process writes its own iterator state (a JSON dict), in the step's commit.
+
+  Restore returns this process's state when the step was written by as many processes,
+  else `[state of process 0, 1, ...]` of the writers: the iterator decides what it can
+  rebuild from them (trainer/data/inputs.py `Batches.set_state`).
+  """
+
+  async def async_save(self, directory: epath.Path, item=None, args=None):
+    text = json.dumps(args.item)
+    name = state_file(jax.process_index(), jax.process_count())
+    async def write():
+      (directory / name).write_text(text)
+    return [ocp.future.CommitFutureAwaitingContractedSignals(write(), name="data_states_save")]
+
+  def save(self, directory: epath.Path, item=None, args=None):
+    (directory / state_file(jax.process_index(), jax.process_count())).write_text(json.dumps(args.item))
+
+  def restore(self, directory: epath.Path, item=None, args=None):
+    own = directory / state_file(jax.process_index(), jax.process_count())
+    if own.exists():
+      return json.loads(own.read_text())
+    found = {}
+    for f in directory.iterdir():
+      if m := re.fullmatch(r"process_(\d+)-of-(\d+)\.json", f.name):
+        found[int(m.group(1))] = (int(m.group(2)), f)
+    counts = {n for n, _ in found.values()}
+    if len(counts) != 1 or sorted(found) != list(range(counts.pop())):
+      raise FileNotFoundError(f"{directory}: the data states are incomplete "
+                              f"({sorted(f.name for _, f in found.values())})")
+    return [json.loads(found[i][1].read_text()) for i in sorted(found)]
+
+  def structure(self, directory):
+    return None
+
+  def metadata(self, directory):
+    return None
+
+  def finalize(self, directory):
+    pass
+
+  def close(self):
+    pass
+
+
+@ocp.args.register_with_handler(DataStatesHandler, for_save=True)
+@dataclasses.dataclass
+class DataStatesSave(ocp.args.CheckpointArgs):
+  item: Any
+
+
+@ocp.args.register_with_handler(DataStatesHandler, for_restore=True)
+@dataclasses.dataclass
+class DataStatesRestore(ocp.args.CheckpointArgs):
+  item: Any = None
+
+
+# Read errors that prove a step damaged when they repeat (tensorstore status names and
+# what orbax/json raise for a missing or garbled file); anything else may be transient.
+_DAMAGE = re.compile(r"NOT_FOUND|DATA_LOSS|OUT_OF_RANGE|not found|No such file|does not exist|"
+                     r"Expecting value|JSONDecodeError|Unterminated string|incomplete", re.I)
+RETRIES = 4           # reads of one step before giving up on it (damage is proven on the 2nd)
+BACKOFF_S = 0.5       # first wait between reads; doubles each time
+
+
+def _chain_text(e: BaseException) -> str:
+  """The error and its causes (orbax wraps tensorstore's status in a plain Exception)."""
+  parts, seen = [], set()
+  while e is not None and id(e) not in seen:
+    seen.add(id(e))
+    parts.append(f"{type(e).__name__}: {e}")
+    e = e.__cause__ or e.__context__
+  return " <- ".join(parts)
+
+
+def _allgather(values: list[int]) -> np.ndarray:
+  """[process, len(values)]: every process's values (a tiny all-gather; one process: as is)."""
+  if jax.process_count() == 1:
+    return np.asarray([values])
+  from jax.experimental import multihost_utils
+  return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int64)))
 
 
 def _leaf_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -100,11 +208,11 @@ class Checkpointer:
     self._manager = ocp.CheckpointManager(
         self.directory, options=options,
         item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "data": ocp.JsonCheckpointHandler()})
+                       "data_states": DataStatesHandler(),
+                       "data": ocp.JsonCheckpointHandler()})   # steps saved before data_states
     self._sigterm = threading.Event()
     self._orbax_preempted = False
     self._announced = False
-    self._bad_steps: set[int] = set()   # committed steps that failed to restore
     self._save_started: float | None = None
     self._prev_handler: Any = None
     self._handler_installed = False
@@ -146,23 +254,20 @@ class Checkpointer:
     `wait()` blocks until it is committed. The caller may donate `state` to the next step
     right away (checked on CPU: later in-place updates do not leak into the checkpoint).
     `force=True` is for the final step and preemption. A step already on disk is not
-    rewritten (the last step is often also an interval step) unless restore found it damaged.
+    rewritten (the last step is often also an interval step); a damaged one was moved
+    aside by restore, so it is written afresh.
     """
     if not self.cfg.enabled:
       return False
     if not (force or step % self.cfg.every == 0 or self.preempted()):
       return False
     if step in self._manager.all_steps():
-      if step not in self._bad_steps:
-        logging.info("Checkpoint step %d already exists in %s; not saving it again.",
-                     step, self.directory)
-        return False
-      logging.warning("Replacing damaged checkpoint step %d in %s.", step, self.directory)
-      self._manager.delete(step)
-      self._bad_steps.discard(step)
+      logging.info("Checkpoint step %d already exists in %s; not saving it again.",
+                   step, self.directory)
+      return False
     start = time.perf_counter()
     saved = self._manager.save(step, force=True, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)))
+        state=ocp.args.StandardSave(state), data_states=DataStatesSave(data_state)))
     if saved:
       self._save_started = start
       logging.info("Checkpoint step %d: save started in %s, blocked %.2fs%s.", step,
@@ -178,48 +283,116 @@ class Checkpointer:
       return None
     return _describe_mismatch(_leaf_shapes(stored), _leaf_shapes(abstract_state))
 
-  def restore(self, abstract_state, step: int | None = None) -> tuple[Any, dict | None]:
-    """Returns (state, data_state) from `step`, or from the newest step that restores.
+  def _read(self, step: int, abstract_state):
+    """One read of `step`: (state, data state) as `restore` returns them."""
+    step_dir = self.directory / str(step)
+    data = "data_states" if (step_dir / "data_states").exists() or not (step_dir / "data").exists() \
+        else "data"
+    args = {"state": ocp.args.StandardRestore(abstract_state),
+            data: DataStatesRestore() if data == "data_states" else ocp.args.JsonRestore()}
+    out = self._manager.restore(step, args=ocp.args.Composite(**args))
+    return out["state"], out[data]
+
+  def _missing_files(self, step: int) -> str | None:
+    """The files every committed step has that `step` lacks, or None."""
+    step_dir = self.directory / str(step)
+    need = [step_dir / "state" / "_METADATA", step_dir / "state" / "manifest.ocdbt"]
+    missing = [os.fspath(p.relative_to(step_dir)) for p in need if not p.exists()]
+    return f"missing {missing}" if missing else None
+
+  def _attempt(self, step: int, abstract_state) -> tuple[str, Any]:
+    """Reads `step` with retries: ("ok", (state, data)), ("damaged", why),
+    ("mismatch", why) or ("unreadable", why)."""
+    last = last_kind = None
+    for attempt in range(RETRIES):
+      try:
+        return "ok", self._read(step, abstract_state)
+      except Exception as e:  # noqa: BLE001 - classified below
+        text = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+        if mismatch := self._mismatch(step, abstract_state):
+          return "mismatch", f"state does not match the checkpoint: {mismatch}"
+        if missing := self._missing_files(step):
+          return "damaged", missing
+        damage = _DAMAGE.search(_chain_text(e))
+        kind = damage.group(0).upper() if damage else None
+        if kind and kind == last_kind:   # the files' fault twice in a row: not a hiccup
+          return "damaged", f"{text} ({kind} again on a second read)"
+        last, last_kind = text, kind
+        if attempt + 1 < RETRIES:
+          wait = BACKOFF_S * 2 ** attempt
+          logging.warning("Checkpoint step %d in %s: read failed (%s); retrying in %.1fs "
+                          "(%d of %d).", step, self.directory, text, wait, attempt + 1, RETRIES - 1)
+          time.sleep(wait)
+    return "unreadable", f"{last} after {RETRIES} reads, and its files look intact"
+
+  def _move_aside(self, step: int) -> epath.Path:
+    """Renames a damaged step into `damaged/` (process 0; nothing is deleted)."""
+    target = self.directory / "damaged" / f"{step}-{time.strftime('%Y%m%dT%H%M%S')}"
+    n = 1
+    while target.exists():   # the same step damaged again within the second
+      target, n = target.with_name(f"{step}-{time.strftime('%Y%m%dT%H%M%S')}.{n}"), n + 1
+    if jax.process_index() == 0:
+      target.parent.mkdir(parents=True, exist_ok=True)
+      (self.directory / str(step)).rename(target)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils
+      multihost_utils.sync_global_devices(f"shardax_move_aside_{step}")
+    self._manager.reload()
+    return target
+
+  def restore(self, abstract_state, step: int | None = None) -> tuple[Any, Any]:
+    """Returns (state, data state) from `step`, or from the newest step that restores.
 
     `abstract_state` has jax.ShapeDtypeStruct leaves whose `sharding` says where each
-    array goes; any mesh works, resharding happens on read. A damaged step is skipped
-    with a warning. Raises CheckpointMismatchError when the checkpoint holds another
-    model, CheckpointError when nothing restores, FileNotFoundError when there is none.
-    Multi-host: all processes must see the same damage (shared storage) to pick one step.
+    array goes; any mesh works, resharding happens on read. The data state is this
+    process's (a dict), or every writer's (a list) when another process count wrote it.
+    Raises CheckpointMismatchError when the checkpoint holds another model, CheckpointError
+    when nothing restores, a step stays unreadable or the processes disagree,
+    FileNotFoundError when there is none.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
+    seen = _allgather([steps[0] if steps else -1])[:, 0]
+    if len(set(seen.tolist())) > 1:
+      raise CheckpointError(f"the processes see different newest checkpoints in {self.directory}: " +
+                            ", ".join(f"process {i}: step {s}" for i, s in enumerate(seen.tolist())) +
+                            "; every process must read the same job dir")
     if not steps:
       raise FileNotFoundError(f"No checkpoint in {self.directory}.")
     if step is not None:
       if step not in steps:
         raise FileNotFoundError(f"No checkpoint step {step} in {self.directory}; it has {sorted(steps)}.")
       steps = [step]
-    failures, mismatches = [], []
+    codes = ("ok", "damaged", "unreadable", "mismatch")
+    damaged = []
     for s in steps:
-      try:
-        out = self._manager.restore(s, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-      except Exception as e:  # noqa: BLE001 - any read failure means: try an older step
-        mismatch = self._mismatch(s, abstract_state)
-        reason = f"state does not match the checkpoint: {mismatch}" if mismatch else \
-            f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        (mismatches if mismatch else failures).append((s, reason))
-        if not mismatch:
-          self._bad_steps.add(s)
-        logging.warning("Checkpoint step %d in %s cannot be restored (%s)%s", s, self.directory,
-                        reason, "; trying the previous step." if s != steps[-1] else ".")
-        continue
-      if s != steps[0]:
-        logging.warning("Restored checkpoint step %d from %s, skipping newer damaged step(s) %s.",
-                        s, self.directory, [f for f, _ in failures + mismatches])
-      return out["state"], out["data"]
-    if mismatches:
-      raise CheckpointMismatchError(
-          f"The checkpoint in {self.directory} (step {mismatches[0][0]}) was written for a "
-          f"different state than this experiment builds ({mismatches[0][1]}). It probably "
-          f"belongs to another model or config: use a fresh --job_dir.")
-    raise CheckpointError(f"No checkpoint in {self.directory} could be restored: " +
-                          "; ".join(f"step {s}: {r}" for s, r in failures))
+      outcome, value = self._attempt(s, abstract_state)
+      everyone = _allgather([s, codes.index(outcome)])
+      if len(set(everyone[:, 0].tolist())) > 1:
+        raise CheckpointError("the processes restore different checkpoint steps: " + ", ".join(
+            f"process {i}: step {x}" for i, x in enumerate(everyone[:, 0].tolist())))
+      worst = codes[int(everyone[:, 1].max())]
+      if worst == "ok":
+        if damaged:
+          logging.warning("Restored checkpoint step %d from %s; newer damaged step(s) moved aside: %s.",
+                          s, self.directory, damaged)
+        return value
+      who = [i for i, c in enumerate(everyone[:, 1].tolist()) if codes[c] == worst]
+      why = value if outcome == worst else f"seen by process(es) {who}"
+      if worst == "mismatch":
+        raise CheckpointMismatchError(
+            f"The checkpoint in {self.directory} (step {s}) was written for a "
+            f"different state than this experiment builds ({why}). It probably "
+            f"belongs to another model or config: use a fresh --job_dir.")
+      if worst == "unreadable":
+        raise CheckpointError(
+            f"Checkpoint step {s} in {self.directory} cannot be read ({why}); not rolling back "
+            f"to an older step over what may be a storage outage: rerun when the storage answers")
+      target = self._move_aside(s)
+      damaged.append(s)
+      logging.warning("Checkpoint step %d in %s cannot be restored (%s); moved aside to %s%s", s,
+                      self.directory, why, target, "; trying the previous step." if s != steps[-1] else ".")
+    raise CheckpointError(f"No checkpoint in {self.directory} could be restored: every step "
+                          f"({damaged}) is damaged and was moved aside to {self.directory / 'damaged'}")
 
   def wait(self) -> None:
     """Blocks until every started save is committed (call before exiting or measuring)."""

@@ -20,6 +20,7 @@ with tensorstore's own GCS driver (TENSORSTORE_GCS_HTTP_URL points it at an emul
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -134,3 +135,128 @@ def stop_trace() -> None:
       with open(src, "rb") as f:
         dst.write_bytes(f.read())
   shutil.rmtree(local, ignore_errors=True)
+
+
+# --- the job dir's lease: one live job per job dir ----------------------------------------
+
+LEASE_FILE = "lease.json"
+HEARTBEAT_S = 10.0   # process 0 rewrites the lease this often
+STALE_S = 60.0       # a lease whose heartbeat is older than this is a dead job's
+
+
+class LeaseError(RuntimeError):
+  """The job dir is in use by another live job."""
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def live_holder(lease: dict | None, now: float | None = None) -> str | None:
+  """Who holds `lease` if it belongs to a live job, else None.
+
+  Live: a heartbeat younger than its stale_s, and, on this very host, a process that
+  still exists (a job killed on this host frees its job dir at once).
+  """
+  if not lease:
+    return None
+  import socket
+  now = time.time() if now is None else now
+  age = now - float(lease.get("heartbeat", 0))
+  if age > float(lease.get("stale_s", STALE_S)):
+    return None
+  if lease.get("host") == socket.gethostname() and not _alive(int(lease.get("pid", 0))):
+    return None
+  started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(lease.get("start", 0))))
+  return (f"host {lease.get('host')} (pid {lease.get('pid')}), started {started}, "
+          f"last heartbeat {age:.0f}s ago")
+
+
+class Lease:
+  """A lease file in the job dir, taken by process 0 and heartbeat by a daemon thread.
+
+  Every process reads the lease before process 0 takes it; if any sees a live holder
+  (another job), all refuse (`any_process` combines their findings: an all-gather in a
+  multi-process job). Released (the file removed) on exit; a killed job's lease expires
+  after `stale_s`, or at once on the same host. Works on gs:// job dirs (epath).
+  Two jobs starting in the same second can both pass the check: the loser sees the
+  winner's id on its next heartbeat and logs an error (object stores have no lock).
+  """
+
+  def __init__(self, job_dir, primary: bool = True, any_process=lambda flag: flag,
+               heartbeat_s: float = HEARTBEAT_S, stale_s: float = STALE_S):
+    import socket
+    import threading
+    import uuid
+    self.file = path(job_dir) / LEASE_FILE
+    self.primary, self.any_process = primary, any_process
+    self.heartbeat_s, self.stale_s = heartbeat_s, stale_s
+    self.record = {"id": uuid.uuid4().hex, "host": socket.gethostname(), "pid": os.getpid(),
+                   "start": time.time(), "heartbeat": time.time(), "stale_s": stale_s}
+    self._stop = threading.Event()
+    self._thread = None
+
+  def read(self) -> dict | None:
+    try:
+      return json.loads(self.file.read_text())
+    except (FileNotFoundError, ValueError):
+      return None
+
+  def _write(self) -> None:
+    self.record["heartbeat"] = time.time()
+    write_text(self.file, json.dumps(self.record))
+
+  def check(self) -> None:
+    """Every process: refuse (LeaseError) when any sees another live job's lease. Writes nothing."""
+    holder = live_holder(self.read())
+    if self.any_process(holder is not None):
+      raise LeaseError(f"job dir {self.file.parent} is in use by another live job: "
+                       f"{holder or 'seen by another process of this job'}. Stop that job or use "
+                       f"another --job_dir (a lease silent for {self.stale_s:.0f}s is taken over)")
+
+  def take(self) -> None:
+    """Process 0 writes the lease and starts its heartbeat (after `check`, once the run
+    is known to fit the job dir: a refused config leaves the job dir untouched)."""
+    if self.primary and self._thread is None:
+      import threading
+      self._write()
+      self._thread = threading.Thread(target=self._beat, name="shardax-lease", daemon=True)
+      self._thread.start()
+
+  def acquire(self) -> "Lease":
+    self.check()
+    self.take()
+    return self
+
+  def _beat(self) -> None:
+    from absl import logging
+    while not self._stop.wait(self.heartbeat_s):
+      current = self.read()
+      if current and current.get("id") != self.record["id"]:
+        logging.error("job dir lease %s was taken by another job (%s); two jobs are writing "
+                      "this job dir", self.file, live_holder(current) or current.get("host"))
+      try:
+        self._write()
+      except OSError as e:   # a storage hiccup: the next beat tries again
+        logging.warning("lease heartbeat to %s failed: %s", self.file, e)
+
+  def release(self) -> None:
+    self._stop.set()
+    if self._thread is not None:
+      self._thread.join(timeout=5)
+      self._thread = None
+      current = self.read()
+      if current and current.get("id") == self.record["id"]:
+        self.file.unlink(missing_ok=True)
+
+  def __enter__(self) -> "Lease":
+    return self.acquire()
+
+  def __exit__(self, *exc) -> None:
+    self.release()

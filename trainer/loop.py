@@ -81,9 +81,14 @@ def restore_or_init(setup, checkpointer, data_iter=None):
   """The latest complete checkpoint in the job dir, else a fresh sharded init."""
   if checkpointer is not None and checkpointer.latest_step() is not None:
     state, data_state = checkpointer.restore(setup.abstract)
+    step = int(state["step"])
     if data_iter is not None and data_state is not None:
-      data_iter.set_state(data_state)
-    logging.info(line := f"resumed from step {int(state['step'])}")
+      t0 = time.perf_counter()
+      replayed = data_iter.set_state(data_state)
+      logging.info(line := f"process {jax.process_index()} restored its data state at step {step}, "
+                           f"{replayed} batches replayed ({time.perf_counter() - t0:.2f}s)")
+      print(line, file=sys.stderr, flush=True)
+    logging.info(line := f"resumed from step {step}")
     print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
     return state
   return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))

@@ -9,16 +9,15 @@ Text sources (stdlib, tfds:NAME, files:GLOB):
 
 `synthetic` skips all that: seeded random windows ({inputs, targets}) by index.
 
-The iterator state is grain's ({'grain': ...}, JSON), so a resumed run sees exactly the
-batches an uninterrupted one would. `Batches` is a grain `DatasetIterator`, so grain's
-orbax handler saves it directly:
-
-    ckpt.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(train_state),
-        data=grain.checkpoint.CheckpointSave(batches)))
-    ckpt.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract_state),
-        data=grain.checkpoint.CheckpointRestore(batches)))   # sets batches' state in place
+The iterator state is grain's plus what it is valid for (a JSON dict), so a resumed run
+sees exactly the batches an uninterrupted one would. Every process saves its own state
+in the checkpoint's step (trainer/checkpoint.py `data_states`: one file per process, in
+the same orbax commit as the weights) and restores its own: nothing is read twice. On
+another process count `set_state` gets every writer's state and rebuilds its readers'
+positions from theirs (exact, nothing replayed) when its readers are among the saved
+ones (R = gcd(num_shards, global_batch) readers, fixed by the config, not by the count);
+synthetic data needs only the batch index. Otherwise (a layout that is not reader
+blocks) it replays the batches and says so in one line.
 
 Evaluation (`iter_eval_batches`) reads the whole validation split by default: each process
 its own documents, once, in order; a process that runs out first feeds all-padding
@@ -235,23 +234,62 @@ class Batches(grain.DatasetIterator):
 
   def get_state(self) -> dict[str, Any]:
     return {**self._identity(), "grain": self.grain_iterator.get_state(),
-            "readers": self.readers, "batches": self.consumed}
+            "readers": self.readers, "reader_count": self._reader_count(), "batches": self.consumed}
 
-  def set_state(self, state: dict[str, Any]) -> None:
+  def _reader_count(self) -> int | None:
+    """R, what a reader index means (R readers of global_batch / R rows each)."""
+    if not self.readers:
+      return None
+    return self.global_batch * len(self.readers) // (self.rows[1] - self.rows[0])
+
+  def _check_identity(self, state: dict[str, Any]) -> None:
     for k, v in self._identity().items():
       if k in state and state[k] != v:
         raise ValueError(f"data iterator checkpoint was saved with {k}={state[k]!r} but this "
                          f"run has {k}={v!r}; resume with the same data config")
-    if state.get("readers", self.readers) == self.readers:
-      self.grain_iterator.set_state(state["grain"])
+
+  def _from_readers(self, states: list[dict[str, Any]]) -> Any | None:
+    """This process's grain state assembled from other processes' per-reader states
+    (None when a reader of ours is in none of them)."""
+    if self.readers is None:   # synthetic / images: the state is the batch index alone
+      return states[0]["grain"]
+    per_reader = {}
+    for st in states:
+      readers = st.get("readers") or []
+      if st.get("reader_count") != self._reader_count():
+        continue   # reader r of another R holds other rows
+      parts = [st["grain"]] if len(readers) == 1 else st["grain"].get("parents", [])
+      per_reader.update(zip(readers, parts))
+    if not all(r in per_reader for r in self.readers):
+      return None
+    parts = [per_reader[r] for r in self.readers]
+    return parts[0] if len(parts) == 1 else {"parents": parts}
+
+  def set_state(self, state: dict[str, Any] | list[dict[str, Any]]) -> int:
+    """Resume from this process's saved state, or (a list) from every process's state
+    of a run on another process count; returns the batches replayed (0 unless the
+    reader layout changed in a way the saved states cannot express)."""
+    states = state if isinstance(state, list) else [state]
+    for st in states:
+      self._check_identity(st)
+    batches = states[0].get("batches", self.consumed)
+    if len({st.get("batches") for st in states}) > 1:
+      raise ValueError(f"the saved data states disagree on the batch count "
+                       f"({sorted({st.get('batches') for st in states})}); the checkpoint is damaged")
+    own = states[0]["grain"] if not isinstance(state, list) and \
+        state.get("readers", self.readers) == self.readers else self._from_readers(states)
+    replayed = 0
+    if own is not None:
+      self.grain_iterator.set_state(own)
     else:
-      # Saved by a process running other readers (another process count): the state of
-      # ours is not in it, but the batch count is; replay to it (exact, costs reading).
-      logging.warning("data: resuming on another reader layout; replaying %d batches",
-                      state["batches"])
-      for _ in range(state["batches"] - self.consumed):
+      logging.warning("data: process %d's readers %s are not in the saved states (another "
+                      "process count, rows not on reader blocks); replaying %d batches",
+                      jax.process_index(), self.readers, batches - self.consumed)
+      for _ in range(batches - self.consumed):
         next(self.grain_iterator)
-    self.consumed = state.get("batches", self.consumed)
+        replayed += 1
+    self.consumed = batches
+    return replayed
 
   def __str__(self) -> str:
     return f"Batches({self.cfg.source}, {self.split}, B={self.global_batch}, seed={self.seed})"
