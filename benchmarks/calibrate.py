@@ -11,7 +11,9 @@ costs are deepened to the row's depth (trainer/perf/costs.py `deepen`: the layer
 runs L/l times as often; what lies outside it scales with the parameter count). The
 costs of each compile are cached in benchmarks/calibration/<row>.json, so the model
 (trainer/perf/stepmodel.py) can be re-evaluated on every row in seconds; `--compile`
-compiles the rows whose cache is missing. Prints each row, its predicted / published
+compiles the rows whose cache is missing, and recompiles those whose cache was compiled
+with another attention kernel or remat policy than the row now maps to (without
+`--compile` such a row's "approximates" column says so). Prints each row, its predicted / published
 ratio, and the median and worst error factor max(pred/pub, pub/pred) overall and per
 chip family.
 """
@@ -51,7 +53,8 @@ def compile_row(row: dict, layers: int) -> dict:
       f.write(compiled.as_text())
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
            "compile_seconds": time.perf_counter() - start, "compile_cpu_seconds": time.process_time() - cpu,
-           "num_params_shallow": _params(exp), "costs": costs.to_json(costs.of_compiled(compiled))}
+           "num_params_shallow": _params(exp), "attention": exp.model.attention, "remat": exp.model.remat,
+           "costs": costs.to_json(costs.of_compiled(compiled))}
   os.makedirs(CACHE, exist_ok=True)
   with open(os.path.join(CACHE, f"{row['id']}.json"), "w") as f:
     json.dump(entry, f)
@@ -90,7 +93,22 @@ def dcn_unread(row: dict, entry: dict) -> bool:
   return slices > 1 and not any("link" in c for c in entry["costs"]["collectives"])
 
 
-def table(rows: list[dict], results: dict, unread: set = frozenset()) -> tuple[str, list[float]]:
+def compiled_as(row: dict, entry: dict) -> list[str]:
+  """Notes for a cache compiled under an older mapping of the row's settings: caches from
+  before the kernel/remat mapping (no 'attention' key) were compiled with XLA attention and
+  the remat then mapped (the same as now for every published row: none offloads)."""
+  exp = _build(row, None)
+  notes = []
+  was = entry.get("attention", "xla")
+  if was != exp.model.attention:
+    notes.append(f"cached compile: {was} attention, predates the {exp.model.attention} mapping")
+  if entry.get("remat", exp.model.remat) != exp.model.remat:
+    notes.append(f"cached compile: remat {entry['remat']}, predates the {exp.model.remat} mapping")
+  return notes
+
+
+def table(rows: list[dict], results: dict, unread: set = frozenset(),
+          stale: dict | None = None) -> tuple[str, list[float]]:
   """The markdown table and each row's error factor max(pred/pub, pub/pred)."""
   from shardax.experiments import calibration
   lines = ["| row | chips | predicted step | published step | pred / pub | MFU pred / pub-derived | "
@@ -110,7 +128,7 @@ def table(rows: list[dict], results: dict, unread: set = frozenset()) -> tuple[s
     lines.append(f"| {row['id']} | {row['hardware']['total_chips']} | {pr.step_seconds:.2f} s | {pub:.2f} s | "
                  f"{ratio(pr.step_seconds, pub)} | {pr.mfu:.0%} / {pub_mfu:.0%} | {exposed:.0%} | "
                  f"{'not read (old cache)' if row['id'] in unread else f'{dcn:.2f} s' if dcn else '-'} | "
-                 f"{', '.join(calibration.approximations(row)) or '-'} |")
+                 f"{', '.join(calibration.approximations(row) + (stale or {}).get(row['id'], [])) or '-'} |")
   return "\n".join(lines), errors
 
 
@@ -141,7 +159,7 @@ def main():
   if a.rows:
     order = a.rows.split(",")
     rows = sorted([r for r in rows if r["id"] in order], key=lambda r: order.index(r["id"]))
-  results, unread = {}, set()
+  results, unread, stale = {}, set(), {}
   for row in rows:
     path = os.path.join(CACHE, f"{row['id']}.json")
     try:
@@ -156,10 +174,15 @@ def main():
       print(f"compiled {row['id']} in {entry['compile_seconds']:.0f} s ({entry['compile_cpu_seconds']:.0f} s CPU)",
             flush=True)
     entry = json.load(open(path))
+    if a.compile and compiled_as(row, entry):   # the row's settings now map differently: recompile
+      entry = compile_row(row, a.layers)
+      print(f"recompiled {row['id']} in {entry['compile_seconds']:.0f} s", flush=True)
+    if notes := compiled_as(row, entry):
+      stale[row["id"]] = notes
     if dcn_unread(row, entry):
       unread.add(row["id"])
     results[row["id"]] = predict_row(row, entry)
-  text, errors = table(rows, results, unread)
+  text, errors = table(rows, results, unread, stale)
   print(text)
   if errors:
     summary = (f"{len(errors)} of {len(rows)} rows: error factor max(pred/pub, pub/pred) median "

@@ -8,10 +8,18 @@ lists what it does instead; docs/scale.md shows them next to each row:
 
   * positions: RoPE stands in for T5 relative position biases (a [heads, S, S] bias
     add per layer: no matmul, a little memory traffic);
-  * attention: XLA's dot-product attention computes every score; the MaxText v5p and
-    GPU rows used flash kernels that skip the masked half (a few % of their FLOPs);
+  * attention (`attention(row)`): a TPU row's Pallas flash / splash kernel is shardax's
+    `model.attention='flash'` (the splash kernel); a GPU row's cuDNN / TransformerEngine
+    flash attention is `'fused'` (jax.nn.dot_product_attention, cuDNN on a GPU; on the
+    TPU stand-in compile below it lowers to XLA attention, which computes every score);
+    plain XLA attention, and anything unrecognized, is `'xla'`;
   * remat: MaxText "minimal" / "minimal_flash" (save the projections, recompute
-    attention scores) is shardax's dots_no_batch; Lingvo's default is taken as full;
+    attention scores) is shardax's dots_no_batch; its host-offload policies
+    (qkv_proj_offloaded, minimal_offloaded, decoder-layer-input offload) are `'offload_proj'`
+    / `'offload'`; Lingvo's default is taken as full;
+  * MoE rows: experts per token -> `moe.top_k`; a capacity implementation (with its
+    capacity factor) -> `moe.dispatch='capacity'` (GShard's top-2 only), dropless /
+    megablox / ragged -> `'dropless'`; shared experts -> `moe.num_shared_experts`;
   * optimizer: AdamW everywhere (Lingvo used factored Adafactor: less state and
     update traffic; the update is a small part of a step);
   * GPU rows: there is no GPU compiler for a machine we do not have, so the program
@@ -31,11 +39,17 @@ _GEN = {"TPU v3": "v3", "TPU v4": "v4", "TPU v5p": "v5p", "TPU v5e": "v5e", "TPU
 # MaxText / Pax remat policies -> the shardax policy that recomputes about as much: "minimal"
 # and the with-context variants save every projection (recompute the attention scores:
 # dots_no_batch); the save-qkv/out-proj and except-MLP policies recompute the MLP, most of a
-# layer's FLOPs (full); "none" saves everything. Anything else is taken as full and said so.
+# layer's FLOPs (full); "none" saves everything. The offload policies move saved tensors to
+# host memory: the q/k/v projections (qkv_proj_offloaded) or every projection
+# (minimal_offloaded) is shardax's offload_proj (block input + attention projections on the
+# host, the MLP recomputed); a decoder-layer-input offload is offload. Any other policy that
+# names offloading is taken as offload, anything else as full, and said so.
 _REMAT = {"full": "full", "minimal": "dots_no_batch", "minimal_flash": "dots_no_batch",
           "minimal_with_context": "dots_no_batch", "save_dot_with_context_except_mlp": "full",
           "save_dot_except_mlpwi": "full", "save_dot_except_mlp": "full", "save_qkv_proj": "full",
-          "save_out_proj": "full", "qkv_proj_offloaded": "full", "dots": "dots",
+          "save_out_proj": "full", "qkv_proj_offloaded": "offload_proj",
+          "minimal_offloaded": "offload_proj", "offload_proj": "offload_proj",
+          "decoder_layer_input_offloaded": "offload", "offload": "offload", "dots": "dots",
           "none": "none", "no_remat": "none", "nothing_saveable": "full"}
 
 
@@ -90,8 +104,41 @@ def _factors(n: int) -> list[int]:
 
 
 def remat(row: dict) -> str:
+  """The shardax `model.remat` for the row's published remat policy (module docstring)."""
   policy = row["training"]["remat_policy"].split(" ")[0]
-  return _REMAT.get(policy, "full")
+  if policy in _REMAT:
+    return _REMAT[policy]
+  return "offload" if "offload" in policy.lower() else "full"
+
+
+_FLASH = ("flash", "splash")
+_GPU_KERNELS = ("cudnn", "transformer engine", "transformerengine", "nvte")
+
+
+def attention(row: dict) -> str:
+  """The shardax `model.attention` for the row's published attention kernel.
+
+  TPU rows: a Pallas flash / splash kernel -> 'flash' (when the sequence length suits the
+  splash kernel: a multiple of 128; else 'xla'). GPU rows: a flash / cuDNN / fused kernel ->
+  'fused'. Plain XLA attention ("no flash kernel" included), a missing field and anything
+  unrecognized -> 'xla' (approximations() names the unrecognized). A GPU-only kernel on TPU
+  hardware raises Unexpressible naming training.attention_kernel.
+  """
+  kernel = str(row["training"].get("attention_kernel") or "xla").lower()
+  if "no flash" in kernel:
+    return "xla"
+  flash, gpu_kernel = any(w in kernel for w in _FLASH), any(w in kernel for w in _GPU_KERNELS)
+  if is_gpu(row):
+    return "fused" if flash or gpu_kernel or "fused" in kernel else "xla"
+  if gpu_kernel:
+    raise Unexpressible(f"row {row.get('id', '?')}: training.attention_kernel="
+                        f"{row['training']['attention_kernel']!r} is a GPU kernel, but "
+                        f"hardware.accelerator={row['hardware']['accelerator']!r} is a TPU")
+  if flash:
+    from shardax.layers import flash as splash
+    seq = row["training"]["seq_len"]
+    return "flash" if splash.supports(seq, seq) else "xla"
+  return "xla"
 
 
 class Unexpressible(ValueError):
@@ -128,6 +175,7 @@ def _from_row(row: dict, num_layers: int | None):
   mc.max_len = t["seq_len"]
   mc.dtype, mc.param_dtype = "bfloat16", "float32"
   mc.remat, mc.scan_layers = remat(row), True
+  mc.attention = attention(row)
   cfg.data.source, cfg.data.seq_len = "synthetic", t["seq_len"]
   cfg.train.global_batch = t["global_batch_seqs"]
   name, slices = topology(row)
@@ -200,43 +248,67 @@ def _first(d: dict, *keys):
   return next((d[k] for k in keys if d.get(k) is not None), None)
 
 
+_DROPLESS = ("dropless", "megablox", "ragged", "grouped", "sparse_matmul")
+
+
+def moe_dispatch(row: dict) -> str:
+  """'capacity' or 'dropless' for the row's MoE implementation (training.moe_impl or
+  moe_kernel) and capacity factor. Dropless / megablox / ragged / grouped / sparse_matmul
+  names, or a capacity factor <= 0 (MaxText's -1), are dropless; 'capacity' or a positive
+  capacity factor is capacity; a row naming neither is capacity at top-2 (GShard, as before)
+  and dropless otherwise (the only dispatch shardax has for top-k != 2; approximations()
+  says so). Any other implementation name raises Unexpressible naming the field."""
+  t = row["training"]
+  impl = str(_first(t, "moe_impl", "moe_kernel") or "").lower()
+  capacity = _first(t, "capacity_factor", "moe_capacity_factor")
+  if any(w in impl for w in _DROPLESS) or (capacity is not None and float(capacity) <= 0):
+    return "dropless"
+  if "capacity" in impl or capacity is not None:
+    return "capacity"
+  if impl:
+    raise Unexpressible(f"row {row['id']}: training.moe_impl={impl!r} is neither a capacity nor a dropless "
+                        f"implementation (known: capacity, {', '.join(_DROPLESS)}); shardax's "
+                        f"model.moe.dispatch is 'capacity' or 'dropless'")
+  return "capacity" if _top_k(row) == 2 else "dropless"
+
+
+def _top_k(row: dict) -> int:
+  return int(_first(row["model"], "experts_per_token", "num_experts_per_tok", "top_k", "moe_top_k") or 2)
+
+
 def _set_moe(cfg, row: dict) -> None:
   """A row's mixture of experts on shardax's MoE config; what it lacks is named, never guessed."""
   m, t = row["model"], row["training"]
-  moe, fields = cfg.model.moe, set(_moe_fields())
+  moe = cfg.model.moe
   experts = _first(m, "num_experts", "num_local_experts")
   if experts is None:
     raise Unexpressible(f"row {row['id']}: an MoE row without model.num_experts")
   moe.num_experts = int(experts)
   moe.d_ff = int(_first(m, "expert_d_ff", "moe_d_ff", "d_ff"))
   moe.every = int(_first(m, "moe_every", "moe_layer_interval") or 1)
+  moe.num_shared_experts = int(_first(m, "num_shared_experts", "n_shared_experts", "shared_experts") or 0)
+  moe.first_dense_layers = int(_first(m, "first_dense_layers", "first_k_dense_replace") or 0)
   cfg.model.transformer.d_ff = int(_first(m, "dense_d_ff", "d_ff"))
-  top_k = _first(m, "experts_per_token", "num_experts_per_tok", "top_k")
-  if top_k is not None and int(top_k) != 2:
-    if "experts_per_token" not in fields:
-      raise Unexpressible(f"row {row['id']}: model.experts_per_token={top_k}, but shardax's MoE config "
-                          f"(configs/moe.py MoEConfig) gates top-2 only and has no experts_per_token field")
-    moe.experts_per_token = int(top_k)
-  elif top_k is not None and "experts_per_token" in fields:
-    moe.experts_per_token = int(top_k)
-  impl = str(_first(t, "moe_impl", "moe_kernel") or "capacity").lower()
-  capacity = _first(t, "capacity_factor", "moe_capacity_factor")
-  if "dropless" in impl or "megablox" in impl or "ragged" in impl:
-    field = next((f for f in ("impl", "moe_impl", "dispatch") if f in fields), None)
-    if field is None:
-      raise Unexpressible(f"row {row['id']}: training.moe_impl={impl!r} (dropless), but shardax's MoE config "
-                          f"(configs/moe.py MoEConfig) has only capacity dispatch (no impl/dispatch field)")
-    setattr(moe, field, "dropless")
-  elif capacity is not None:
-    moe.capacity_factor = float(capacity)
-  if "second_expert" in fields:
+  top_k = _top_k(row)
+  if not 1 <= top_k <= moe.num_experts:
+    raise Unexpressible(f"row {row['id']}: model.experts_per_token={top_k} is not in [1, num_experts="
+                        f"{moe.num_experts}]")
+  moe.top_k = top_k
+  score = str(_first(m, "router_score", "scoring_func", "score") or "softmax").lower()
+  if score not in ("softmax", "sigmoid"):
+    raise Unexpressible(f"row {row['id']}: model.router_score={score!r}; shardax's routers score with "
+                        f"'softmax' or 'sigmoid'")
+  moe.score = score
+  moe.dispatch = moe_dispatch(row)
+  if moe.dispatch == "capacity":
+    if top_k != 2 or score != "softmax":
+      raise Unexpressible(f"row {row['id']}: capacity dispatch (training.moe_impl / capacity_factor) with "
+                          f"model.experts_per_token={top_k}, router score {score!r}: shardax's capacity "
+                          f"dispatch is GShard's top-2 softmax gating only (dropless takes any top-k)")
+    capacity = _first(t, "capacity_factor", "moe_capacity_factor")
+    if capacity is not None:
+      moe.capacity_factor = float(capacity)
     moe.second_expert = "all"   # published top-k routers keep every chosen expert
-
-
-def _moe_fields() -> list[str]:
-  import dataclasses
-  from shardax.configs.moe import MoEConfig
-  return [f.name for f in dataclasses.fields(MoEConfig)]
 
 
 def approximations(row: dict) -> list[str]:
@@ -245,18 +317,35 @@ def approximations(row: dict) -> list[str]:
   out = []
   if "relative" in m["position_encoding"].lower():
     out.append("RoPE for relative bias")
-  kernel = t["attention_kernel"].lower()
-  if ("flash" in kernel or "fused" in kernel) and "no flash" not in kernel:
-    out.append("XLA attention for flash")
+  out += _attention_notes(row)
   if remat(row) != t["remat_policy"].split(" ")[0]:
     out.append(f"remat {remat(row)} for {t['remat_policy'].split(' (')[0]}")
   if "adafactor" in t["optimizer"].lower():
     out.append("AdamW for Adafactor")
   if is_gpu(row):
     out.append("TPU program, H100 timing")
+  if _is_moe(row) and not _first(t, "moe_impl", "moe_kernel", "capacity_factor", "moe_capacity_factor") \
+      and _top_k(row) != 2:
+    out.append("dropless dispatch (the row names no MoE implementation)")
   if not t.get("scan_layers", True):
     out.append("scanned for unrolled")
   return out
+
+
+def _attention_notes(row: dict) -> list[str]:
+  """What the attention mapping approximates: a kernel read as plain XLA attention (which
+  computes every score, the masked half included) where the row names a kernel."""
+  kernel = str(row["training"].get("attention_kernel") or "").lower()
+  if not kernel or "no flash" in kernel:
+    return []
+  chosen, flash = attention(row), any(w in kernel for w in _FLASH)
+  if chosen == "fused":   # the TPU stand-in compile lowers jax.nn.dot_product_attention to XLA
+    return ["XLA attention for cuDNN flash (fused, TPU compile)"]
+  if chosen == "xla" and flash:
+    return ["XLA attention for flash (seq_len not a multiple of 128)"]
+  if chosen == "xla" and not any(w in kernel for w in ("xla", "dot-product", "dot_product", "einsum")):
+    return [f"XLA attention for {row['training']['attention_kernel'].split(' (')[0]}"]
+  return []
 
 
 def published_step_seconds(row: dict) -> float:

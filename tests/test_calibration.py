@@ -64,13 +64,50 @@ def test_a_mixtral_shaped_moe_row_maps_onto_the_moe_config_and_an_expert_axis():
   assert exp.model.transformer.num_kv_heads == 8 and exp.model.transformer.num_layers == 4
 
 
+def test_a_capacity_row_is_top2_capacity_dispatch_with_its_factor():
+  m = configs.build(calibration.from_row(_mixtral_on_v6e(_row()), num_layers=4)).model.moe
+  assert (m.dispatch, m.top_k, m.capacity_factor, m.second_expert) == ("capacity", 2, 1.25, "all")
+
+
+@pytest.mark.parametrize("impl", ["dropless (megablox)", "ragged_dot", "MaxText sparse_matmul"])
+def test_dropless_rows_and_any_top_k_map_onto_dispatch_and_top_k(impl):
+  r = _mixtral_on_v6e(_row())
+  r["training"]["moe_impl"] = impl
+  r["model"].update(experts_per_token=8, num_experts=64, num_shared_experts=1)
+  exp = configs.build(calibration.from_row(r, num_layers=4))
+  m = exp.model.moe
+  assert (m.dispatch, m.top_k, m.num_experts, m.num_shared_experts) == ("dropless", 8, 64, 1)
+  # MaxText's capacity_factor=-1 is dropless too, whatever the row calls its kernel
+  r = _mixtral_on_v6e(_row())
+  r["training"]["capacity_factor"] = -1
+  r["model"]["experts_per_token"] = 4
+  m = configs.build(calibration.from_row(r, num_layers=4)).model.moe
+  assert (m.dispatch, m.top_k) == ("dropless", 4)
+
+
+def test_a_top_k_row_without_an_implementation_is_dropless_and_says_so():
+  r = _mixtral_on_v6e(_row())
+  del r["training"]["capacity_factor"]
+  r["model"]["experts_per_token"] = 6
+  m = configs.build(calibration.from_row(r, num_layers=4)).model.moe
+  assert (m.dispatch, m.top_k) == ("dropless", 6)
+  assert "dropless dispatch (the row names no MoE implementation)" in calibration.approximations(r)
+
+
 def test_what_cannot_be_rebuilt_is_named_not_a_traceback():
   r = _mixtral_on_v6e(_row())
-  r["training"]["moe_impl"] = "dropless (megablox)"
-  fields = calibration._moe_fields()
-  if not {"impl", "moe_impl", "dispatch"} & set(fields):
-    with pytest.raises(calibration.Unexpressible, match="moe_impl='dropless.*no impl/dispatch field"):
-      calibration.from_row(r)
+  r["model"]["experts_per_token"] = 4   # with capacity_factor 1.25: GShard capacity is top-2 only
+  with pytest.raises(calibration.Unexpressible, match="experts_per_token=4.*capacity dispatch is GShard's top-2"):
+    calibration.from_row(r)
+  r = _mixtral_on_v6e(_row())
+  r["training"]["moe_impl"] = "expert_choice"
+  del r["training"]["capacity_factor"]
+  with pytest.raises(calibration.Unexpressible, match="training.moe_impl='expert_choice' is neither"):
+    calibration.from_row(r)
+  r = _row()
+  r["training"]["attention_kernel"] = "cudnn_flash_te"
+  with pytest.raises(calibration.Unexpressible, match="attention_kernel='cudnn_flash_te' is a GPU kernel"):
+    calibration.from_row(r)
   r = _row()
   del r["model"]["d_model"]
   with pytest.raises(calibration.Unexpressible, match="no field 'd_model'"):
@@ -79,6 +116,42 @@ def test_what_cannot_be_rebuilt_is_named_not_a_traceback():
   r["sharding"]["ici"] = {"data": 16, "sequence": 4}
   with pytest.raises(calibration.Unexpressible, match=r"mesh axes \['sequence'\] have no shardax counterpart"):
     calibration.from_row(r)
+
+
+@pytest.mark.parametrize("kernel, gpu, want", [
+    ("Pallas TPU flash_attention, causal=True", False, "flash"),
+    ("splash attention (Pallas)", False, "flash"),
+    ("plain XLA dot-product attention with causal mask (no flash kernel in MaxText at that date)", False, "xla"),
+    ("XLA dot-product attention; attention_logits_dtype float32", False, "xla"),
+    ("some new kernel", False, "xla"),
+    ("cudnn_flash_te (TransformerEngine cuDNN fused attention, NVTE_FUSED_ATTN=1)", True, "fused"),
+    ("dot_product", True, "xla")])
+def test_the_attention_kernel_maps_onto_model_attention(kernel, gpu, want):
+  r = _row("maxtext-a3-llama2-7b-1vm" if gpu else "maxtext-v4-22B-1xv4-128")
+  r["training"]["attention_kernel"] = kernel
+  exp = configs.build(calibration.from_row(r, num_layers=2))
+  assert exp.model.attention == want
+  notes = calibration.approximations(r)
+  assert ("XLA attention for some new kernel" in notes) == (kernel == "some new kernel")
+  assert any("cuDNN flash (fused, TPU compile)" in n for n in notes) == (want == "fused")
+
+
+def test_flash_rows_whose_length_the_splash_kernel_cannot_take_stay_xla_and_say_so():
+  r = _row("maxtext-v5p-32B-1xv5p-128")
+  r["training"]["seq_len"] = 1000
+  assert configs.build(calibration.from_row(r, num_layers=2)).model.attention == "xla"
+  assert "XLA attention for flash (seq_len not a multiple of 128)" in calibration.approximations(r)
+
+
+@pytest.mark.parametrize("policy, want", [
+    ("qkv_proj_offloaded", "offload_proj"), ("minimal_offloaded", "offload_proj"),
+    ("decoder_layer_input_offloaded", "offload"), ("custom_offload_everything", "offload"),
+    ("minimal (jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims)", "dots_no_batch"),
+    ("full (nn.remat)", "full"), ("something_new", "full")])
+def test_remat_policies_map_offloading_onto_the_offload_policies(policy, want):
+  r = _row()
+  r["training"]["remat_policy"] = policy
+  assert configs.build(calibration.from_row(r, num_layers=2)).model.remat == want
 
 
 def test_the_pax_replica_data_mdl_mesh_is_data_fsdp_model():
@@ -90,3 +163,23 @@ def test_the_pax_replica_data_mdl_mesh_is_data_fsdp_model():
   assert exp.mesh.axes == ("data", "fsdp", "model")
   assert exp.mesh.ici == (1, 16, 4) and exp.mesh.dcn == (2, 1, 1)
   assert exp.sharding.preset == "dp_fsdp_tp"
+
+
+def _calibrate():
+  import importlib.util
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "calibrate.py")
+  spec = importlib.util.spec_from_file_location("calibrate", path)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_a_cache_compiled_before_the_kernel_mapping_is_named_in_the_table():
+  cal = _calibrate()
+  flash_row, xla_row = _row("maxtext-v5p-32B-1xv5p-128"), _row()
+  old = {"id": flash_row["id"], "layers": 3}   # caches before the mapping carry no attention/remat
+  assert cal.compiled_as(flash_row, old) == ["cached compile: xla attention, predates the flash mapping"]
+  assert cal.compiled_as(flash_row, dict(old, attention="flash", remat="dots_no_batch")) == []
+  assert cal.compiled_as(xla_row, {"id": xla_row["id"]}) == []
+  assert cal.compiled_as(xla_row, {"attention": "xla", "remat": "offload"}) == [
+      "cached compile: remat offload, predates the full mapping"]
