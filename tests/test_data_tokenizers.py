@@ -45,7 +45,7 @@ def test_byte_roundtrip_and_ids():
 def test_trained_sentencepiece_is_stored_beside_the_data_and_lossless(spm_cfg):
   prepared = preparation.prepare(spm_cfg)
   assert os.path.exists(os.path.join(prepared.directory, "tokenizer.model"))
-  tok = tokenizers.load(spm_cfg)
+  tok = preparation.load_tokenizer(spm_cfg)
   assert isinstance(tok, tokenizers.SentencePieceTokenizer) and tok.vocab_size == 400
   assert (tok.pad_id, tok.eos_id) == (tokenizers.SPM_PAD, tokenizers.SPM_EOS)
   ids = tok.encode(TEXT)
@@ -103,7 +103,7 @@ def test_vocab_size_must_hold_the_tokenizer(spm_cfg):
     build(cfg)
   apply_overrides(cfg, ["model.vocab_size=1000"])
   build(cfg)
-  tok = tokenizers.load(spm_cfg)  # a tokenizer file's size is known once it is loaded
+  tok = preparation.load_tokenizer(spm_cfg)  # a tokenizer file's size is known once it is loaded
   with pytest.raises(tokenizers.TokenizerError, match=rf"model.vocab_size=256 is smaller.*{tok.vocab_size}"):
     tokenizers.check_vocab(tok, 256, spm_cfg.tokenizer)
   tokenizers.check_vocab(tok, 512, spm_cfg.tokenizer)  # a padded embedding is fine

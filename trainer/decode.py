@@ -39,7 +39,7 @@ from jax.sharding import NamedSharding
 from shardax.layers.attention import CacheSpec, default_positions
 from shardax.sharding import rules as rules_lib
 from shardax.sharding import shard
-from shardax.trainer.data import tokenizers
+from shardax.trainer.data import preparation, tokenizers
 
 PAD_ID = 0
 
@@ -94,7 +94,7 @@ class Result:
 def tokenizer(exp=None) -> tokenizers.Tokenizer:
   """The one place decoding turns text into ids and back: the experiment's data tokenizer
   (trainer/data/tokenizers.py), byte-level when no experiment is given."""
-  return tokenizers.load(exp.data) if exp is not None else tokenizers.ByteTokenizer()
+  return preparation.load_tokenizer(exp.data) if exp is not None else tokenizers.ByteTokenizer()
 
 
 def filter_logits(logits: jax.Array, s: Sampling) -> jax.Array:

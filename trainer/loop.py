@@ -123,8 +123,8 @@ def check_tokenizer(exp: Experiment) -> None:
   """The model's vocabulary must hold the tokenizer's ids (prepares the data if needed)."""
   if hasattr(exp.model, "vocab_size") and exp.data.source != "synthetic" \
      and exp.data.source not in IMAGE_SOURCES:
-    from shardax.trainer.data import tokenizers
-    tokenizers.check_vocab(tokenizers.load(exp.data), exp.model.vocab_size, exp.data.tokenizer)
+    from shardax.trainer.data import preparation, tokenizers
+    tokenizers.check_vocab(preparation.load_tokenizer(exp.data), exp.model.vocab_size, exp.data.tokenizer)
 
 
 def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:

@@ -23,6 +23,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from shardax.configs.schema import DataConfig
+from shardax.trainer.data import rows as rows_lib
 
 SOURCES = ("shapes3d", "digits")
 DEFAULT_SIZE = {"shapes3d": (16, 16, 16), "digits": (16, 16)}
@@ -125,14 +126,13 @@ def local_dataset(cfg: DataConfig, split: str, global_batch: int, seed: int,
                   sharding: jax.sharding.Sharding | None = None,
                   process_index: int | None = None, process_count: int | None = None):
   """(this process's batches as a MapDataset, examples in the split, its rows [start, stop))."""
-  from shardax.trainer.data import inputs  # inputs.Batches dispatches here; import lazily
   src = source(cfg, split)
-  rows = inputs.process_rows(global_batch, 1, _batch_rows_only(sharding), process_index, process_count)
+  rows = rows_lib.process_rows(global_batch, 1, _batch_rows_only(sharding), process_index, process_count)
   ds = grain.MapDataset.source(src)
   if split == "train":
     ds = ds.shuffle(seed=seed % 2**32).repeat()
   elif len(ds) < global_batch:
     raise ValueError(f"the {split} split of {cfg.source!r} has {len(ds)} examples, fewer than one "
                      f"global batch of {global_batch}; lower train.global_batch")
-  ds = inputs._ProcessRows(ds, global_batch, *rows)
+  ds = rows_lib.ProcessRows(ds, global_batch, *rows)
   return ds.batch(rows[1] - rows[0], drop_remainder=True), len(src), rows

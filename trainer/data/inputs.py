@@ -37,7 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import IMAGE_SOURCES, DataConfig
-from shardax.trainer.data import packing, preparation, streaming
+from shardax.trainer.data import images, packing, preparation, streaming
+from shardax.trainer.data.rows import ProcessRows, process_rows
 from shardax.trainer.data.sources import SPLITS, MissingDatasetError  # noqa: F401
 from shardax.trainer.data.tokenizers import BYTE_VOCAB, SEPARATOR_ID  # noqa: F401
 
@@ -69,63 +70,6 @@ class SyntheticSource:
     return f"SyntheticSource(key={self._key}, seq_len={self._seq_len}, vocab={self._vocab})"
 
 
-def process_rows(global_batch: int, seq_len: int,
-                 sharding: jax.sharding.Sharding | None = None,
-                 process_index: int | None = None,
-                 process_count: int | None = None) -> tuple[int, int]:
-  """[start, stop): the rows of every global batch that this process loads.
-
-  Without a sharding: [p*B/P, (p+1)*B/P). With one, the rows its addressable devices hold
-  (the same thing on a mesh whose batch axis runs across processes in order; all of
-  [0, B) where the batch is replicated across processes), so the local data always fits
-  `jax.make_array_from_process_local_data`.
-  """
-  count = jax.process_count() if process_count is None else process_count
-  index = jax.process_index() if process_index is None else process_index
-  if global_batch < 1 or global_batch % count:
-    raise ValueError(
-        f"global batch {global_batch} is not divisible by the process count {count} "
-        f"(jax.process_count()); each process loads global_batch/process_count rows, so pick "
-        f"train.global_batch as a multiple of {count}")
-  if sharding is None or process_index is not None:
-    local = global_batch // count
-    return index * local, (index + 1) * local
-  try:
-    slices = sharding.addressable_devices_indices_map((global_batch, seq_len)).values()
-  except ValueError as e:
-    raise ValueError(f"global batch {global_batch} does not split evenly over {sharding}: "
-                     f"{e}") from e
-  rows = sorted({r for sl in slices for r in range(*sl[0].indices(global_batch))})
-  if rows != list(range(rows[0], rows[-1] + 1)):
-    raise ValueError(f"this process's devices hold non-contiguous rows of the batch under "
-                     f"{sharding}; order the mesh so the batch axis runs across processes")
-  return rows[0], rows[-1] + 1
-
-
-class _ProcessRows(grain.MapDataset):
-  """Element i = row start + (i mod n) of global batch (i div n), n = stop - start.
-
-  So the processes together read each global batch once, in row order, and no process
-  reads windows it does not keep.
-  """
-
-  def __init__(self, parent: grain.MapDataset, global_batch: int, start: int, stop: int):
-    super().__init__(parent)
-    self._global, self._start, self._local = global_batch, start, stop - start
-
-  def __len__(self) -> int:
-    return (len(self._parent) // self._global) * self._local
-
-  def __getitem__(self, i):
-    if isinstance(i, slice):
-      return self.slice(i)
-    k, j = divmod(int(i), self._local)
-    return self._parent[k * self._global + self._start + j]
-
-  def __str__(self) -> str:
-    return f"_ProcessRows(global={self._global}, start={self._start}, local={self._local})"
-
-
 def _to_example(windows: np.ndarray) -> dict[str, np.ndarray]:
   windows = windows.astype(np.int32)
   return {"inputs": windows[:, :-1], "targets": windows[:, 1:]}
@@ -140,7 +84,7 @@ def local_dataset(source, split: str, global_batch: int, seed: int,
   elif len(ds) < global_batch:
     raise ValueError(f"the {split} split has {len(ds)} windows, fewer than one global batch "
                      f"of {global_batch}; lower the batch or data.seq_len")
-  ds = _ProcessRows(ds, global_batch, *rows)
+  ds = ProcessRows(ds, global_batch, *rows)
   return ds.batch(rows[1] - rows[0], drop_remainder=True).map(_to_example)
 
 
@@ -177,7 +121,6 @@ class Batches(grain.DatasetIterator):
     self.prepared, self.readers, self.consumed = None, None, 0
     row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
     if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/data/images.py
-      from shardax.trainer.data import images
       ds, _, self.rows = images.local_dataset(
           cfg, split, global_batch, self.seed, row_sharding, process_index, process_count)
       iter_ds = ds.to_iter_dataset(streaming.READ_OPTIONS)

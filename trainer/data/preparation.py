@@ -61,6 +61,17 @@ class Prepared:
     return tokenizers.from_file(self.manifest["tokenizer_file"], self.directory)
 
 
+def load_tokenizer(data_cfg) -> tokenizers.Tokenizer:
+  """The tokenizer of a DataConfig, as the prepared data uses it (the file stored beside
+  the prepared shards for spm/hf, so a run and its decoding always agree). Here, above
+  tokenizers.py, because it may have to prepare the data first (spm:train)."""
+  if data_cfg.tokenizer == "byte" or data_cfg.source == "synthetic":
+    return tokenizers.ByteTokenizer()
+  if data_cfg.tokenizer.startswith(tokenizers.HF_MODEL_PREFIX):   # a model's own file
+    return tokenizers.from_spec(data_cfg.tokenizer)
+  return prepare(data_cfg).tokenizer()
+
+
 def _tokenizer_identity(spec: str) -> str:
   """The spec plus the content hash of a tokenizer file (a retrained file is a new one)."""
   path = None

@@ -13,15 +13,15 @@
 
 Every tokenizer has the same small interface (`Tokenizer`): `encode(str) -> list[int]`,
 `decode(ids) -> str`, `vocab_size`, `eos_id` (ends, and in packed windows also starts, each
-document) and `pad_id`. `load(data_cfg)` returns the one a config names (for spm:train it
-finds, or makes, the prepared data that holds the trained model).
+document) and `pad_id`. `preparation.load_tokenizer(data_cfg)` returns the one a config names (for
+spm:train it finds, or makes, the prepared data that holds the trained model): it lives above this
+module, which knows nothing of prepared data.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
-from typing import Any
 
 import numpy as np
 
@@ -139,7 +139,7 @@ def from_spec(spec: str, prepared_dir: str | None = None) -> Tokenizer:
   if spec.startswith(SPM_TRAIN_PREFIX):
     if prepared_dir is None:
       raise TokenizerError(f"data.tokenizer={spec!r} is trained at preparation; load it with "
-                           f"tokenizers.load(data_cfg), which prepares the data first")
+                           f"preparation.load_tokenizer(data_cfg), which prepares the data first")
     return SentencePieceTokenizer(os.path.join(prepared_dir, "tokenizer.model"))
   if spec.startswith("spm:"):
     return SentencePieceTokenizer(os.path.expanduser(spec[4:]))
@@ -156,17 +156,6 @@ def from_file(name: str | None, directory: str) -> Tokenizer:
   if name.endswith(".model"):
     return SentencePieceTokenizer(path)
   return HuggingFaceTokenizer(path, model=name == HF_MODEL_FILE)
-
-
-def load(data_cfg: Any) -> Tokenizer:
-  """The tokenizer of a DataConfig, as the prepared data uses it (the file stored beside
-  the prepared shards for spm/hf, so a run and its decoding always agree)."""
-  if data_cfg.tokenizer == "byte" or data_cfg.source == "synthetic":
-    return ByteTokenizer()
-  if data_cfg.tokenizer.startswith(HF_MODEL_PREFIX):   # a model's own file: nothing to prepare
-    return from_spec(data_cfg.tokenizer)
-  from shardax.trainer.data import preparation
-  return preparation.prepare(data_cfg).tokenizer()
 
 
 def check_vocab(tokenizer: Tokenizer, model_vocab: int, spec: str) -> None:
