@@ -102,10 +102,10 @@ cfg = DataConfig(source=sys.argv[1], data_dir=sys.argv[2], seq_len=256, num_shar
 t = time.perf_counter()
 prepared = preparation.prepare(cfg)
 seconds = time.perf_counter() - t
-train = iter(streaming.local_batches(prepared, "train", 256, 8, 0, 0, 1))
+train = iter(streaming.local_batches([prepared], "train", 256, 8, 0, 0, 1))
 for _ in range(300):
   next(train)
-val = sum(int(b["loss_mask"].sum()) for b in streaming.local_batches(prepared, "validation", 256, 8, 0, 0, 1))
+val = sum(int(b["loss_mask"].sum()) for b in streaming.local_batches([prepared], "validation", 256, 8, 0, 0, 1))
 mb = sum(prepared.split_counts(s)["bytes"] for s in ("train", "validation")) / 1e6
 print(json.dumps({"peak_rss_mb": status_mb("VmHWM"), "after_imports_mb": baseline,
                   "corpus_mb": mb, "prepare_s": seconds, "mb_per_s": mb / seconds, "val_targets": val}))

@@ -32,11 +32,12 @@ class NonFiniteError(RuntimeError):
   pass
 
 
-def _eval_batches(setup):
-  """The validation batches: the whole split (train.eval_batches=None) or its first
-  train.eval_batches, the same at every eval, read afresh (nothing held in memory)."""
+def _eval_batches(setup, data=None):
+  """The validation batches of `data` (default: the experiment's): the whole split
+  (train.eval_batches=None) or its first train.eval_batches, the same at every eval, read
+  afresh (nothing held in memory)."""
   exp = setup.exp
-  return inputs.iter_eval_batches(exp.data, exp.train.global_batch, exp.train.eval_batches,
+  return inputs.iter_eval_batches(data or exp.data, exp.train.global_batch, exp.train.eval_batches,
                                   setup.batch_sharding,
                                   vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
 
@@ -68,13 +69,43 @@ def _eval(eval_sums, params, batches, targets_per_byte: float | None) -> dict[st
   return out
 
 
+def _eval_sources(eval_sums, params, setup) -> dict[str, float]:
+  """`_eval` of the experiment's data; for a mixture, of each source's validation split
+  ('eval_loss/<source>', 'eval_bits_per_byte/<source>', 'eval_weight/<source>') and in
+  total, weighted by tokens, never by batches: the total loss is all nats over all target
+  tokens, the total bits per byte all nats over all bytes (a source's bytes = its tokens
+  / its targets per byte), so a source with short batches or a padded tail counts for
+  what it holds."""
+  data = setup.exp.data
+  if not data.mixture:
+    return _eval(eval_sums, params, _eval_batches(setup), inputs.targets_per_byte(data))
+  out: dict[str, float] = {}
+  nats = weight = text_bytes = 0.0
+  batches = 0
+  sources = [src for src, _ in data.components]
+  for src, name in zip(sources, inputs.source_labels(sources)):
+    one = data.for_source(src)
+    per_byte = inputs.targets_per_byte(one)
+    e = _eval(eval_sums, params, _eval_batches(setup, one), per_byte)
+    out.update({f"eval_loss/{name}": e["eval_loss"], f"eval_weight/{name}": e["eval_weight"],
+                f"eval_bits_per_byte/{name}": e["eval_bits_per_byte"]})
+    nats += e["eval_loss"] * e["eval_weight"]
+    weight += e["eval_weight"]
+    text_bytes += e["eval_weight"] / per_byte
+    batches += e["eval_batches"]
+  return {"eval_loss": nats / max(weight, 1.0), "eval_weight": weight, "eval_batches": batches,
+          "eval_bits_per_byte": nats / max(text_bytes, 1e-9) / math.log(2), **out}
+
+
 def format_eval(step: int, total_steps: int, exp: Experiment, e: dict[str, float]) -> str:
   """One line: the loss, bits per byte, and what the eval covered."""
   what = ("whole validation split" if exp.train.eval_batches is None
           else f"first {exp.train.eval_batches} validation batches")
   bpb = f" | bits/byte {e['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in e else ""
+  sources = "".join(f" | {k.split('/', 1)[1]}: {v:.4f} bits/byte" for k, v in e.items()
+                    if k.startswith("eval_bits_per_byte/"))
   return (f"step {step:>6}/{total_steps} | eval_loss {e['eval_loss']:.4f}{bpb} "
-          f"({what}: {e['eval_batches']} batches, {e['eval_weight']:.0f} tokens)")
+          f"({what}: {e['eval_batches']} batches, {e['eval_weight']:.0f} tokens){sources}")
 
 
 def restore_or_init(setup, checkpointer, data_iter=None):
@@ -115,8 +146,7 @@ def evaluate(exp: Experiment, job_dir: str) -> dict[str, float]:
   check_tokenizer(exp)
   setup, state = restore_latest(exp, job_dir)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-    return _eval(eval_sums_fn(setup), state["params"], _eval_batches(setup),
-                 inputs.targets_per_byte(exp.data))
+    return _eval_sources(eval_sums_fn(setup), state["params"], setup)
 
 
 def check_tokenizer(exp: Experiment) -> None:
@@ -147,7 +177,6 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       on_ready()
     train_step = step_lib.train_step_fn(setup)
     eval_sums = eval_sums_fn(setup)
-    per_byte = inputs.targets_per_byte(exp.data)
     writer = MetricsWriter(job_dir, exp.train.steps)
     tokens_per_step = exp.train.global_batch * exp.model.tokens_per_example(exp.data)
     flops_per_device = exp.train.global_batch * exp.model.flops_per_example(exp.data) / mesh.size
@@ -163,7 +192,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     trace_first, trace_last = exp.train.profile_steps or (0, 0)
     tracing = False
     def run_eval(at: int) -> None:
-      e = _eval(eval_sums, state["params"], _eval_batches(setup), per_byte)
+      e = _eval_sources(eval_sums, state["params"], setup)
       summary["eval_losses"][at] = e["eval_loss"]
       if "eval_bits_per_byte" in e:
         summary["eval_bits_per_byte"][at] = e["eval_bits_per_byte"]

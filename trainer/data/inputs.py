@@ -22,12 +22,15 @@ blocks) it replays the batches and says so in one line.
 Evaluation (`iter_eval_batches`) reads the whole validation split by default: each process
 its own documents, once, in order; a process that runs out first feeds all-padding
 batches (loss_mask 0) until every process is done, so all run the same number of steps.
+A mixture (data.mixture) trains on its sources drawn by weight (streaming.train_documents)
+and is evaluated source by source (trainer/loop.py reports each and the total).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+import re
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
@@ -131,7 +134,12 @@ class Batches(grain.DatasetIterator):
       iter_ds = ds.to_iter_dataset(streaming.READ_OPTIONS)
     else:
       self.rows = process_rows(global_batch, cfg.seq_len, row_sharding, process_index, process_count)
-      self.prepared = preparation.prepare(cfg)
+      if cfg.mixture and split == "validation":
+        raise ValueError(f"a mixture is evaluated source by source: read "
+                         f"Batches(cfg.for_source(s), 'validation', ...) for each s of "
+                         f"{[s for s, _ in cfg.components]} (iter_eval_batches does)")
+      sets = preparation.prepare_components(cfg)
+      self.prepared = sets[0]
       layout = streaming.reader_layout(cfg.num_shards, global_batch, self.rows)
       self.readers = layout[1]
       if split == "validation":  # finite, no workers: readers padded until all are done
@@ -139,7 +147,7 @@ class Batches(grain.DatasetIterator):
         super().__init__(self.grain_iterator)
         return
       _flags_for_workers(cfg)
-      iter_ds = streaming.train_batches(self.prepared, cfg.seq_len, self.seed, *layout,
+      iter_ds = streaming.train_batches(sets, [w for _, w in cfg.components], cfg.seq_len, self.seed, *layout,
                                         worker_count=cfg.worker_count)
     if cfg.worker_count > 0 and self.prepared is None:
       _flags_for_workers(cfg)
@@ -173,7 +181,8 @@ class Batches(grain.DatasetIterator):
             "global_batch": self.global_batch, "seq_len": self.cfg.seq_len,
             "validation_fraction": self.cfg.validation_fraction,
             "tokenizer": self.cfg.tokenizer, "num_shards": self.cfg.num_shards,
-            "worker_count": self.cfg.worker_count}  # its grain state has another format
+            "worker_count": self.cfg.worker_count,  # its grain state has another format
+            "mixture": [[src, w] for src, w in self.cfg.mixture]}
 
   def get_state(self) -> dict[str, Any]:
     return {**self._identity(), "grain": self.grain_iterator.get_state(),
@@ -252,6 +261,10 @@ def iter_eval_batches(cfg: DataConfig, global_batch: int, n: int | None = None,
   """Validation batches from a fresh iterator: the whole split (n=None) or its first n
   batches; the same ones at every call. A process out of data before the others (text
   sources) feeds all-padding batches, so every process takes the same number of steps."""
+  if cfg.mixture:   # every source's validation split in turn (the loop reports each)
+    for src, _ in cfg.components:
+      yield from iter_eval_batches(cfg.for_source(src), global_batch, n, sharding, **kwargs)
+    return
   it = Batches(cfg, "validation", global_batch, sharding, **kwargs)
   simulated = kwargs.get("process_index") is not None
   try:
@@ -273,15 +286,27 @@ def eval_batches(cfg: DataConfig, global_batch: int, n: int | None,
   return list(iter_eval_batches(cfg, global_batch, n, sharding, **kwargs))
 
 
+def source_labels(sources: Sequence[str]) -> list[str]:
+  """Short, distinct names of a mixture's sources for metric keys: what tells them apart
+  (the part after their common prefix, slugged: 'files:/d/web/*.jsonl' and
+  'files:/d/code/*.py' -> 'web_jsonl', 'code_py'), numbered if still equal."""
+  prefix = os.path.commonprefix(list(sources)) if len(sources) > 1 else ""
+  labels = [re.sub(r"[^A-Za-z0-9]+", "_", s[len(prefix):]).strip("_")[-40:] or f"source{k}"
+            for k, s in enumerate(sources)]
+  if len(set(labels)) < len(labels):
+    labels = [f"{k}_{label}" for k, label in enumerate(labels)]
+  return labels
+
+
 def targets_per_byte(cfg: DataConfig, split: str = "validation") -> float | None:
   """Predicted tokens (document tokens + one end-of-document each) per utf-8 byte of a
   text split, from the manifest; loss per token x this / ln 2 = bits per byte, a figure
   that compares models with different tokenizers. None for non-text sources."""
   if cfg.source == "synthetic" or cfg.source in IMAGE_SOURCES:
     return None
-  c = preparation.prepare(cfg).split_counts(split)
-  return (c["tokens"] + c["documents"]) / max(c["bytes"], 1)
+  counts = [p.split_counts(split) for p in preparation.prepare_components(cfg)]
+  return sum(c["tokens"] + c["documents"] for c in counts) / max(sum(c["bytes"] for c in counts), 1)
 
 
-__all__ = ["Batches", "eval_batches", "iter_eval_batches", "targets_per_byte", "local_dataset",
+__all__ = ["Batches", "eval_batches", "iter_eval_batches", "targets_per_byte", "source_labels", "local_dataset",
            "process_rows", "SyntheticSource", "MissingDatasetError", "SEPARATOR_ID", "BYTE_VOCAB"]

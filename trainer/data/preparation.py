@@ -69,7 +69,7 @@ def load_tokenizer(data_cfg) -> tokenizers.Tokenizer:
     return tokenizers.ByteTokenizer()
   if data_cfg.tokenizer.startswith(tokenizers.HF_MODEL_PREFIX):   # a model's own file
     return tokenizers.from_spec(data_cfg.tokenizer)
-  return prepare(data_cfg).tokenizer()
+  return prepare_components(data_cfg)[0].tokenizer()
 
 
 def _tokenizer_identity(spec: str) -> str:
@@ -90,7 +90,7 @@ def _tokenizer_identity(spec: str) -> str:
     return f"{spec} {hashlib.sha256(f.read()).hexdigest()[:16]}"
 
 
-def _slug(text: str) -> str:
+def slug(text: str) -> str:
   return re.sub(r"[^A-Za-z0-9]+", "_", text).strip("_")[:40]
 
 
@@ -100,7 +100,7 @@ def prepared_dir(cfg) -> tuple[str, dict[str, Any]]:
               "tokenizer": _tokenizer_identity(cfg.tokenizer), "text_key": cfg.text_key,
               "validation_fraction": cfg.validation_fraction, "num_shards": cfg.num_shards}
   digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:12]
-  name = f"{_slug(cfg.source)}-{_slug(cfg.tokenizer.split('/')[-1])}-{digest}"
+  name = f"{slug(cfg.source)}-{slug(cfg.tokenizer.split('/')[-1])}-{digest}"
   return os.path.join(os.path.expanduser(cfg.data_dir), "prepared", name), identity
 
 
@@ -124,8 +124,26 @@ def _read(directory: str) -> Prepared | None:
     return Prepared(directory, json.load(f))
 
 
+def prepare_components(cfg) -> list[Prepared]:
+  """The prepared set of every source cfg reads (a mixture: one per source, each with its
+  own manifest and shards), checked to share one tokenizer: a mixture's documents are
+  packed into the same windows, so their ids must mean the same pieces."""
+  sets = [prepare(cfg.for_source(src) if cfg.mixture else cfg) for src, _ in cfg.components]
+  def key(p: Prepared):
+    return tuple(p.manifest.get(k) for k in ("tokenizer", "vocab_size", "eos_id", "own_start", "dtype"))
+  for (src, _), p in zip(cfg.components, sets):
+    if key(p) != key(sets[0]):
+      raise tokenizers.TokenizerError(
+          f"data.mixture: {src!r} was prepared with tokenizer {p.manifest.get('tokenizer')!r} but "
+          f"{cfg.components[0][0]!r} with {sets[0].manifest.get('tokenizer')!r}; a mixture needs "
+          f"one tokenizer file for every source (data.tokenizer)")
+  return sets
+
+
 def prepare(cfg) -> Prepared:
   """cfg's prepared data, made now if it does not exist yet (cached per process)."""
+  if getattr(cfg, "mixture", ()):
+    raise ValueError("a mixture has one prepared set per source: use prepare_components(cfg)")
   return _prepare(cfg.source, os.path.expanduser(cfg.data_dir), cfg.text_key,
                   cfg.validation_fraction, cfg.tokenizer, cfg.num_shards)
 

@@ -11,7 +11,9 @@ two-process run computes what a one-process run computes. Reader r of R reads
 
 and nothing else, so its memory is the ArrayRecord readers plus grain's buffers, whatever
 the size of the dataset. Training shuffles its documents per epoch (grain folds the epoch
-into the seed) and repeats; validation reads them once in order. Documents are then packed
+into the seed) and repeats; validation reads them once in order. A mixture (data.mixture)
+draws each reader's training documents from every source's shards by weight (grain's
+MapDataset.mix); it is evaluated source by source. Documents are then packed
 (packing.py) into windows and batched to the reader's rows. All of it is one grain
 IterDataset whose state (a record index plus the packer's buffer position) is what a
 checkpoint saves: a resumed run reads exactly what an uninterrupted one would.
@@ -62,19 +64,36 @@ def _pad_rows(batch: dict[str, np.ndarray], rows: int) -> dict[str, np.ndarray]:
           for k, v in batch.items()}
 
 
-def local_batches(prepared: Prepared, split: str, seq_len: int, rows: int, seed: int,
-                  reader: int, readers: int) -> grain.IterDataset:
-  """This reader's batches {packing.FIELDS: [rows, seq_len]}: endless for 'train', one
-  pass over its documents (the last batch padded) for 'validation'."""
-  docs = local_documents(prepared, split, reader, readers)
-  if split == "train":
+def train_documents(prepared: Sequence[Prepared], weights: Sequence[float], seed: int,
+                    reader: int, readers: int) -> grain.MapDataset:
+  """This reader's endless training documents: each source's shuffled per epoch and
+  repeated, then, for a mixture, drawn by weight with grain's `MapDataset.mix` (a fixed
+  interleaving by index: the proportions hold over any stretch and the state stays one
+  index, so a resumed run draws exactly what an uninterrupted one would)."""
+  parts = []
+  for i, p in enumerate(prepared):
+    docs = local_documents(p, "train", reader, readers)
     if len(docs) == 0:
       raise ValueError(f"reader {reader} of {readers} has no training documents in "
-                       f"{prepared.directory} ({len(prepared.shard_paths(split))} shards); "
+                       f"{p.directory} ({len(p.shard_paths('train'))} shards); "
                        f"lower data.num_shards or add documents")
-    docs = docs.shuffle(seed=seed % 2**32).repeat()
-  examples = docs.map(functools.partial(packing.document_example, eos=prepared.manifest["eos_id"],
-                                        own_start=prepared.manifest.get("own_start", False)))
+    parts.append(docs.shuffle(seed=(seed + i) % 2**32).repeat())
+  return parts[0] if len(parts) == 1 else grain.MapDataset.mix(parts, list(weights))
+
+
+def local_batches(prepared: Sequence[Prepared], split: str, seq_len: int, rows: int, seed: int,
+                  reader: int, readers: int, weights: Sequence[float] = (1.0,)) -> grain.IterDataset:
+  """This reader's batches {packing.FIELDS: [rows, seq_len]}: endless for 'train' (a
+  mixture when several prepared sets are given), one pass over its documents (the last
+  batch padded) for 'validation' (one prepared set)."""
+  if split == "train":
+    docs = train_documents(prepared, weights, seed, reader, readers)
+  else:
+    (one,) = prepared
+    docs = local_documents(one, split, reader, readers)
+  manifest = prepared[0].manifest   # a mixture's sets share the tokenizer (inputs checks)
+  examples = docs.map(functools.partial(packing.document_example, eos=manifest["eos_id"],
+                                        own_start=manifest.get("own_start", False)))
   windows = packing.pack(examples.to_iter_dataset(READ_OPTIONS), seq_len)
   batches = windows.batch(rows, drop_remainder=split == "train")
   return batches if split == "train" else batches.map(functools.partial(_pad_rows, rows=rows))
@@ -98,12 +117,12 @@ def _concat_rows(parts: Sequence[dict[str, np.ndarray]]) -> dict[str, np.ndarray
   return {k: np.concatenate([p[k] for p in parts]) for k in parts[0]}
 
 
-def train_batches(prepared: Prepared, seq_len: int, seed: int, readers: int, mine: list[int],
-                  per: int, worker_count: int = 0) -> grain.IterDataset:
+def train_batches(prepared: Sequence[Prepared], weights: Sequence[float], seq_len: int, seed: int,
+                  readers: int, mine: list[int], per: int, worker_count: int = 0) -> grain.IterDataset:
   """This process's training rows: its readers' batches side by side (grain zip: one
   checkpointable state). With worker_count > 0 each reader gets ceil(worker_count /
   readers here) worker processes of its own (grain's multiprocessing prefetch)."""
-  parts = [local_batches(prepared, "train", seq_len, per, seed, r, readers) for r in mine]
+  parts = [local_batches(prepared, "train", seq_len, per, seed, r, readers, weights) for r in mine]
   if worker_count > 0:
     workers = -(-worker_count // len(parts))
     parts = [p.mp_prefetch(grain.MultiprocessingOptions(num_workers=workers)) for p in parts]
@@ -117,7 +136,7 @@ class PaddedReaders(grain.DatasetIterator):
   run out giving all-padding rows, until every one has run out (then StopIteration)."""
 
   def __init__(self, prepared: Prepared, seq_len: int, readers: int, mine: list[int], per: int):
-    self._parts = [iter(local_batches(prepared, "validation", seq_len, per, 0, r, readers))
+    self._parts = [iter(local_batches([prepared], "validation", seq_len, per, 0, r, readers))
                    for r in mine]
     self._pad = {k: np.stack([v] * per) for k, v in packing.padding_window(seq_len).items()}
     super().__init__(self._parts)
