@@ -7,6 +7,10 @@ BOS, no separator of shardax's), and the weights come in through `--mode=import`
 come from --set. The defaults suit fine-tuning: a low learning rate, short warmup, float32
 master weights; the mesh takes every device on the data axis with the `fsdp` rules
 (weights and optimizer state split across data-parallel devices).
+
+A Mixtral is a MoELMConfig: config.json's attention and norms go to model.transformer, its
+router and experts to model.moe (trainer/hf/config.py moe_fields), e.g.
+`--set model.moe.aux_loss_weight=0`.
 """
 
 from __future__ import annotations
@@ -14,19 +18,25 @@ from __future__ import annotations
 import os
 
 from shardax.configs import experiment
-from shardax.configs.registry import register_prefix
+from shardax.configs.moe import MoELMConfig
+from shardax.configs.registry import config_tree, register_prefix
 from shardax.trainer.hf import config as hf_config
 
 
 def hf_experiment(model_dir: str):
   directory = os.path.abspath(os.path.expanduser(model_dir))
-  fields = hf_config.model_fields(hf_config.read(directory))
-  cfg = experiment(name=f"hf:{directory}",
-                   description=f"{hf_config.architecture(hf_config.read(directory))} from {directory}")
+  hf = hf_config.read(directory)
+  fields, moe = hf_config.model_fields(hf), hf_config.moe_fields(hf)
+  cfg = experiment(name=f"hf:{directory}", description=f"{hf_config.architecture(hf)} from {directory}")
+  if moe is not None:
+    cfg.model = config_tree(MoELMConfig)
+    for key, value in moe.items():
+      setattr(cfg.model.moe, key, value)
+  model = cfg.model.transformer if moe is not None else cfg.model
   for key, value in fields.items():
-    setattr(cfg.model, key, value)
-  cfg.model.max_len = min(fields["max_len"], 4096)
-  cfg.data.seq_len = min(512, cfg.model.max_len)
+    setattr(model, key, value)
+  model.max_len = min(fields["max_len"], 4096)   # export writes the source's length back
+  cfg.data.seq_len = min(512, model.max_len)
   tok = os.path.join(directory, "tokenizer.json")
   if os.path.exists(tok):
     cfg.data.tokenizer = f"hf_model:{tok}"

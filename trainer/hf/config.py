@@ -1,4 +1,7 @@
-"""config.json <-> TransformerConfig fields, for the dense decoder architectures we implement.
+"""config.json <-> our model config, for the decoder architectures we implement.
+
+Dense (Llama, Mistral, Qwen2, Qwen3) -> TransformerConfig fields (`model_fields`); Mixtral
+-> the same fields for its attention plus MoEConfig fields (`moe_fields`) for a MoELMConfig.
 
 Every key of config.json is accounted for: mapped onto a field, checked against the one value
 we implement (e.g. `hidden_act` must be silu), or known to leave the math alone (ids, dtype,
@@ -18,9 +21,14 @@ from typing import Any
 from shardax.configs.schema import ConfigError
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
-NOT_YET = {"MixtralForCausalLM": "mixture-of-experts models are not supported by the importer yet "
-                                 "(they wait for the MoE layers)"}
+                 "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                 "MixtralForCausalLM": "mixtral"}
+MOE = ("mixtral",)
+# transformers' defaults where they differ from Llama's (a config.json may omit a key).
+DEFAULTS = {"mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6}}
+# The epsilon layers/moe_lm.py's norms compute with: they do not read model.transformer.norm_eps
+# (yet), so a Mixtral with another rms_norm_eps would import as a different model.
+MOE_NORM_EPS = 1e-6
 
 # Keys that do not change what the model computes (bookkeeping, ids, generation defaults).
 METADATA = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
@@ -34,6 +42,11 @@ MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
           "attention_bias", "mlp_bias", "hidden_act", "attention_dropout", "sliding_window",
           "use_sliding_window", "layer_types"}
+# Mixtral's router keys. output_router_logits only decides whether transformers' own forward
+# returns router logits and adds the balance loss to its training loss; the logits and
+# tokens are the same either way, so it is kept on export and otherwise unused.
+MOE_MAPPED = {"num_local_experts", "num_experts_per_tok", "router_jitter_noise",
+              "router_aux_loss_coef", "output_router_logits"}
 
 
 def read(model_dir: str) -> dict[str, Any]:
@@ -47,9 +60,6 @@ def read(model_dir: str) -> dict[str, Any]:
 
 def architecture(hf: dict[str, Any]) -> str:
   archs = hf.get("architectures") or []
-  for a in archs:
-    if a in NOT_YET:
-      raise ConfigError(f"config.json architectures={archs}: {a}: {NOT_YET[a]}")
   known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
   if len(archs) != 1 or not known:
     raise ConfigError(f"config.json architectures={archs}: shardax imports exactly one of "
@@ -57,11 +67,11 @@ def architecture(hf: dict[str, Any]) -> str:
   return known[0]
 
 
-def _rope(hf: dict[str, Any]) -> dict[str, Any]:
+def _rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
   """rope_theta and llama3 scaling fields, from either spelling."""
   params = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
-  theta = params.pop("rope_theta", hf.get("rope_theta", 10000.0))
+  theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
   kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
   src = params if params.get("rope_type", params.get("type")) == kind and kind != "default" else scaling
   out: dict[str, Any] = {"rope_theta": float(theta)}
@@ -88,7 +98,8 @@ def _rope(hf: dict[str, Any]) -> dict[str, Any]:
 def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """TransformerConfig fields for a config.json (raises ConfigError naming a key we lack)."""
   arch = architecture(hf)
-  unknown = sorted(set(hf) - METADATA - MAPPED)
+  defaults = DEFAULTS.get(arch, {})
+  unknown = sorted(set(hf) - METADATA - MAPPED - (MOE_MAPPED if arch in MOE else set()))
   if unknown:
     raise ConfigError(f"config.json key(s) {unknown} are not implemented by shardax's {arch} import; "
                       f"a key that changes the math cannot be ignored (remove it only if it does not)")
@@ -103,7 +114,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   if types != {"full_attention"}:
     raise ConfigError(f"config.json layer_types={sorted(types)}: only full attention is implemented")
   max_len = int(hf.get("max_position_embeddings", 2048))
-  window = hf.get("sliding_window") if arch == "mistral" else None
+  window = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
   if window is not None:  # equal to full attention up to the window: cap the length there
     max_len = min(max_len, int(window))
   heads = int(hf["num_attention_heads"])
@@ -116,49 +127,110 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     qkv_bias, out_bias = True, False
   else:
     qkv_bias = out_bias = attention_bias
+  eps = float(hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)))
+  rope = _rope(hf, defaults.get("rope_theta", 10000.0))
+  if arch in MOE:
+    _check_moe_attention(hf, eps, rope)
   return dict(
       vocab_size=int(hf["vocab_size"]), num_layers=int(hf["num_hidden_layers"]), d_model=d_model,
       num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=int(head_dim) if head_dim else None, d_ff=int(hf["intermediate_size"]),
-      max_len=max_len, norm="rms", tied_embedding=bool(hf.get("tie_word_embeddings", arch != "llama" and arch != "mistral")),
-      activation="silu", mlp="gated", parallel_block=False, norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      max_len=max_len, norm="rms",
+      tied_embedding=bool(hf.get("tie_word_embeddings", arch not in ("llama", "mistral", "mixtral"))),
+      activation="silu", mlp="gated", parallel_block=False, norm_eps=eps,
       scale_embedding=False, qkv_bias=qkv_bias, out_bias=out_bias,
-      mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=arch == "qwen3", **_rope(hf))
+      mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=arch == "qwen3", **rope)
+
+
+def _check_moe_attention(hf: dict[str, Any], eps: float, rope: dict[str, Any]) -> None:
+  """What layers/moe_lm.py's MoEBlock computes: no attention or MLP biases, plain RoPE, and
+  norms at MOE_NORM_EPS. Anything else would load as a different model."""
+  if hf.get("attention_bias") or hf.get("mlp_bias"):
+    raise ConfigError("config.json attention_bias/mlp_bias=true: shardax's MoE block has no biases")
+  if "rope_scaling" in rope:
+    raise ConfigError("config.json rope scaling: shardax's MoE block implements plain RoPE only")
+  if eps != MOE_NORM_EPS:
+    raise ConfigError(f"config.json rms_norm_eps={eps}: shardax's MoE block (layers/moe_lm.py) computes "
+                      f"its norms with eps={MOE_NORM_EPS} and does not read model.transformer.norm_eps "
+                      f"yet; a Mixtral with another rms_norm_eps cannot be imported until it does")
+
+
+def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
+  """MoEConfig fields of a Mixtral config.json (None for a dense architecture).
+
+  transformers' Mixtral: router logits -> softmax over all experts (float32) -> the top k,
+  renormalized over the chosen k -> each expert's w2(silu(w1 x) * w3 x), summed with those
+  gates. That is `dispatch='dropless'` (nothing dropped), `score='softmax'`, `renormalize`.
+  Its balance loss is num_experts * sum over the k slots and experts of (fraction of tokens
+  routed there) * (mean router probability): k times shardax's (routers.route counts the
+  k * tokens assignments together), so aux_loss_weight = router_aux_loss_coef * k gives the
+  same training loss. (transformers adds it only with output_router_logits=true; shardax
+  trains with it always: --set model.moe.aux_loss_weight=0 to leave it out.)"""
+  if architecture(hf) not in MOE:
+    return None
+  jitter = hf.get("router_jitter_noise", 0.0)
+  if jitter:
+    raise ConfigError(f"config.json router_jitter_noise={jitter}: multiplicative router noise in training "
+                      f"is not implemented; set it to 0 (it does not change inference)")
+  k = int(hf.get("num_experts_per_tok", 2))
+  return dict(num_experts=int(hf.get("num_local_experts", 8)), top_k=k, d_ff=int(hf["intermediate_size"]),
+              every=1, first_dense_layers=0, num_shared_experts=0, score="softmax", renormalize=True,
+              gate_scale=1.0, bias_update_rate=0.0, dispatch="dropless",
+              aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k, z_loss_weight=0.0)
 
 
 def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
-  """config.json for our model config (`arch` as `architecture` names it). Keys of the
-  imported `source` config that carry no math (ids, ...) are kept."""
+  """config.json for our model config (`arch` as `architecture` names it).
+
+  Keys of the imported `source` config that carry no math (ids, ...) are kept, and so are
+  its `max_position_embeddings` and `sliding_window`: the experiment caps model.max_len
+  (at 4096, or at the window) for what it trains on, which must not shrink what the
+  exported model declares (a Llama 3.1 would go out at 4096 instead of 131072). A
+  model.max_len above the source's (a context extended by training) is written instead."""
   cls = {v: k for k, v in ARCHITECTURES.items()}[arch]
-  out = {k: v for k, v in (source or {}).items() if k in METADATA}
-  rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-  if model.rope_scaling == "llama3":
-    rope = {"rope_type": "llama3", "rope_theta": model.rope_theta, "factor": model.rope_scaling_factor,
-            "low_freq_factor": model.rope_low_freq_factor, "high_freq_factor": model.rope_high_freq_factor,
-            "original_max_position_embeddings": model.rope_original_max_len}
+  source = source or {}
+  t = getattr(model, "transformer", model)   # a MoELMConfig's attention and norms
+  out = {k: v for k, v in source.items() if k in METADATA}
+  rope = {"rope_type": "default", "rope_theta": t.rope_theta}
+  if t.rope_scaling == "llama3":
+    rope = {"rope_type": "llama3", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
+            "low_freq_factor": t.rope_low_freq_factor, "high_freq_factor": t.rope_high_freq_factor,
+            "original_max_position_embeddings": t.rope_original_max_len}
   out.update(
-      architectures=[cls], model_type=arch, vocab_size=model.vocab_size, hidden_size=model.d_model,
-      intermediate_size=model.d_ff, num_hidden_layers=model.num_layers,
-      num_attention_heads=model.num_heads, num_key_value_heads=model.kv_heads,
-      max_position_embeddings=model.max_len,
-      rms_norm_eps=model.norm_eps, tie_word_embeddings=model.tied_embedding, hidden_act="silu",
-      rope_parameters=rope, rope_theta=model.rope_theta, dtype=model.param_dtype)
-  if model.rope_scaling == "llama3":
+      architectures=[cls], model_type=arch, vocab_size=t.vocab_size, hidden_size=t.d_model,
+      intermediate_size=t.d_ff, num_hidden_layers=t.num_layers,
+      num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads,
+      max_position_embeddings=max(t.max_len, int(source.get("max_position_embeddings", 0))),
+      rms_norm_eps=t.norm_eps, tie_word_embeddings=t.tied_embedding, hidden_act="silu", attention_dropout=0.0,
+      rope_parameters=rope, rope_theta=t.rope_theta, dtype=t.param_dtype)
+  if t.rope_scaling == "llama3":
     out["rope_scaling"] = rope
-  if model.head_dim is not None:   # else transformers derives it as hidden_size // heads, as we do
-    out["head_dim"] = model.head_dim
+  if t.head_dim is not None:   # else transformers derives it as hidden_size // heads, as we do
+    out["head_dim"] = t.head_dim
   if arch in ("llama", "qwen3"):
-    out["attention_bias"] = model.qkv_bias
+    out["attention_bias"] = t.qkv_bias
   if arch == "llama":
-    out["mlp_bias"] = model.mlp_bias
-  if arch == "mistral":
-    out["sliding_window"] = None
+    out["mlp_bias"] = t.mlp_bias
+  if arch in ("mistral", "mixtral"):
+    out["sliding_window"] = source.get("sliding_window")
+  if arch in MOE:
+    m = model.moe
+    out.update(intermediate_size=m.d_ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
+               router_jitter_noise=0.0, router_aux_loss_coef=m.aux_loss_weight / m.top_k,
+               output_router_logits=bool(source.get("output_router_logits", False)),
+               rms_norm_eps=MOE_NORM_EPS)   # what the MoE block computes with
   return out
 
 
 def check_exportable(model, arch: str) -> None:
   """The options `arch` can express; anything else would export a different model."""
   bad = []
+  moe = getattr(model, "moe", None)
+  if (moe is not None) != (arch in MOE):
+    raise ConfigError(f"cannot export as {arch}: the model {'is' if moe else 'is not'} a mixture of experts")
+  if moe is not None:
+    bad += _moe_not_mixtral(model)
+    model = model.transformer
   if model.norm != "rms" or model.mlp != "gated" or model.activation != "silu" or model.parallel_block:
     bad.append("norm/mlp/activation/parallel_block other than rms/gated/silu/False")
   if model.scale_embedding:
@@ -176,3 +248,11 @@ def check_exportable(model, arch: str) -> None:
     bad.append("rope_scaling")
   if bad:
     raise ConfigError(f"cannot export as {arch}: the model has {', '.join(bad)}")
+
+
+def _moe_not_mixtral(model) -> list[str]:
+  """The MoEConfig fields Mixtral's config.json cannot express (its router is fixed)."""
+  m = model.moe
+  want = dict(every=1, first_dense_layers=0, num_shared_experts=0, score="softmax", renormalize=True,
+              gate_scale=1.0, bias_update_rate=0.0)
+  return [f"model.moe.{k}={getattr(m, k)!r} (Mixtral: {v!r})" for k, v in want.items() if getattr(m, k) != v]

@@ -2,8 +2,8 @@
 
 Writes config.json (trainer/hf/config.py), the weights as safetensors (one file, or
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above the shard size),
-and the source directory's tokenizer files. Tensors are fetched one at a time (one layer
-of a stacked leaf), relaid out (trainer/hf/weights.py) and streamed into the file, so the
+and the source directory's tokenizer files. Tensors are fetched one at a time (one layer,
+or one layer's expert, of a stacked leaf), relaid out (trainer/hf/weights.py) and streamed into the file, so the
 host holds about one tensor beyond the restored state. The weights are written in the
 source model's dtype (config.json `dtype`/`torch_dtype`), else the param dtype: a model
 imported and exported untouched comes back bit for bit.
@@ -34,26 +34,26 @@ DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.f
 
 def _order(name: str) -> tuple:
   """Hugging Face's natural order: embeddings, layers by index, final norm, head."""
-  m = re.match(r"model\.layers\.(\d+)\.", name)
-  if m:
-    return (1, int(m.group(1)), name)
-  return (0 if "embed_tokens" in name else 2 if name.startswith("model.") else 3, 0, name)
+  natural = tuple((0, int(x), "") if x.isdigit() else (1, 0, x) for x in re.split(r"(\d+)", name))
+  if name.startswith("model.layers."):   # by layer, then expert: experts.2 before experts.10
+    return (1, natural)
+  return (0 if "embed_tokens" in name else 2 if name.startswith("model.") else 3, natural)
 
 
 def export_params(params, model_cfg, out_dir: str, dtype, max_shard_bytes: int) -> list[str]:
   """Writes `params` (our tree, jax or numpy leaves) as safetensors files in `out_dir`."""
   plan = weights.leaves(params, model_cfg)
   arrays = jax.tree_util.tree_leaves(params)
-  where: dict[str, tuple[weights.Leaf, object, int | None]] = {}
+  where: dict[str, tuple[weights.Leaf, object, tuple[int, ...]]] = {}
   for (_, leaf), arr in zip(plan, arrays):
     for i, name in enumerate(leaf.hf_names):
-      where[name] = (leaf, arr, i if leaf.stacked else None)
+      where[name] = (leaf, arr, leaf.index(i) if leaf.stacked else ())
   dtype = np.dtype(dtype)
   specs = [(n, where[n][0].hf_shape, dtype) for n in sorted(where, key=_order)]
 
   def tensor(name: str) -> np.ndarray:
     leaf, arr, i = where[name]
-    one = np.asarray(arr[i] if i is not None else arr)
+    one = np.asarray(arr[i] if i else arr)
     return leaf.to_hf(one).astype(dtype, copy=False)
 
   os.makedirs(out_dir, exist_ok=True)
@@ -69,7 +69,7 @@ def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 <<
   src_cfg = hf_config.read(source)
   arch = hf_config.architecture(src_cfg)
   hf_config.check_exportable(exp.model, arch)
-  dtype_name = src_cfg.get("dtype") or src_cfg.get("torch_dtype") or exp.model.param_dtype
+  dtype_name = src_cfg.get("dtype") or src_cfg.get("torch_dtype") or getattr(exp.model, "transformer", exp.model).param_dtype
   if dtype_name not in DTYPES:
     raise ConfigError(f"config.json dtype={dtype_name!r}: export writes one of {sorted(DTYPES)}")
   if os.path.abspath(out_dir) == os.path.abspath(source):

@@ -3,7 +3,7 @@
 The train state is laid out for the experiment's mesh first (abstract: shapes and shardings
 from the rules, trainer/state.py). Then each param leaf is filled from the checkpoint's
 tensors: for every distinct shard this host holds, a buffer of the shard's shape; each
-Hugging Face tensor (one layer of a stacked leaf) is read once, relaid out, and its part
+Hugging Face tensor (one layer, or one layer's expert, of a stacked leaf) is read once, relaid out, and its part
 copied into the buffers that cover it, then dropped. The buffers go to their devices and
 become the sharded array. So the host holds its own shards plus about one tensor (and its
 relaid view) at a time, never the whole model. The optimizer state is then initialized
@@ -51,12 +51,13 @@ def put_leaf(leaf: weights.Leaf, reader: safetensors.Reader, shape, dtype, shard
   def part(t, bounds):
     return t[tuple(slice(a, b) for a, b in bounds)]
   if leaf.stacked:
+    n = len(leaf.stack)
     for i, name in enumerate(leaf.hf_names):
+      at = leaf.index(i)   # (layer,), (layer, expert) or (expert,)
       t = leaf.to_ours(reader.get(name))
       for k, (bounds, _) in groups.items():
-        (start, stop), rest = bounds[0], bounds[1:]
-        if start <= i < stop:
-          bufs[k][i - start] = part(t, rest)
+        if all(a <= j < b for j, (a, b) in zip(at, bounds[:n])):
+          bufs[k][tuple(j - a for j, (a, _) in zip(at, bounds[:n]))] = part(t, bounds[n:])
       del t
   else:
     t = leaf.to_ours(reader.get(leaf.hf_names[0]))
@@ -80,7 +81,8 @@ def import_params(setup, source: str):
   reader = safetensors.Reader(source)
   abstract = setup.abstract["params"]
   plan = weights.leaves(abstract, setup.exp.model)
-  weights.check_names(plan, reader.names(), setup.exp.model.tied_embedding)
+  model = setup.exp.model
+  weights.check_names(plan, reader.names(), getattr(model, "transformer", model).tied_embedding)
   flat, treedef = jax.tree_util.tree_flatten(abstract)
   out = [put_leaf(leaf, reader, a.shape, a.dtype, a.sharding) for (_, leaf), a in zip(plan, flat)]
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -92,7 +94,8 @@ def run(exp: Experiment, job_dir: str) -> dict:
   from shardax.trainer import checkpoint as ckpt_lib
   from shardax.trainer import state as state_lib
   source = model_dir(exp)
-  hf_config.model_fields(hf_config.read(source))   # the same checks as the experiment's build
+  hf = hf_config.read(source)   # the same checks as the experiment's build
+  hf_config.model_fields(hf), hf_config.moe_fields(hf)
   mesh = make_mesh(exp.mesh)
   setup = state_lib.create(exp, mesh)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)

@@ -1,4 +1,4 @@
-"""Our param tree <-> Hugging Face tensor names and layouts (Llama, Mistral, Qwen2, Qwen3).
+"""Our param tree <-> Hugging Face tensor names and layouts (Llama, Mistral, Qwen2, Qwen3, Mixtral).
 
 transformers stores a linear layer as weight[out, in] (y = x W^T) with heads flattened
 into out; our DenseGeneral kernel is [in dims..., out dims...] with heads kept apart
@@ -9,6 +9,12 @@ only reshape. Both use the rotate-half RoPE convention, so q/k need no permutati
 Scanned stacks hold one leaf per block param with a leading `layers` dim: leaf
 `layers/blocks/attn/query/kernel` [L, ...] is the L tensors `model.layers.{i}.self_attn.
 q_proj.weight`. A Python-list stack (scan_layers=False) has one leaf per block.
+
+Mixtral (layers/moe_lm.py, every layer an MoE block): the stack is `units/moe_block/...`
+(scanned) or `units/{i}/moe_block/...`; the router kernel [embed, E] is `block_sparse_moe.
+gate.weight` [E, embed]; an expert weight is stacked over experts too: `wi_gate` [E, embed, h]
+is the E tensors `block_sparse_moe.experts.{e}.w1.weight` [h, embed] (w3: wi_up, w2: wo),
+so a scanned leaf [L, E, ...] is L x E tensors, in that order.
 """
 
 from __future__ import annotations
@@ -41,6 +47,15 @@ BLOCK = {
     ("mlp", "down", "kernel"): ("mlp.down_proj.weight", 1),
     ("mlp", "down", "bias"): ("mlp.down_proj.bias", None),
 }
+# The MoE block (layers/moe_lm.py MoEBlock): attention and norms as above, then the
+# router and the experts; "{e}" marks a leaf whose leading dim is the expert.
+MOE_BLOCK = {k: v for k, v in BLOCK.items() if k[0] in ("attn_norm", "attn", "mlp_norm")}
+MOE_BLOCK.update({
+    ("moe", "router", "kernel"): ("block_sparse_moe.gate.weight", 1),
+    ("moe", "wi_gate"): ("block_sparse_moe.experts.{e}.w1.weight", 1),
+    ("moe", "wi_up"): ("block_sparse_moe.experts.{e}.w3.weight", 1),
+    ("moe", "wo"): ("block_sparse_moe.experts.{e}.w2.weight", 1),
+})
 TOP = {
     ("embed", "embedding"): ("model.embed_tokens.weight", 0),   # 0: the same layout
     ("final_norm", "scale"): ("model.norm.weight", None),
@@ -54,14 +69,23 @@ IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 class Leaf:
   """One leaf of our params and the Hugging Face tensor(s) it is made of.
 
-  `hf_names[i]` is layer i's tensor for a stacked leaf (leading dim = len(hf_names)),
-  the one tensor otherwise; `one_shape` is our per-tensor shape (the leaf's shape without
-  the stacked dim)."""
+  A stacked leaf's leading dims `stack` (layers; layers and experts; or experts) each index
+  one tensor: `hf_names` lists them in row-major order of `stack` (`index(i)` is the i-th's
+  position). An unstacked leaf (stack ()) is the one tensor. `one_shape` is our per-tensor
+  shape (the leaf's shape without the stacked dims)."""
   path: tuple[str, ...]
   hf_names: tuple[str, ...]
-  stacked: bool
+  stack: tuple[int, ...]
   one_shape: tuple[int, ...]
   in_dims: int | None
+
+  @property
+  def stacked(self) -> bool:
+    return bool(self.stack)
+
+  def index(self, i: int) -> tuple[int, ...]:
+    """The position in the stacked dims of the i-th tensor of `hf_names`."""
+    return tuple(int(j) for j in np.unravel_index(i, self.stack))
 
   @property
   def hf_shape(self) -> tuple[int, ...]:
@@ -101,25 +125,41 @@ def _names(path) -> tuple[str, ...]:
 def leaves(params_abstract, model_cfg) -> list[tuple[tuple, Leaf]]:
   """(tree path, Leaf) for every leaf of our params (abstract or real), in tree order."""
   import jax
-  if model_cfg.pipeline.stages > 1:
+  t = getattr(model_cfg, "transformer", model_cfg)
+  if t.pipeline.stages > 1:
     raise ConfigError("Hugging Face import/export of a pipelined stack (model.pipeline.stages > 1) is not "
                       "supported yet; import with stages=1")
+  moe = getattr(model_cfg, "moe", None)
+  if moe is not None and (moe.every != 1 or moe.first_dense_layers or moe.num_shared_experts):
+    raise ConfigError(f"Hugging Face MoE weights (Mixtral) have an MoE FFN in every layer and no shared "
+                      f"experts; the model has model.moe.every={moe.every}, first_dense_layers="
+                      f"{moe.first_dense_layers}, num_shared_experts={moe.num_shared_experts}")
+  stack_key, table = (("units",), MOE_BLOCK) if moe is not None else (("layers", "blocks"), BLOCK)
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
     names = _names(path)
     shape = tuple(leaf.shape)
-    if names[:2] == ("layers", "blocks"):
-      rest = names[2:]
-      if model_cfg.scan_layers:
-        hf, in_dims = _lookup(BLOCK, rest, names)
-        hf_names = tuple(f"model.layers.{i}.{hf}" for i in range(shape[0]))
-        out.append((path, Leaf(names, hf_names, True, shape[1:], in_dims)))
+    if names[:len(stack_key)] == stack_key:
+      rest = names[len(stack_key):]
+      if t.scan_layers:
+        layers, key = range(shape[0]), rest
       else:
-        hf, in_dims = _lookup(BLOCK, rest[1:], names)
-        out.append((path, Leaf(names, (f"model.layers.{int(rest[0])}.{hf}",), False, shape, in_dims)))
+        layers, key = [int(rest[0])], rest[1:]
+      if moe is not None:
+        if key[0] != "moe_block":
+          raise ConfigError(f"param {'/'.join(names)} has no Hugging Face counterpart")
+        key = key[1:]
+      hf, in_dims = _lookup(table, key, names)
+      stack = (shape[0],) if t.scan_layers else ()
+      if "{e}" in hf:   # one tensor per (layer, expert)
+        stack += (shape[len(stack)],)
+        hf_names = tuple(f"model.layers.{i}.{hf.format(e=e)}" for i in layers for e in range(stack[-1]))
+      else:
+        hf_names = tuple(f"model.layers.{i}.{hf}" for i in layers)
+      out.append((path, Leaf(names, hf_names, stack, shape[len(stack):], in_dims)))
     else:
       hf, in_dims = _lookup(TOP, names, names)
-      out.append((path, Leaf(names, (hf,), False, shape, in_dims)))
+      out.append((path, Leaf(names, (hf,), (), shape, in_dims)))
   return out
 
 
