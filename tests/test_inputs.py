@@ -97,8 +97,10 @@ def test_validation_batches_are_the_packed_documents_in_order(cfg):
     for k in packing.FIELDS:
       np.testing.assert_array_equal(batch[k][r], want[k][0])
   docs = streaming.local_documents(prepared, "validation", 0, 1)
-  # Record 0 of shard 0 is the split's first document (documents go round-robin).
-  assert tokenizers.ByteTokenizer().decode(docs[0]) == next(sources.documents(cfg, "validation"))
+  # Record 0 of shard 0 is the first validation document of its units (unit j -> shard j % 8).
+  units = sources.units(cfg, 8)[0::8]
+  first = next(t for u in units for s, t in sources.unit_documents(cfg, u) if s == "validation")
+  assert tokenizers.ByteTokenizer().decode(docs[0]) == first
 
 
 def test_the_global_batch_does_not_depend_on_the_process_count(cfg):

@@ -232,7 +232,7 @@ class Batches(grain.DatasetIterator):
         state.get("readers", self.readers) == self.readers else self._from_readers(states)
     replayed = 0
     if own is not None:
-      self.grain_iterator.set_state(own)
+      self.grain_iterator.set_state(packing.state_from_json(own))
     else:
       logging.warning("data: process %d's readers %s are not in the saved states (another "
                       "process count, rows not on reader blocks); replaying %d batches",

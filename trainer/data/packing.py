@@ -58,6 +58,21 @@ def pack(examples: grain.IterDataset, seq_len: int) -> grain.IterDataset:
   return packed.map(_window_fields)
 
 
+def state_from_json(state: Any) -> Any:
+  """A grain state read back from JSON, with the packer's slices as tuples again.
+
+  grain's ConcatThenSplit tests `slices != (-1, -1)` to know whether it holds a partial
+  document; JSON turns the tuple into a list, so a restored packer with no partial
+  document would take the next document's head as one and replay from the wrong place
+  (seen whenever a checkpoint fell right after a window that ended a document)."""
+  if isinstance(state, dict):
+    return {k: ({f: tuple(s) for f, s in v.items()} if k == "remainder_slices" and isinstance(v, dict)
+                else state_from_json(v)) for k, v in state.items()}
+  if isinstance(state, list):
+    return [state_from_json(v) for v in state]
+  return state
+
+
 def padding_window(seq_len: int) -> dict[str, np.ndarray]:
   """A window that is all padding: it adds nothing to a loss or to attention."""
   zeros = np.zeros((seq_len,), np.int32)

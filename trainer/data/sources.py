@@ -5,18 +5,23 @@
     tfds:NAME   any tfds dataset already prepared as ArrayRecord under data_dir, field
                 `data.text_key` ('validation' falls back to 'test'); read without
                 TensorFlow through `builder.as_data_source()`.
-    files:GLOB  local files (`**` recurses): *.jsonl / *.json lines (field data.text_key),
-                *.parquet (column data.text_key), anything else as one text document per
-                file. Documents are split by a stable hash of "path:index".
+    files:GLOB  local or object-store files (`files:gs://bucket/web/*.jsonl`; `**`
+                recurses): *.jsonl / *.json lines (field data.text_key), *.parquet
+                (column data.text_key), anything else as one text document per file.
+                Documents are split by a stable hash of "path:index" ("path@offset" for
+                JSON lines: the line's byte offset).
 
-A source is read once, in a deterministic order, by preparation.py, which tokenizes it
-into sharded ArrayRecord files; training never reads a source directly. `fingerprint`
-names what a source holds (file names, sizes, times; the tfds version), so a changed
-source is prepared again instead of silently reusing stale data.
+A source is cut into `units` (a file, a byte range of a JSON-lines file, rows of a
+Parquet file, records of a tfds split) that workers read independently, so preparation.py
+can tokenize it on every core of every host, each reading only its share; training never
+reads a source directly. `fingerprint` names what a source holds (file names, sizes,
+times; the tfds version), so a changed source is prepared again instead of silently
+reusing stale data.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import hashlib
 import io
@@ -27,6 +32,9 @@ import sysconfig
 import tokenize
 from collections.abc import Iterator
 
+REMOTE = ("gs://", "s3://")
+MIN_CHUNK_BYTES = 256           # a JSON-lines file is cut into <= num_shards ranges of >= this
+MAX_CHUNK_BYTES = 64 << 20      # ... and of at most this, so a big file spreads over workers
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
 SPLITS = ("train", "validation")
 TEXT_SOURCES = ("stdlib", "tfds:", "files:")
@@ -64,7 +72,7 @@ def split_of(rel_path: str, validation_fraction: float) -> str:
 
 def read_source(path: str) -> str:
   """A source file as text, honouring its PEP 263 coding cookie; undecodable bytes replaced."""
-  with open(path, "rb") as f:
+  with _open(path) as f:
     data = f.read()
   try:
     encoding, _ = tokenize.detect_encoding(io.BytesIO(data).readline)
@@ -73,12 +81,33 @@ def read_source(path: str) -> str:
     return data.decode("utf-8", errors="replace")
 
 
+def is_remote(path: str) -> bool:
+  return path.startswith(REMOTE)
+
+
+def _open(path: str):
+  """A binary file: local, or an object through etils.epath (the job dir's path type)."""
+  if is_remote(path):
+    from etils import epath
+    return epath.Path(path).open("rb")
+  return open(path, "rb")
+
+
+def _size_and_time(path: str) -> tuple[int, float]:
+  if is_remote(path):
+    from etils import epath
+    st = epath.Path(path).stat()
+    return int(st.length), float(st.mtime or 0)
+  st = os.stat(path)
+  return st.st_size, st.st_mtime_ns
+
+
 def _files_digest(paths: list[str], root: str = "") -> str:
   """Names, sizes and modification times: a changed, added or removed file changes it."""
   h = hashlib.sha256()
   for rel in paths:
-    st = os.stat(os.path.join(root, rel))
-    h.update(f"{rel}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    size, mtime = _size_and_time(os.path.join(root, rel) if root else rel)
+    h.update(f"{rel}\0{size}\0{mtime}\n".encode())
   return h.hexdigest()[:16]
 
 
@@ -127,38 +156,30 @@ def resolve_split(builder, split: str) -> str:
 # --- local files ------------------------------------------------------------------------
 
 def matching_files(pattern: str) -> list[str]:
-  """Sorted files matching `pattern` (recursive `**`), or a clear error."""
-  if "://" in pattern:
-    raise MissingDatasetError(f"data.source='files:{pattern}': object-store globs are not "
-                              f"supported yet; copy the files to a local directory")
-  files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True)
-                 if os.path.isfile(f))
+  """Sorted files matching `pattern` (recursive `**`; gs:// and s3:// globs through
+  etils.epath), or a clear error."""
+  if is_remote(pattern):
+    from etils import epath
+    root = _glob_root(pattern)
+    rest = pattern[len(root):].lstrip("/")
+    files = sorted(str(p) for p in epath.Path(root).glob(rest) if not p.is_dir()) if rest else \
+        ([pattern] if epath.Path(pattern).exists() else [])
+  else:
+    files = sorted(f for f in glob.glob(os.path.expanduser(pattern), recursive=True)
+                   if os.path.isfile(f))
   if not files:
-    raise MissingDatasetError(f"data.source='files:{pattern}' matches no files; check the "
-                              f"path (relative to {os.getcwd()!r}) or use an absolute glob")
+    where = "check the bucket and path" if is_remote(pattern) else \
+        f"check the path (relative to {os.getcwd()!r}) or use an absolute glob"
+    raise MissingDatasetError(f"data.source='files:{pattern}' matches no files; {where}")
   return files
 
 
-def _jsonl_texts(path: str, text_key: str) -> Iterator[str]:
-  with open(path, encoding="utf-8") as f:
-    for n, line in enumerate(f, 1):
-      if not line.strip():
-        continue
-      try:
-        row = json.loads(line)
-      except json.JSONDecodeError as e:
-        raise ValueError(f"{path}:{n} is not a JSON line ({e})") from e
-      if not isinstance(row, dict) or text_key not in row:
-        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
-        raise KeyError(f"{path}:{n} has no field {text_key!r} (fields: {keys}); set data.text_key")
-      yield str(row[text_key])
-
-
-def _parquet_texts(path: str, text_key: str) -> Iterator[str]:
+def _parquet_texts(source, text_key: str, name: str | None = None) -> Iterator[str]:
   import pyarrow.parquet as pq
-  pf = pq.ParquetFile(path)
+  pf = pq.ParquetFile(source)
+  name = name or str(source)
   if text_key not in pf.schema_arrow.names:
-    raise KeyError(f"{path} has no column {text_key!r} (columns: {pf.schema_arrow.names}); "
+    raise KeyError(f"{name} has no column {text_key!r} (columns: {pf.schema_arrow.names}); "
                    f"set data.text_key")
   for batch in pf.iter_batches(columns=[text_key], batch_size=1024):
     for text in batch.column(0).to_pylist():
@@ -166,54 +187,154 @@ def _parquet_texts(path: str, text_key: str) -> Iterator[str]:
         yield text if isinstance(text, str) else bytes(text).decode("utf-8", errors="replace")
 
 
-def file_texts(path: str, text_key: str) -> Iterator[str]:
-  """The documents of one file, by extension."""
-  if path.endswith((".jsonl", ".json")):
-    return _jsonl_texts(path, text_key)
-  if path.endswith(".parquet"):
-    return _parquet_texts(path, text_key)
-  return iter([read_source(path)])
-
-
 def _glob_root(pattern: str) -> str:
   """The directory part of a glob before its first wildcard (paths are named relative to
   it, so moving the whole folder keeps every document in its split)."""
-  parts = os.path.expanduser(pattern).split(os.sep)
+  sep = "/" if is_remote(pattern) else os.sep
+  parts = (pattern if is_remote(pattern) else os.path.expanduser(pattern)).split(sep)
   fixed = [p for p in parts[:next((i for i, p in enumerate(parts) if glob.has_magic(p)), len(parts) - 1)]]
-  return os.sep.join(fixed) or "."
+  return sep.join(fixed) or "."
 
 
-def _files_documents(pattern: str, split: str, text_key: str, fraction: float) -> Iterator[str]:
-  root = _glob_root(pattern)
+def _rel(path: str, root: str) -> str:
+  return path[len(root):].lstrip("/") if is_remote(path) else os.path.relpath(path, root)
+
+
+@dataclasses.dataclass(frozen=True)
+class Unit:
+  """A piece of a source that one worker reads alone.
+
+  kind 'stdlib' / 'text': a whole file, one document; 'jsonl': the lines of `path` that
+  start in bytes [start, stop); 'parquet': rows [start, stop); 'tfds': records [start,
+  stop) of tfds split `path`, all in our split `rel`. `rel` is what the train/validation
+  hash is taken of (a path relative to the source's root), so it does not depend on
+  where the files live or on how the source was cut.
+  """
+  kind: str
+  path: str
+  rel: str
+  start: int = 0
+  stop: int = 0
+  size: int = 0   # bytes to read, about (progress, and whether a process pool pays)
+
+
+def _ranges(total: int, pieces: int) -> list[tuple[int, int]]:
+  pieces = max(1, min(pieces, total))
+  return [(total * i // pieces, total * (i + 1) // pieces) for i in range(pieces)]
+
+
+def _file_units(pattern: str, pieces: int) -> list[Unit]:
+  root, out = _glob_root(pattern), []
   for path in matching_files(pattern):
-    rel = os.path.relpath(path, root)
-    for i, text in enumerate(file_texts(path, text_key)):
-      if split_of(f"{rel}:{i}", fraction) == split:
-        yield text
+    rel = _rel(path, root)
+    if path.endswith((".jsonl", ".json")):
+      size = _size_and_time(path)[0]
+      n = max(min(pieces, -(-size // MIN_CHUNK_BYTES)), -(-size // MAX_CHUNK_BYTES), 1)
+      out += [Unit("jsonl", path, rel, a, b, b - a) for a, b in _ranges(size, n)]
+    elif path.endswith(".parquet"):
+      import pyarrow.parquet as pq
+      with _open(path) as f:
+        rows = pq.ParquetFile(f).metadata.num_rows
+      size = _size_and_time(path)[0]
+      out += [Unit("parquet", path, rel, a, b, size * (b - a) // max(rows, 1)) for a, b in _ranges(rows, pieces)]
+    else:
+      out.append(Unit("text", path, rel, size=_size_and_time(path)[0]))
+  return out
+
+
+def units(cfg, pieces: int) -> list[Unit]:
+  """cfg.source cut into units, in a fixed order: every file, JSON-lines and Parquet
+  files into up to `pieces` parts (preparation passes the shard count, so even a single
+  file gives every shard documents), tfds splits into `pieces` record ranges each."""
+  if cfg.source == "stdlib":
+    root = stdlib_root()
+    return [Unit("stdlib", os.path.join(root, rel), rel, size=os.path.getsize(os.path.join(root, rel)))
+            for rel in stdlib_files(root)]
+  if cfg.source.startswith("files:"):
+    return _file_units(cfg.source[len("files:"):], pieces)
+  if cfg.source.startswith("tfds:"):
+    builder = tfds_builder(cfg.source[len("tfds:"):], cfg.data_dir)
+    out = []
+    for split in SPLITS:
+      name = resolve_split(builder, split)
+      out += [Unit("tfds", name, split, a, b)
+              for a, b in _ranges(builder.info.splits[name].num_examples, pieces)]
+    return out
+  raise ValueError(f"data.source={cfg.source!r} is not a text source")
+
+
+def _jsonl_range(unit: Unit, text_key: str) -> Iterator[tuple[str, str]]:
+  """(key, text) of the lines that start in [start, stop): a range begins after the line
+  that straddles its start, so neighbouring ranges share no line."""
+  with _open(unit.path) as f:
+    offset = unit.start
+    if offset > 0:
+      f.seek(offset - 1)
+      offset += len(f.readline()) - 1
+    while offset < unit.stop:
+      line = f.readline()
+      if not line:
+        return
+      key, offset = f"{unit.rel}@{offset}", offset + len(line)
+      if not line.strip():
+        continue
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{unit.path} at byte {offset - len(line)} is not a JSON line ({e})") from e
+      if not isinstance(row, dict) or text_key not in row:
+        keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+        raise KeyError(f"{unit.path} at byte {offset - len(line)} has no field {text_key!r} "
+                       f"(fields: {keys}); set data.text_key")
+      yield key, str(row[text_key])
+
+
+def unit_documents(cfg, unit: Unit) -> Iterator[tuple[str, str]]:
+  """(split, text) of every document of a unit, in order."""
+  f = cfg.validation_fraction
+  if unit.kind in ("stdlib", "text"):
+    text = read_source(unit.path)
+    yield split_of(unit.rel if unit.kind == "stdlib" else f"{unit.rel}:0", f), text
+  elif unit.kind == "jsonl":
+    for key, text in _jsonl_range(unit, cfg.text_key):
+      yield split_of(key, f), text
+  elif unit.kind == "parquet":
+    with _open(unit.path) as fh:
+      for i, text in enumerate(_parquet_texts(fh, cfg.text_key, unit.path)):
+        if i >= unit.stop:
+          return
+        if i >= unit.start:
+          yield split_of(f"{unit.rel}:{i}", f), text
+  elif unit.kind == "tfds":
+    builder = tfds_builder(cfg.source[len("tfds:"):], cfg.data_dir)
+    records = builder.as_data_source(split=unit.path)
+    for text in _tfds_texts(records, cfg.text_key, unit.start, unit.stop):
+      yield unit.rel, text
+  else:
+    raise ValueError(f"unknown unit kind {unit.kind!r}")
 
 
 # --- one interface over all text sources -------------------------------------------------
 
 def documents(cfg, split: str) -> Iterator[str]:
-  """The texts of one split of cfg.source, in a deterministic order, one at a time."""
+  """The texts of one split of cfg.source, in unit order, one at a time (a tokenizer's
+  training text; tests)."""
   if split not in SPLITS:
     raise ValueError(f"split={split!r}: use one of {SPLITS}")
-  if cfg.source == "stdlib":
-    root = stdlib_root()
-    return (read_source(os.path.join(root, rel)) for rel in stdlib_files(root)
-            if split_of(rel, cfg.validation_fraction) == split)
-  if cfg.source.startswith("files:"):
-    return _files_documents(cfg.source[len("files:"):], split, cfg.text_key, cfg.validation_fraction)
-  if cfg.source.startswith("tfds:"):
-    builder = tfds_builder(cfg.source[len("tfds:"):], cfg.data_dir)
-    return _tfds_texts(builder.as_data_source(split=resolve_split(builder, split)), cfg.text_key)
-  raise ValueError(f"data.source={cfg.source!r} is not a text source")
+  for unit in units(cfg, cfg.num_shards):
+    if unit.kind == "tfds" and unit.rel != split:
+      continue
+    for s, text in unit_documents(cfg, unit):
+      if s == split:
+        yield text
 
 
-def _tfds_texts(records, text_key: str, chunk: int = 1024) -> Iterator[str]:
-  """Texts of tfds records, read in chunks (`__getitems__`) to amortize ArrayRecord reads."""
-  for start in range(0, len(records), chunk):
-    idx = list(range(start, min(start + chunk, len(records))))
+def _tfds_texts(records, text_key: str, start: int = 0, stop: int | None = None,
+                chunk: int = 1024) -> Iterator[str]:
+  """Texts of records [start, stop), read in chunks (`__getitems__`) to amortize ArrayRecord reads."""
+  stop = len(records) if stop is None else stop
+  for first in range(start, stop, chunk):
+    idx = list(range(first, min(first + chunk, stop)))
     rows = records.__getitems__(idx) if hasattr(records, "__getitems__") else [records[i] for i in idx]
     for row in rows:
       if text_key not in row:

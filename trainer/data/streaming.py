@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import grain
 import numpy as np
 
-from shardax.trainer.data import packing
+from shardax.trainer.data import packing, store
 from shardax.trainer.data.preparation import Prepared
 
 READ_OPTIONS = grain.ReadOptions(num_threads=2, prefetch_buffer_size=4)
@@ -49,7 +49,8 @@ def reader_files(paths: list[str], reader: int, readers: int) -> tuple[list[str]
 def local_documents(prepared: Prepared, split: str, reader: int, readers: int) -> grain.MapDataset:
   """This reader's documents (token-id arrays) of a split, in shard order."""
   files, own = reader_files(prepared.shard_paths(split), reader, readers)
-  ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource(files))
+  # only this reader's files are opened (a gs:// set: copied to the local cache first)
+  ds = grain.MapDataset.source(grain.sources.ArrayRecordDataSource([store.local_copy(f) for f in files]))
   if not own:
     ds = ds[reader::readers]
   return ds.map(functools.partial(_ids, dtype=prepared.dtype))
