@@ -15,7 +15,8 @@ with the same config reuses the directory and any change prepares a new one.
 Once per job, in parallel, anywhere: the source is cut into units (sources.units: files,
 byte ranges of JSON-lines files, ...); unit j goes to shard j mod N, whole, in order, so
 the output is the same whatever the number of processes and hosts. Process i of n writes
-shards i, i+n, ... (it reads only their units), tokenizing them on every core with a
+shards i, i+n, ... (it reads only their units; n is the job's process count for a gs://
+data_dir, 1 for a local one, which may be a host's own disk), tokenizing them on every core with a
 process pool (tokenizers hold the GIL: threads would not help). A shard is written
 locally, moved into place in one step (store.publish) and then its counts file; every
 process waits until all N counts exist and commits the manifest with
@@ -150,7 +151,8 @@ def prepare(cfg, processes: int | None = None, process_index: int | None = None,
   """cfg's prepared data, made now if it does not exist yet (cached per process).
 
   processes: tokenizing processes on this host (None: every core, for inputs over
-  POOL_MIN_BYTES); process_index / process_count: this host's share (None: jax's).
+  POOL_MIN_BYTES); process_index / process_count: this host's share (None: jax's for a
+  gs:// data_dir, all of it for a local one).
   """
   if getattr(cfg, "mixture", ()):
     raise ValueError("a mixture has one prepared set per source: use prepare_components(cfg)")
@@ -170,9 +172,11 @@ class _Fields:
   num_shards: int
 
 
-def _host_share() -> tuple[int, int]:
-  """(index, count) of this process in the job: jax's when it runs distributed."""
-  if "jax" not in sys.modules:
+def _host_share(data_dir: str) -> tuple[int, int]:
+  """(index, count) of this process's share: jax's for an object-store data_dir (one copy
+  every host sees); (0, 1) for a local path, which may be each host's own disk: there
+  every host prepares all shards (on a shared disk they race and agree, see above)."""
+  if "jax" not in sys.modules or not store.is_remote(data_dir):
     return 0, 1
   import jax
   return jax.process_index(), jax.process_count()
@@ -185,7 +189,7 @@ def _prepare(cfg: _Fields, processes, process_index, process_count) -> Prepared:
   if found is not None:
     return found
   if process_index is None or process_count is None:
-    process_index, process_count = _host_share()
+    process_index, process_count = _host_share(cfg.data_dir)
   t0 = time.perf_counter()
   units = sources.units(cfg, cfg.num_shards)
   tok_file = _commit_tokenizer(cfg, directory, process_index == 0)
@@ -194,12 +198,13 @@ def _prepare(cfg: _Fields, processes, process_index, process_count) -> Prepared:
   mine = [k for k in range(process_index, n, process_count)
           if not store.exists(store.join(directory, "shards", f"{k:05d}.json"))]
   jobs = [_ShardJob(cfg, directory, k, tuple(units[k::n]), tok_file) for k in mine]
-  done_bytes, used = _run(jobs, processes)
+  done_bytes, used, busy = _run(jobs, processes)
   counts = _wait_for_shards(directory, n, process_index, process_count)
   seconds, tokenizing = time.perf_counter() - t0, max(time.perf_counter() - t_tok, 1e-9)
   manifest = {**identity, **_manifest(cfg, directory, counts, tok_file), "seconds": round(seconds, 2),
               "tokenizer_seconds": round(t_tok - t0, 2), "processes": used,
-              "bytes_per_s": round(done_bytes / tokenizing)}
+              "bytes_per_s": round(done_bytes / tokenizing),   # wall: all processes, pool start-up included
+              "bytes_per_s_per_process": round(done_bytes / max(busy, 1e-9))}
   store.create_if_absent(store.join(directory, "manifest.json"), json.dumps(manifest, indent=1).encode())
   trained = f", {t_tok - t0:.1f} s of it training the tokenizer" if t_tok - t0 > 0.5 else ""
   print(f"prepared {done_bytes / 1e6:.1f} MB of text ({len(jobs)} of {n} shards, process "
@@ -252,29 +257,34 @@ class _ShardJob:
     return sum(u.size for u in self.units)
 
 
-def _run(jobs: list[_ShardJob], processes: int | None) -> tuple[int, int]:
-  """Writes the jobs' shards, on a process pool when it pays; (text bytes, processes)."""
+def _run(jobs: list[_ShardJob], processes: int | None) -> tuple[int, int, float]:
+  """Writes the jobs' shards, on a process pool when it pays; (text bytes, processes,
+  seconds of work summed over the processes: bytes / that = the rate of one process)."""
   from tqdm import tqdm
   if processes is None:
     processes = (os.cpu_count() or 1) if sum(j.size for j in jobs) >= POOL_MIN_BYTES else 1
   processes = max(1, min(processes, len(jobs)))
   bar = tqdm(desc="preparing", unit="B", unit_scale=True, file=sys.stderr, mininterval=1.0,
              disable=None, total=sum(j.size for j in jobs) or None)
-  total = 0
+  total, busy = 0, 0.0
   try:
     if processes == 1:
       for job in jobs:
-        total += _write_shard(job, bar.update)
-    else:   # spawn: the parent may hold jax's threads, which fork would copy mid-flight
-      ctx = multiprocessing.get_context("spawn")
+        size, seconds = _write_shard(job, bar.update)
+        total, busy = total + size, busy + seconds
+    else:   # not fork: the parent may hold jax's threads, which fork would copy mid-flight.
+      # A fork server is a fresh process that imports this module once, then forks the
+      # workers from itself: one import (~2 s) instead of one per worker.
+      ctx = multiprocessing.get_context("forkserver")
+      ctx.set_forkserver_preload([__name__])
       with concurrent.futures.ProcessPoolExecutor(processes, mp_context=ctx) as pool:
         for done in concurrent.futures.as_completed([pool.submit(_write_shard, j) for j in jobs]):
-          size = done.result()
-          total += size
+          size, seconds = done.result()
+          total, busy = total + size, busy + seconds
           bar.update(size)
   finally:
     bar.close()
-  return total, processes
+  return total, processes, busy
 
 
 def _tokenizer_for(job: _ShardJob) -> tokenizers.Tokenizer:
@@ -284,10 +294,12 @@ def _tokenizer_for(job: _ShardJob) -> tokenizers.Tokenizer:
   return tokenizers.from_file(job.tok_file, os.path.dirname(local))
 
 
-def _write_shard(job: _ShardJob, progress=None) -> int:
+def _write_shard(job: _ShardJob, progress=None) -> tuple[int, float]:
   """Tokenizes shard k's units into its train and validation files, moves them into
-  place, then writes its counts (the sign that the shard is complete); text bytes read."""
+  place, then writes its counts (the sign that the shard is complete); (text bytes
+  read, seconds it took this process)."""
   from array_record.python.array_record_module import ArrayRecordWriter
+  t0 = time.perf_counter()
   tok = _tokenizer_for(job)
   dtype = np.dtype(np.uint16 if tok.vocab_size <= 1 << 16 else np.uint32)
   n = job.cfg.num_shards
@@ -316,7 +328,7 @@ def _write_shard(job: _ShardJob, progress=None) -> int:
   with open(tmp, "w") as f:
     json.dump({"dtype": dtype.name, "splits": counts}, f)
   store.publish(tmp, marker)
-  return sum(c["bytes"] for c in counts.values())
+  return sum(c["bytes"] for c in counts.values()), time.perf_counter() - t0
 
 
 def _wait(ready, what: str) -> None:
