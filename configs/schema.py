@@ -68,6 +68,8 @@ class PipelineConfig:
 # memory (layers/transformer.py REMAT_POLICIES). model.attention: layers/attention.py.
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_proj")
 ATTENTION_CHOICES = ("xla", "fused", "flash", "auto")
+# model.quantization: the projections' dots in 8 bits, forward and backward (layers/quantization.py).
+QUANTIZATION_CHOICES = ("none", "int8", "fp8", "fp8_delayed")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,6 +95,9 @@ class TransformerConfig:
   z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
   mlp: str = "gated"                  # "gated" (act(x W_gate) * x W_up) | "plain" (act(x W_in), T5/GPT)
   parallel_block: bool = False        # x + attn(norm(x)) + mlp(norm(x)) (GPT-J/PaLM) instead of in turn
+  # 8-bit training of the q/k/v/out, MLP and expert matmuls (embedding, logits, norms and
+  # router stay in `dtype`): "none" | "int8" | "fp8" | "fp8_delayed" (layers/quantization.py).
+  quantization: str = "none"
   pipeline: PipelineConfig = dataclasses.field(default_factory=PipelineConfig)
   # Long context (layers/flash.py, layers/attention.py AttentionOptions).
   attention_window: int | None = None   # sliding-window attention: keys within this many tokens; None = all
@@ -141,6 +146,8 @@ class TransformerConfig:
     for f in ("flash_block_q", "flash_block_kv"):
       _require(getattr(self, f) >= 128 and getattr(self, f) % 128 == 0,
                f"model.{f}={getattr(self, f)} must be a positive multiple of 128 (the TPU lane width)")
+    _require(self.quantization in QUANTIZATION_CHOICES,
+             f"model.quantization={self.quantization!r}: use one of {QUANTIZATION_CHOICES}")
     _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
     _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
     _require(self.context_parallel in ("allgather", "ring"),

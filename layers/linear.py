@@ -9,6 +9,9 @@ shape `in_features + out_features` whose dims carry the logical names
 No bias by default: modern LMs drop it. `use_bias=True` adds one over the output dims
 (logical names `out_axes`), for checkpoints that have them (Qwen2's q/k/v, Llama's
 attention_bias / mlp_bias).
+
+`quantization` ('none', 'int8', 'fp8', 'fp8_delayed'; layers/quantization.py) runs the
+contraction as an 8-bit dot, forward and backward; the kernel stays in `param_dtype`.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from collections.abc import Sequence
 import jax
 import jax.numpy as jnp
 from flax import nnx
+
+from shardax.layers import quantization as quant
 
 Axes = tuple[str | None, ...]
 
@@ -47,12 +52,15 @@ class DenseGeneral(nnx.Module):
     dtype: compute dtype (the kernel is cast to it on use).
     param_dtype: storage dtype of the kernel.
     kernel_init: defaults to fan-in scaled truncated normal (LeCun).
+    quantization: the dot's 8-bit mode (layers/quantization.py); 'none' = compute dtype.
+    quantization_history: steps of amax history kept for 'fp8_delayed'.
   """
 
   def __init__(self, in_features: int | Sequence[int], out_features: int | Sequence[int], *,
                in_axes: Sequence[str | None], out_axes: Sequence[str | None],
                dtype=jnp.float32, param_dtype=jnp.float32,
-               kernel_init: nnx.Initializer | None = None, use_bias: bool = False, rngs: nnx.Rngs):
+               kernel_init: nnx.Initializer | None = None, use_bias: bool = False,
+               quantization: str = "none", quantization_history: int = 16, rngs: nnx.Rngs):
     self.in_features = _as_tuple(in_features)
     self.out_features = _as_tuple(out_features)
     in_axes, out_axes = tuple(in_axes), tuple(out_axes)
@@ -65,6 +73,10 @@ class DenseGeneral(nnx.Module):
     self.kernel = nnx.Param(init(rngs.params(), shape, param_dtype),
                             logical_axes=in_axes + out_axes)
     self.bias = nnx.Param(jnp.zeros(self.out_features, param_dtype), logical_axes=out_axes) if use_bias else None
+    self.quantization = quant.check(quantization)
+    if quantization == "fp8_delayed":
+      setattr(self, quant.HISTORY, quant.AmaxHistory(quant.history_init(quantization_history),
+                                                    logical_axes=(None, None)))
 
   def __call__(self, x: jax.Array, *, out_dtype=None) -> jax.Array:
     """Contracts x's trailing in-dims; `out_dtype` (e.g. float32 for logits) sets the
@@ -75,8 +87,14 @@ class DenseGeneral(nnx.Module):
     kernel = self.kernel[...].astype(self.dtype)
     x = x.astype(self.dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
-    y = jax.lax.dot_general(x, kernel, (contract, ((), ())),
-                            preferred_element_type=out_dtype or self.dtype)
+    dnums = (contract, ((), ()))
+    if self.quantization == "fp8_delayed":
+      history = getattr(self, quant.HISTORY)[...]
+      y = quant.dot_general(self.quantization, x, kernel, dnums, preferred_element_type=out_dtype or self.dtype,
+                            history=history)
+      y = quant.record_amax(y, history, x, kernel)
+    else:
+      y = quant.dot_general(self.quantization, x, kernel, dnums, preferred_element_type=out_dtype or self.dtype)
     return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 

@@ -30,9 +30,10 @@ class GatedMLP(nnx.Module):
   """embed -> (gate, up) mlp -> act(gate) * up -> down embed."""
 
   def __init__(self, d_model: int, d_ff: int, *, activation: str = "silu",
-               dtype=jnp.float32, param_dtype=jnp.float32, use_bias: bool = False, rngs: nnx.Rngs):
+               dtype=jnp.float32, param_dtype=jnp.float32, use_bias: bool = False,
+               quantization: str = "none", rngs: nnx.Rngs):
     self.act = activation_fn(activation)
-    kw = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, quantization=quantization, rngs=rngs)
     self.gate = DenseGeneral(d_model, d_ff, in_axes=("embed",), out_axes=("mlp",), **kw)
     self.up = DenseGeneral(d_model, d_ff, in_axes=("embed",), out_axes=("mlp",), **kw)
     self.down = DenseGeneral(d_ff, d_model, in_axes=("mlp",), out_axes=("embed",), **kw)
@@ -47,9 +48,10 @@ class PlainMLP(nnx.Module):
   """embed -> mlp -> act -> embed: the two-matrix FFN of T5 (ReLU) and GPT (GELU)."""
 
   def __init__(self, d_model: int, d_ff: int, *, activation: str = "relu",
-               dtype=jnp.float32, param_dtype=jnp.float32, use_bias: bool = False, rngs: nnx.Rngs):
+               dtype=jnp.float32, param_dtype=jnp.float32, use_bias: bool = False,
+               quantization: str = "none", rngs: nnx.Rngs):
     self.act = activation_fn(activation)
-    kw = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, use_bias=use_bias, quantization=quantization, rngs=rngs)
     self.up = DenseGeneral(d_model, d_ff, in_axes=("embed",), out_axes=("mlp",), **kw)
     self.down = DenseGeneral(d_ff, d_model, in_axes=("mlp",), out_axes=("embed",), **kw)
 

@@ -31,6 +31,7 @@ token goes through, added to the routed output.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -38,6 +39,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.layers import moe_dispatch, routers
+from shardax.layers import quantization as quant
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.mlp import GatedMLP, activation_fn
 from shardax.layers.routers import Gating, top2_gating  # noqa: F401  (re-exported)
@@ -64,10 +66,11 @@ class MoEFeedForward(nnx.Module):
   """
 
   def __init__(self, d_model: int, cfg, *, activation: str = "silu",
-               dtype=jnp.float32, param_dtype=jnp.float32, rngs: nnx.Rngs):
+               dtype=jnp.float32, param_dtype=jnp.float32, quantization: str = "none", rngs: nnx.Rngs):
     self.cfg = cfg
     self.act = activation_fn(activation)
     self.dtype = dtype
+    self.quantization = quantization   # the experts' and shared experts' matmuls (not the router's)
     e, h = cfg.num_experts, cfg.d_ff
     self.router = DenseGeneral(d_model, e, in_axes=("embed",), out_axes=(None,),
                                dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
@@ -81,7 +84,8 @@ class MoEFeedForward(nnx.Module):
     self.balance_bias = routers.BalanceBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,)
                                             ) if cfg.bias_update_rate else None
     self.shared = GatedMLP(d_model, cfg.num_shared_experts * h, activation=activation, dtype=dtype,
-                           param_dtype=param_dtype, rngs=rngs) if cfg.num_shared_experts else None
+                           param_dtype=param_dtype, quantization=quantization,
+                           rngs=rngs) if cfg.num_shared_experts else None
 
   def groups(self, x: jax.Array) -> jax.Array:
     """[b, l, m] -> [g, s, m] with s = cfg.group_size (None: l), g = b * l / s."""
@@ -116,7 +120,7 @@ class MoEFeedForward(nnx.Module):
     weights = tuple(w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
-                                        impl=cfg.grouped_matmul)
+                                        impl=cfg.grouped_matmul, quantization=self.quantization)
     stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics,
              "expert_buffer_overflow": overflow.astype(jnp.float32)}
     if bias is not None:
@@ -136,10 +140,11 @@ class MoEFeedForward(nnx.Module):
     combine = shard(gating.combine.astype(dt), GSEC)
 
     expert_in = shard(jnp.einsum("gsec,gsm->egcm", dispatch, xg.astype(dt)), EGCM)
-    gate = jnp.einsum("egcm,emh->egch", expert_in, self.wi_gate[...].astype(dt))
-    up = jnp.einsum("egcm,emh->egch", expert_in, self.wi_up[...].astype(dt))
+    ein = functools.partial(quant.einsum, self.quantization)
+    gate = ein("egcm,emh->egch", expert_in, self.wi_gate[...].astype(dt))
+    up = ein("egcm,emh->egch", expert_in, self.wi_up[...].astype(dt))
     hidden = shard(self.act(gate) * up, EGCH)
-    expert_out = shard(jnp.einsum("egch,ehm->egcm", hidden, self.wo[...].astype(dt)), EGCM)
+    expert_out = shard(ein("egch,ehm->egcm", hidden, self.wo[...].astype(dt)), EGCM)
     expert_out = shard(jnp.swapaxes(expert_out, 0, 1), GECM)            # [g, e, c, m]
     y = shard(jnp.einsum("gecm,gsec->gsm", expert_out, combine), ("batch", None, "embed"))
     stats = {"aux_loss": gating.aux_loss, "z_loss": gating.z_loss, **gating.metrics}

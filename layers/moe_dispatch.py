@@ -33,6 +33,7 @@ would leave the other devices waiting in the next all-to-all.) Weights split ove
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -40,6 +41,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from shardax.layers import quantization as quant
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.annotate import current_mesh_shape
 
@@ -53,17 +55,20 @@ def _count(ids: jax.Array, n: int) -> jax.Array:
 
 
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable,
-                impl: str = "ragged_dot") -> jax.Array:
+                impl: str = "ragged_dot", quantization: str = "none") -> jax.Array:
   """The gated FFN of each expert on its contiguous rows of xs [R, m] (group g: the sizes[g]
-  rows after the groups before it); rows past sum(sizes) belong to no expert and come out 0."""
+  rows after the groups before it); rows past sum(sizes) belong to no expert and come out 0.
+  `quantization`: the three matmuls in 8 bits (layers/quantization.py)."""
   if impl == "tiled":
-    return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act)
-  gate = jax.lax.ragged_dot(xs, w_gate, sizes)
-  up = jax.lax.ragged_dot(xs, w_up, sizes)
-  return jax.lax.ragged_dot((act(gate) * up).astype(xs.dtype), wo, sizes)
+    return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act, quantization=quantization)
+  rd = functools.partial(quant.ragged_dot, quantization)
+  gate = rd(xs, w_gate, sizes)
+  up = rd(xs, w_up, sizes)
+  return rd((act(gate) * up).astype(xs.dtype), wo, sizes)
 
 
-def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) -> jax.Array:
+def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128,
+                      quantization: str = "none") -> jax.Array:
   """`grouped_ffn` as batched matmuls over row tiles that each belong to one expert.
 
   XLA:CPU runs ragged_dot as one dense matmul per group over all rows (E times the work,
@@ -82,20 +87,20 @@ def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 12
   dst = jnp.where(valid, (pends - padded)[g] + row - (ends - sizes)[g], n * tile)
   tiles = jnp.zeros((n * tile, m), xs.dtype).at[dst].set(xs, mode="drop").reshape(n, tile, m)
   expert = jnp.minimum(jnp.searchsorted(pends, jnp.arange(n) * tile, side="right"), e - 1)
-  hidden = act(jnp.einsum("ntm,nmh->nth", tiles, w_gate[expert])) * \
-      jnp.einsum("ntm,nmh->nth", tiles, w_up[expert])
-  out = jnp.einsum("nth,nhm->ntm", hidden.astype(xs.dtype), wo[expert]).reshape(n * tile, -1)
+  ein = functools.partial(quant.einsum, quantization)
+  hidden = act(ein("ntm,nmh->nth", tiles, w_gate[expert])) * ein("ntm,nmh->nth", tiles, w_up[expert])
+  out = ein("nth,nhm->ntm", hidden.astype(xs.dtype), wo[expert]).reshape(n * tile, -1)
   return jnp.where(valid[:, None], out[jnp.minimum(dst, n * tile - 1)], 0)
 
 
 def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple,
-                   act: Callable, impl: str = "ragged_dot") -> jax.Array:
+                   act: Callable, impl: str = "ragged_dot", quantization: str = "none") -> jax.Array:
   """y [T, m] = sum_j gates[t, j] * FFN_{index[t, j]}(x[t]) for x [T, m], index/gates [T, k]."""
   t, k = index.shape
   e = weights[0].shape[0]
   flat = index.reshape(-1)
   order = jnp.argsort(flat, stable=True)
-  out = grouped_ffn(x[order // k], _count(flat, e), *weights, act, impl)
+  out = grouped_ffn(x[order // k], _count(flat, e), *weights, act, impl, quantization)
   out = jnp.zeros_like(out).at[order].set(out)                       # back to (token, choice)
   return jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
 
@@ -153,7 +158,7 @@ def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
 
 
 def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num_experts: int,
-                             buffer: float, exchange: str, impl: str):
+                             buffer: float, exchange: str, impl: str, quantization: str = "none"):
   """Per device (inside shard_map over `axes`, n devices): x [T, m] local tokens, index and
   gates [T, k]; weights hold the E/n local experts."""
   t, k = index.shape
@@ -173,7 +178,7 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
                                                  per_dest, axes)
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
   order2 = jnp.argsort(ids, stable=True)
-  out = grouped_ffn(recv[order2], _count(ids, local), *weights, act, impl)
+  out = grouped_ffn(recv[order2], _count(ids, local), *weights, act, impl, quantization)
   out = back(jnp.zeros_like(out).at[order2].set(out))
   out = jnp.zeros_like(out).at[order].set(out)
   y = jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
@@ -215,8 +220,8 @@ def resolve_impl(impl: str) -> str:
 
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
-             *, buffer: float = 2.0, exchange: str = "auto", impl: str = "auto"
-             ) -> tuple[jax.Array, jax.Array]:
+             *, buffer: float = 2.0, exchange: str = "auto", impl: str = "auto",
+             quantization: str = "none") -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
   [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules."""
   b, l, m = x.shape
@@ -225,7 +230,7 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
   mesh = jax.sharding.get_abstract_mesh()
   if current_mesh_shape() is None or mesh.size == 1 or rules_lib.current_rules() is None:
     y = dropless_local(x.reshape(b * l, m), index.reshape(b * l, -1),
-                       gates.reshape(b * l, -1), weights, act, impl)
+                       gates.reshape(b * l, -1), weights, act, impl, quantization)
     return y.reshape(x.shape), jnp.zeros((), jnp.int32)
   batch, = mesh_axes(("batch",))
   expert, _, mlp = mesh_axes(("expert", None, "mlp"), weights[0].shape)
@@ -244,10 +249,11 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
     if expert:
       y, overflow = dropless_expert_parallel(*args, (w_gate, w_up, wo), act, axes=expert,
                                              n=math.prod(mesh.shape[a] for a in expert),
-                                             num_experts=e, buffer=buffer, exchange=mode, impl=impl)
+                                             num_experts=e, buffer=buffer, exchange=mode, impl=impl,
+                                             quantization=quantization)
       overflow = jax.lax.psum(overflow, batch)
     else:
-      y, overflow = dropless_local(*args, (w_gate, w_up, wo), act, impl), jnp.zeros((), jnp.int32)
+      y, overflow = dropless_local(*args, (w_gate, w_up, wo), act, impl, quantization), jnp.zeros((), jnp.int32)
     if mlp:
       y = jax.lax.psum(y, mlp)
     return y.reshape(bl, ll, m), overflow

@@ -29,6 +29,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import optax
+from jax.ad_checkpoint import checkpoint_name
 from flax import nnx
 
 from shardax.layers.attention import Attention, default_positions
@@ -37,7 +38,7 @@ from shardax.layers.linear import DenseGeneral
 from shardax.layers.moe import MoEFeedForward
 from shardax.layers.norm import make_norm
 from shardax.layers.routers import BalanceBias
-from shardax.layers.transformer import (REMAT_POLICIES, RESIDUAL, Block, block_cache_spec,
+from shardax.layers.transformer import (LAYER_INPUT, REMAT_POLICIES, RESIDUAL, Block, block_cache_spec,
                                         block_fn, scan_cached, stacked, stacked_blocks)
 from shardax.sharding import shard
 
@@ -55,15 +56,16 @@ class MoEBlock(nnx.Module):
     self.attn_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
     self.attn = Attention(t.d_model, t.num_heads, t.kv_heads, t.dim_per_head,
                           rope_theta=t.rope_theta, implementation=t.attention,
-                          dtype=dt, param_dtype=pdt, rngs=rngs)
+                          dtype=dt, param_dtype=pdt, rngs=rngs, options=t.attention_options(),
+                          quantization=t.quantization)
     self.mlp_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
     self.moe = MoEFeedForward(t.d_model, cfg.moe, activation=t.activation,
-                              dtype=dt, param_dtype=pdt, rngs=rngs)
+                              dtype=dt, param_dtype=pdt, quantization=t.quantization, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array, key: jax.Array,
                deterministic: bool = False,
                segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
-    x = shard(x, RESIDUAL)
+    x = checkpoint_name(shard(x, RESIDUAL), LAYER_INPUT)  # what the offload policies move to host
     x = shard(x + self.attn(self.attn_norm(x), positions, segment_ids), RESIDUAL)
     y, stats = self.moe(self.mlp_norm(x), key, deterministic)
     return shard(x + y, RESIDUAL), stats

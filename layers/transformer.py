@@ -77,13 +77,13 @@ class Block(nnx.Module):
                           dtype=dt, param_dtype=pdt, qkv_bias=getattr(cfg, "qkv_bias", False),
                           out_bias=getattr(cfg, "out_bias", False), qk_norm=getattr(cfg, "qk_norm", False),
                           norm_eps=eps, rope_scaling=getattr(cfg, "rope_scaling_params", None), rngs=rngs,
-                          options=cfg.attention_options())
+                          options=cfg.attention_options(), quantization=cfg.quantization)
     # A parallel block (GPT-J/PaLM) feeds one norm to both branches: no second norm.
     self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt,
                                                               param_dtype=pdt, eps=eps)
     mlp = PlainMLP if cfg.mlp == "plain" else GatedMLP
     self.mlp = mlp(cfg.d_model, cfg.d_ff, activation=cfg.activation, dtype=dt, param_dtype=pdt,
-                   use_bias=getattr(cfg, "mlp_bias", False), rngs=rngs)
+                   use_bias=getattr(cfg, "mlp_bias", False), quantization=cfg.quantization, rngs=rngs)
 
   def __call__(self, x: jax.Array, positions: jax.Array,
                segment_ids: jax.Array | None = None) -> jax.Array:

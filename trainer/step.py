@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from shardax.layers import quantization
 from shardax.sharding import shard
 from shardax.trainer import optimizer
 from shardax.trainer.state import Setup
@@ -79,6 +80,11 @@ def train_step_fn(setup: Setup) -> Callable:
   def step(state, batch):
     loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)
     written = model_metrics.pop(STATE_UPDATES, None)
+    # fp8 delayed scaling: the amax histories' "gradients" are their next values
+    # (layers/quantization.py); they are written, never seen by the optimizer or the norm.
+    grads, histories = quantization.take_histories(grads)
+    if histories:
+      written = _merge(written or {}, histories)
     grad_norm = optax.tree.norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
 
@@ -101,6 +107,14 @@ def train_step_fn(setup: Setup) -> Callable:
 
   return jax.jit(step, in_shardings=(setup.shardings, setup.batch_sharding),
                  out_shardings=(setup.shardings, setup.replicated), donate_argnums=0)
+
+
+def _merge(a: dict, b: dict) -> dict:
+  """Two subtrees of the params as one (their leaves never overlap)."""
+  out = dict(a)
+  for k, v in b.items():
+    out[k] = _merge(out[k], v) if k in out and isinstance(v, dict) else v
+  return out
 
 
 def overwrite(params, opt_state, written: dict):

@@ -1,0 +1,172 @@
+"""8-bit training (model.quantization): close to the bf16 step, 8-bit dots in the program,
+the same on a mesh as on one device, and no collective of a quantized tensor that the
+bf16 step did not already have for its bf16 twin.
+
+Tolerances (measured 2026-11-25 on this 2-layer LM, bf16 compute, one batch): the loss
+moves by 2e-4 (int8) and 2e-3 (fp8) of itself, the gradients by 3% (int8) and 11% (fp8)
+of their norm; the tests allow about 2.5x that. The same model with quantization off
+(the control) differs from bf16 by 0, and a quantization that did nothing would too, so
+each test also asserts a difference above a floor.
+"""
+
+import re
+
+import jax
+import numpy as np
+import pytest
+from jax.flatten_util import ravel_pytree
+
+from shardax import configs
+from shardax.layers import quantization
+from shardax.sharding import use_rules
+from shardax.trainer import state as state_lib
+from shardax.trainer import step as step_lib
+from meshtools import loss_and_grads, setup_for
+
+# mode -> (max relative loss change, max relative gradient change, min relative gradient change)
+BOUNDS = {"int8": (5e-4, 0.08, 0.005), "fp8": (5e-3, 0.25, 0.02), "fp8_delayed": (5e-3, 0.25, 0.02)}
+
+
+def experiment(quant, preset="dp", ici=(1,), axes=("data",), dtype="bfloat16"):
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [
+      "model.num_layers=2", "model.d_model=64", "model.num_heads=4", "model.d_ff=128",
+      "model.max_len=16", "data.seq_len=16", "train.global_batch=8", "data.source='synthetic'",
+      f"model.dtype={dtype!r}", f"model.quantization={quant!r}", f"sharding.preset={preset!r}",
+      f"mesh.ici={ici!r}", f"mesh.axes={axes!r}"])
+  return configs.build(cfg)
+
+
+@pytest.fixture(scope="module")
+def batch():
+  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def run(exp, batch, devices=None, params=None):
+  """(loss, grads, compiled step, params) of one batch; `params` given: their leaves are
+  used where this model has them (an fp8_delayed model adds its empty amax histories)."""
+  setup = setup_for(exp, devices)
+  fresh = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+  params = fresh if params is None else _fill(fresh, params)
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
+  return float(loss), grads, compiled, jax.device_get(params)
+
+
+def _fill(fresh: dict, given: dict) -> dict:
+  return {k: _fill(v, given[k]) if isinstance(v, dict) else given.get(k, v) for k, v in fresh.items()}
+
+
+@pytest.fixture(scope="module")
+def bf16(batch):
+  return run(experiment("none"), batch, jax.devices()[:1])
+
+
+def flat(grads) -> np.ndarray:
+  """Every gradient but the amax histories' (their 'gradient' is their next value)."""
+  def drop(tree):
+    return {k: drop(v) if isinstance(v, dict) else v for k, v in tree.items() if k != quantization.HISTORY}
+  kept = drop(jax.device_get(grads))
+  return np.asarray(ravel_pytree(jax.tree.map(lambda g: np.asarray(g, np.float32), kept))[0])
+
+
+def relative(a, b) -> float:
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def dots(text: str) -> list[str]:
+  """Operand types of every dot in a compiled module: the parameter types of the
+  computation each dot sits in, by name."""
+  out = []
+  for block in text.split("\n\n"):
+    lines = block.strip().splitlines()
+    if not lines:
+      continue
+    params = dict(re.findall(r"([\w.]+): (\w+)\[", lines[0]))
+    for line in lines:
+      if m := re.search(r" dot\(([^)]*)\)", line):
+        names = [n.strip().lstrip("%") for n in m.group(1).split(",")]
+        out.append("x".join(params.get(n, "?") for n in names))
+  return out
+
+
+@pytest.mark.parametrize("mode", ["int8", "fp8", "fp8_delayed"])
+def test_quantized_loss_and_gradients_stay_near_bf16(mode, batch, bf16):
+  loss, grads, compiled, _ = run(experiment(mode), batch, jax.devices()[:1], params=bf16[3])
+  ref_loss, ref_grads = bf16[0], bf16[1]
+  max_loss, max_grad, min_grad = BOUNDS[mode]
+  assert abs(loss - ref_loss) / ref_loss < max_loss, (loss, ref_loss)
+  change = relative(flat(grads), flat(ref_grads))
+  assert min_grad < change < max_grad, f"{mode}: gradients moved by {change:.4f} of their norm"
+  if mode == "int8":
+    # 2 layers x 7 projections x (forward + 2 backward) = 42 int8 dots (the scan body runs
+    # twice; the unrolled count is in the HLO once per body); the logits stay in bf16.
+    kinds = dots(compiled.as_text())
+    assert kinds.count("s8xs8") >= 21, kinds
+    assert any("bf16" in k or "f32" in k for k in kinds), "the logits dot must stay unquantized"
+
+
+def test_fp8_program_runs_e4m3_forward_and_e5m2_backward_dots(batch):
+  """XLA:CPU has no fp8 dot and widens the operands after its own passes, so the 8-bit
+  types are read where jax emits them: the lowered program's dot_generals."""
+  exp = experiment("fp8")
+  setup = setup_for(exp, jax.devices()[:1])
+  params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    from meshtools import grads_fn
+    text = grads_fn(setup).lower(params, batch).as_text()
+  operands = re.findall(r"stablehlo.dot_general[^\n]*:\s*\((tensor<[^>]*>), (tensor<[^>]*>)\)", text)
+  types = [re.sub(r"tensor<[\dx]*", "", a) + "x" + re.sub(r"tensor<[\dx]*", "", b) for a, b in operands]
+  assert types.count("f8E4M3FN>xf8E4M3FN>") >= 7, types      # forward: every projection
+  assert any("f8E5M2" in t for t in types), types             # backward: the gradient in e5m2
+
+
+def test_int8_on_a_2x4_mesh_equals_one_device(batch):
+  """f32 compute so that the comparison is tight: the scales are maxima (exact however the
+  tensor is split) and the int8 dots accumulate in int32 (exact in any order)."""
+  one = run(experiment("int8", dtype="float32"), batch, jax.devices()[:1])
+  sharded = run(experiment("int8", "2d", (2, 4), ("data", "model"), dtype="float32"), batch,
+                params=one[3])
+  np.testing.assert_allclose(sharded[0], one[0], rtol=1e-5)
+  assert relative(flat(sharded[1]), flat(one[1])) < 1e-3
+
+
+_COLLECTIVE = re.compile(r"= \(?(\w+)\[([\d,]*)\][^=]*? (all-gather|all-reduce|reduce-scatter|all-to-all|"
+                         r"collective-permute)(?:-start)?\(")
+
+
+def collectives(compiled) -> list[tuple[str, str, str]]:
+  """(kind, result dtype, result dims) of every collective of a compiled step."""
+  return [(kind, dtype, dims) for dtype, dims, kind in _COLLECTIVE.findall(compiled.as_text())]
+
+
+@pytest.mark.parametrize("preset,ici,axes", [("2d", (2, 4), ("data", "model")), ("fsdp", (8,), ("data",))])
+def test_no_collective_of_a_quantized_tensor_without_a_bf16_twin(preset, ici, axes, batch):
+  base = collectives(run(experiment("none", preset, ici, axes), batch)[2])
+  quant = collectives(run(experiment("int8", preset, ici, axes), batch)[2])
+  eight_bit = [c for c in quant if c[1] in ("s8", "u8", "f8e4m3fn", "f8e5m2")]
+  twins = {(kind, shape) for kind, dtype, shape in base if dtype == "bf16"}
+  assert all((kind, shape) in twins for kind, _, shape in eight_bit), (eight_bit, twins)
+  # The bf16 tensors the step moves are the same ones (the scales' reductions are new and f32).
+  assert {c for c in quant if c[1] == "bf16"} <= set(base)
+
+
+def test_delayed_scaling_histories_are_written_by_the_step_not_the_optimizer(batch):
+  exp = experiment("fp8_delayed")
+  setup = setup_for(exp, jax.devices()[:1])
+  state = state_lib.init_fn(setup)(jax.random.key(0))
+  step = step_lib.train_step_fn(setup)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    histories = []
+    for _ in range(3):
+      state, metrics = step(state, batch)
+      histories.append(np.asarray(jax.device_get(
+          state["params"]["layers"]["blocks"]["mlp"]["down"]["amax_history"])))
+  first, second, third = histories        # [layers, 2, 16]
+  assert np.all(first[:, :, 0] > 0) and np.all(first[:, :, 1:] == 0)
+  np.testing.assert_array_equal(second[:, :, 1], first[:, :, 0])  # pushed back one step
+  np.testing.assert_array_equal(third[:, :, 2], first[:, :, 0])
+  # The weight's amax (row 1) is the max |W| of the down projection of each layer.
+  w = np.asarray(jax.device_get(state["params"]["layers"]["blocks"]["mlp"]["down"]["kernel"]), np.float32)
+  assert np.all(third[:, 1, 0] > 0.5 * np.abs(w).reshape(w.shape[0], -1).max(axis=1))
+  assert np.isfinite(float(metrics["grad_norm"]))
