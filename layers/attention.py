@@ -136,7 +136,14 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
   On a GPU it asks for cuDNN's flash attention where cuDNN takes the shapes: jax's default
   (implementation=None) is XLA's unfused softmax, which keeps [batch, heads, q, kv] scores for
-  the backward pass: lm.1b at batch 8 asked an H100 for 135 GiB and failed."""
+  the backward pass: lm.1b at batch 8 asked an H100 for 135 GiB and failed.
+
+  Packed documents still need the dense [b, 1, l, l] segment mask here: jax 0.10.2's public
+  signature has `query_seq_lengths` / `key_value_seq_lengths` (one valid prefix per row:
+  right-padding, not several documents) and no segment ids. cuDNN's packed layout (several
+  segments per row, via per-row segment lengths and offsets) exists only in jax's private
+  `jax._src.cudnn.fused_attention_stablehlo.dot_product_attention(q_seqlen=[b, max_segs],
+  q_offsets=...)`, needs sm90+ and a static maximum segment count per row; not used."""
   mask = None if segment_ids is None else segment_mask(segment_ids)[:, None]  # [b, 1, q, s]
   local = None if window is None else (window - 1, 0)
   return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
@@ -237,14 +244,14 @@ class Attention(nnx.Module):
                dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
                out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
                rope_scaling: tuple[float, float, float, int] | None = None, rngs: nnx.Rngs,
-               options: AttentionOptions | None = None, quantization: str = "none"):
+               options: AttentionOptions | None = None):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     self.rope_theta = rope_theta
     self.rope_scaling = None if rope_scaling is None else tuple(rope_scaling)
     self.options = options or AttentionOptions(implementation)  # validates the name
     self.implementation = self.options.implementation
-    kw = dict(dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
     self.query = DenseGeneral(d_model, (num_heads, head_dim), in_axes=("embed",),
                               out_axes=("heads", "kv"), use_bias=qkv_bias, **kw)
     self.key = DenseGeneral(d_model, (num_kv_heads, head_dim), in_axes=("embed",),
@@ -276,7 +283,7 @@ class Attention(nnx.Module):
     q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj")))
     split = context_parallel.length_split()  # `length` on a mesh axis: context parallel
     if split is not None:
-      o = context_parallel.attention(q, k, v, segment_ids, split)
+      o = context_parallel.attention(q, k, v, segment_ids, split, options=self.options)
     else:
       o = attend(q, k, v, segment_ids, options=self.options)
     o = shard(o, ("batch", "length", "heads", "kv"))

@@ -43,8 +43,10 @@ enter `sequence(..., balanced=True)`) gets the contiguous layout: still exact, o
 unbalanced.
 
 The per-block compute is `block_attention` (einsums, float32 logits and softmax
-statistics): (q, k, v, q index, k index, q/k segment ids) -> (out, m, l). A flash
-kernel that returns its softmax statistics can take its place.
+statistics): (q, k, v, q index, k index, q/k segment ids) -> (out, m, l), with the
+window and soft-cap of the layer's AttentionOptions. When attention resolves to the
+flash kernel (a TPU, or model.attention='flash'), 'allgather' runs the splash kernel on
+each device's query rows against the gathered K/V instead (`_flash_allgather`).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import math
 from typing import Iterator
 
@@ -185,11 +188,13 @@ def local_index(device: jax.Array, local_len: int, size: int, balanced: bool) ->
 # ----------------------------------------------------------------------------------------
 # Per-block compute and the softmax-statistics merge.
 
-def block_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
+def block_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None, *, window=None, softcap=None):
   """One block of causal GQA: q[b,l,n,d] against k/v[b,s,kv,d].
 
-  q_idx[l], k_idx[s]: real sequence indices (query p sees key s iff s <= p); q_seg[b,l],
-  k_seg[b,s]: segment ids (same document only), or None. Returns the unnormalized output
+  q_idx[l], k_idx[s]: real sequence indices (query p sees key s iff s <= p, and with a
+  `window` iff also p - s < window); q_seg[b,l], k_seg[b,s]: segment ids (same document
+  only), or None; `softcap`: logits -> cap * tanh(logits / cap) after the 1/sqrt(d) scale
+  (as layers/attention.py `xla_attention`). Returns the unnormalized output
   acc[b,kv,g,l,d] (float32), the row max m[b,kv,g,l] and the row sum l[b,kv,g,l] of
   exp(logit - m) over visible keys (0 where a row sees nothing in this block)."""
   b, lq, n, d = q.shape
@@ -197,7 +202,11 @@ def block_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None):
   qg = q.reshape(b, lq, kvh, n // kvh, d)
   logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
   logits = logits * jnp.float32(d ** -0.5)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
   mask = (q_idx[:, None] >= k_idx[None, :])[None]                    # [1, l, s]
+  if window is not None:
+    mask = mask & (q_idx[:, None] - k_idx[None, :] < window)[None]
   if q_seg is not None:
     mask = mask & (q_seg[:, :, None] == k_seg[:, None, :])            # [b, l, s]
   mask = mask[:, None, None]
@@ -237,7 +246,7 @@ def _cat_rows(a, b):
 # ----------------------------------------------------------------------------------------
 # The two modes, per device (inside shard_map).
 
-def _allgather_local(q, k, v, seg, *, split: Split, balanced: bool):
+def _allgather_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=block_attention):
   i = jax.lax.axis_index(split.axis_name)
   lq, c = q.shape[1], split.size
   q_idx = local_index(i, lq, c, balanced)
@@ -260,7 +269,7 @@ def _allgather_local(q, k, v, seg, *, split: Split, balanced: bool):
   return jnp.concatenate([finish(lo, q.dtype), finish(hi, q.dtype)], axis=1)
 
 
-def _ring_local(q, k, v, seg, *, split: Split, balanced: bool):
+def _ring_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=block_attention):
   i = jax.lax.axis_index(split.axis_name)
   lq, c = q.shape[1], split.size
   n = lq // 2
@@ -324,16 +333,22 @@ _LOCAL = {"allgather": _allgather_local, "ring": _ring_local}
 
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array,
-              segment_ids: jax.Array | None = None, split: Split | None = None) -> jax.Array:
+              segment_ids: jax.Array | None = None, split: Split | None = None,
+              options=None) -> jax.Array:
   """Causal GQA with the sequence split over the `length` mesh axes: q[b,l,n,d],
   k/v[b,l,kv,d] (global shapes) -> [b,l,n,d], equal to the single-device attention.
 
   Mode and layout come from the enclosing `sequence(...)` (default: 'allgather',
-  natural order). The shard_map is manual over every mesh axis, each operand split as
-  the rules split its logical dims (batch over data, heads over model, ...), so each
-  device computes on its own rows and heads only. (Manual over the `length` axes alone,
-  the partitioner gathered the batch into the body on the CPU backend: every device
-  then did the whole batch's attention.)"""
+  natural order); `options` (layers/attention.py AttentionOptions) give the window, the
+  soft-cap and the implementation: when it resolves to 'flash' (a TPU, or 'flash' asked
+  for), 'allgather' runs the splash kernel per device (`_flash_allgather`); 'ring' has
+  no kernel form (it needs each block's softmax statistics, which the kernel's backward
+  does not take), so 'auto' keeps its einsum blocks and an explicit 'flash' is refused.
+  The shard_map is manual over every mesh axis, each operand split as the rules split
+  its logical dims (batch over data, heads over model, ...), so each device computes on
+  its own rows and heads only. (Manual over the `length` axes alone, the partitioner
+  gathered the batch into the body on the CPU backend: every device then did the whole
+  batch's attention.)"""
   split = split or length_split()
   if split is None:
     raise ContextParallelError("context_parallel.attention needs rules that split 'length' "
@@ -341,16 +356,97 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   mode, balanced = _sequence.get()
   check_mode(mode)
   check_length(q.shape[1], split, balanced)
-  q_spec, kv_spec, seg_spec = _specs(split)
-  local = _LOCAL[mode]
+  window = getattr(options, "window", None)
+  softcap = getattr(options, "softcap", None)
+  specs = _specs(split)
+  if _uses_flash(options, mode, q.shape[1] // split.size, q.shape[1]):
+    return _flash_allgather(q, k, v, segment_ids, split, balanced, options, specs)
+  q_spec, kv_spec, seg_spec = specs
+  local = functools.partial(_LOCAL[mode], split=split, balanced=balanced, block_attention=functools.partial(
+      block_attention, window=window, softcap=softcap))
   if segment_ids is None:
-    body = lambda q, k, v: local(q, k, v, None, split=split, balanced=balanced)
+    body = lambda q, k, v: local(q, k, v, None)
     args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
   else:
-    body = lambda q, k, v, s: local(q, k, v, s, split=split, balanced=balanced)
+    body = local
     args, in_specs = (q, k, v, segment_ids.astype(jnp.int32)), (q_spec, kv_spec, kv_spec, seg_spec)
   fn = jax.shard_map(body, in_specs=in_specs, out_specs=q_spec, check_vma=False)
   return fn(*args)
+
+
+def _uses_flash(options, mode: str, local_len: int, length: int) -> bool:
+  """Whether this attention runs the splash kernel (see `attention`)."""
+  if options is None:
+    return False
+  from shardax.layers import attention as attention_lib   # attention.py imports this module
+  impl = attention_lib.resolve(options, local_len, length)
+  if impl != "flash":
+    return False
+  if mode == "ring":
+    if options.implementation == "flash":
+      raise ContextParallelError(
+          "model.attention='flash' with model.context_parallel='ring': the ring merges each "
+          "block's softmax statistics, which the splash kernel does not hand back through "
+          "its backward pass; use model.context_parallel='allgather' (runs the kernel) or "
+          "model.attention='auto' (the ring's einsum blocks)")
+    return False
+  return True
+
+
+def natural(x: jax.Array, size: int) -> jax.Array:
+  """The all-gathered sequence (axis 1) from the balanced order back to the natural one:
+  device j's block is chunks (j, 2C-1-j), so chunks 0..C-1 are the first halves in device
+  order and chunks C..2C-1 the second halves in reverse device order. Slices and a
+  concatenation (no gather), transposed to the same in the backward pass."""
+  b, s = x.shape[:2]
+  n = s // (2 * size)
+  x = x.reshape((b, size, 2, n) + x.shape[2:])
+  flat = lambda y: y.reshape((b, size * n) + x.shape[4:])
+  return jnp.concatenate([flat(x[:, :, 0]), flat(x[:, ::-1, 1])], axis=1)
+
+
+def _flash_allgather(q, k, v, segment_ids, split: Split, balanced: bool, options, specs):
+  """'allgather' with the splash kernel: each device all-gathers K/V (and segment ids),
+  puts them in natural order (`natural`), and runs the kernel on its own query rows.
+
+  Masking: the kernel's `SequenceMask` (layers/flash.py) takes the real position of every
+  query row (`balanced_order`, or 0..S-1 for the contiguous layout) and compares it with
+  the key's natural index, so causality is exact for the load-balanced order; the
+  kernel is built once for the whole sequence with `q_seq_shards = C` and its block
+  tables enter the shard_map split along the rows, so each device skips the blocks fully
+  masked for *its* rows (device i's chunk i needs only keys before (i+1) S/2C). Segment
+  ids (q: the local ones; kv: the gathered ones) keep documents apart inside the kernel.
+  Why not a per-device CausalMask `offset`: the offset is static and the device index
+  is not (and the balanced rows are two non-adjacent chunks)."""
+  from shardax.layers import flash
+  q_spec, kv_spec, seg_spec = specs
+  mesh_shape = current_mesh_shape()
+  heads_axes = q_spec[2] if q_spec[2] is not None else ()
+  heads_axes = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes)
+  local_heads = q.shape[2] // math.prod(mesh_shape[a] for a in heads_axes)
+  length = q.shape[1]
+  order = balanced_order(length, split.size) if balanced else np.arange(length)
+  kernel = flash.sequence_kernel(local_heads, order, length, split.size, window=options.window,
+                                 softcap=options.softcap, block_q=options.flash_block_q,
+                                 block_kv=options.flash_block_kv, interpret=options.interpret)
+  mesh = jax.sharding.get_abstract_mesh()
+  kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, q_spec[1])))
+  gather = lambda x: jax.lax.all_gather(x, split.axis_name, axis=1, tiled=True)
+  reorder = (lambda x: natural(x, split.size)) if balanced else (lambda x: x)
+
+  def body(q, k, v, seg, kernel):
+    k_all, v_all = reorder(gather(k)), reorder(gather(v))
+    seg_all = None if seg is None else reorder(gather(seg))
+    return flash.run_sequence_kernel(kernel, q, k_all, v_all, seg, seg_all)
+
+  if segment_ids is None:
+    fn = jax.shard_map(lambda q, k, v, kernel: body(q, k, v, None, kernel),
+                       in_specs=(q_spec, kv_spec, kv_spec, kernel_spec), out_specs=q_spec,
+                       check_vma=False)
+    return fn(q, k, v, kernel)
+  fn = jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, kernel_spec),
+                     out_specs=q_spec, check_vma=False)
+  return fn(q, k, v, segment_ids.astype(jnp.int32), kernel)
 
 
 def _specs(split: Split) -> tuple[P, P, P]:

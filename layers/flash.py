@@ -27,7 +27,8 @@ gather the whole batch onto every chip). `sharded` therefore runs it under `shar
 the specs the logical rules give q/k/v (batch and heads split as the preset says), so each
 device runs the kernel on its own examples and heads. Model code still names no mesh axis:
 the specs come from the rules. A split `length` is context parallelism, which
-layers/context_parallel.py does around `attention_core`; here it is refused.
+layers/context_parallel.py does (all-gathered K/V, then `sequence_kernel` per device:
+see `SequenceMask`); `sharded` refuses it.
 
 Block sizes (`flash_block_q`, `flash_block_kv`; also used by the backward kernels) default
 to 512, MaxText's choice for v5e/v6e; a block is cut to the sequence length when shorter.
@@ -41,7 +42,9 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
+from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sa_mask
 from jax.sharding import PartitionSpec
 
 from shardax.sharding import rules as rules_lib
@@ -73,13 +76,86 @@ def _kernel(num_heads: int, q_len: int, kv_len: int, causal: bool, window: int |
     mask = sa.CausalMask(shape)
   else:
     mask = sa.FullMask(shape)
-  bq, bkv = _block(block_q, q_len), _block(block_kv, kv_len)
-  sizes = sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
-                        block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
-                        block_q_dq=bq, block_kv_dq=bkv)
-  return sa.make_splash_mha(sa.MultiHeadMask([mask] * num_heads), block_sizes=sizes,
+  return sa.make_splash_mha(sa.MultiHeadMask([mask] * num_heads),
+                            block_sizes=_sizes(q_len, kv_len, block_q, block_kv),
                             head_shards=1, q_seq_shards=1, attn_logits_soft_cap=softcap,
                             interpret=interpret)
+
+
+def _sizes(q_len: int, kv_len: int, block_q: int, block_kv: int) -> sa.BlockSizes:
+  bq, bkv = _block(block_q, q_len), _block(block_kv, kv_len)
+  return sa.BlockSizes(block_q=bq, block_kv=bkv, block_kv_compute=bkv,
+                       block_q_dkv=bq, block_kv_dkv=bkv, block_kv_dkv_compute=bkv,
+                       block_q_dq=bq, block_kv_dq=bkv)
+
+
+def _heads_first(kernel, q, k, v, q_seg, kv_seg):
+  """`kernel` (one example, heads first) on q[b,l,n,d], k/v[b,s,k,d], q scaled by d^-1/2."""
+  q = q * jnp.asarray(q.shape[-1] ** -0.5, q.dtype)
+
+  def one(q1, k1, v1, qs, ks):
+    seg = None if qs is None else sa.SegmentIds(q=qs, kv=ks)
+    return kernel(q1.swapaxes(0, 1), k1.swapaxes(0, 1), v1.swapaxes(0, 1), segment_ids=seg).swapaxes(0, 1)
+
+  if q_seg is None:
+    return jax.vmap(lambda q1, k1, v1: one(q1, k1, v1, None, None))(q, k, v)
+  return jax.vmap(one)(q, k, v, q_seg.astype(jnp.int32), kv_seg.astype(jnp.int32))
+
+
+class SequenceMask(sa_mask._ComputableMask):
+  """Causal (optionally sliding-window) mask by *real* sequence position, for query rows
+  stored in any order: row r of q holds position `q_sequence[r]`, key column j position j.
+
+  Context parallelism needs it: each device holds a slice of the rows (in the load-
+  balanced order, chunks i and 2C-1-i), which the kernel's static masks (CausalMask's
+  `offset` is one static shift) cannot describe for a device index known only at run
+  time. splash evaluates a `_ComputableMask` from `q_sequence`, and when the kernel is
+  made with `q_seq_shards=C` its block tables and `q_sequence` are arrays split along
+  the rows; passed through shard_map, each device gets the tables of its own rows, so
+  fully masked blocks are still skipped per device (MaxText's load-balanced causal mask
+  is the same construction)."""
+
+  def __init__(self, q_sequence: np.ndarray, kv_len: int, window: int | None = None):
+    self.window = window
+
+    def visible(q_ids, kv_ids):     # numpy when the tables are built, jnp inside the kernel
+      mask = q_ids >= kv_ids
+      return mask if window is None else mask & (q_ids - kv_ids < window)
+
+    super().__init__((len(q_sequence), kv_len), visible)
+    self.q_sequence = np.asarray(q_sequence, np.int32)
+
+  def __eq__(self, other):
+    return (type(other) is type(self) and self.shape == other.shape and self.window == other.window
+            and np.array_equal(self.q_sequence, other.q_sequence))
+
+  def __hash__(self):
+    return hash((type(self), self.shape, self.window, self.q_sequence.tobytes()))
+
+
+def sequence_kernel(num_heads: int, q_sequence: np.ndarray, kv_len: int, shards: int, *,
+                    window: int | None, softcap: float | None, block_q: int, block_kv: int,
+                    interpret: bool):
+  """The splash kernel for global rows in the order `q_sequence` against `kv_len` keys in
+  natural order, its tables split into `shards` row slices (`SequenceMask`). Pass it
+  through shard_map with `kernel.manual_sharding_spec(...)` and call it per device with
+  `run_sequence_kernel`."""
+  q_len = len(q_sequence)
+  if not supports(q_len // shards, kv_len):
+    raise ValueError(f"model.attention='flash' with context parallelism needs each device's "
+                     f"sequence slice ({q_len} / {shards} = {q_len // shards}) and the whole "
+                     f"sequence to be multiples of {LANES}; set data.seq_len to a multiple of "
+                     f"{LANES * shards} or model.attention='auto'")
+  mask = SequenceMask(q_sequence, kv_len, window)
+  return sa.make_splash_mha(sa.MultiHeadMask([mask] * num_heads),
+                            block_sizes=_sizes(q_len // shards, kv_len, block_q, block_kv),
+                            head_shards=1, q_seq_shards=shards, attn_logits_soft_cap=softcap,
+                            interpret=interpret)
+
+
+def run_sequence_kernel(kernel, q, k, v, q_seg, kv_seg):
+  """One device's q[b,l,n,d] (its rows) against the whole k/v[b,s,k,d] (natural order)."""
+  return _heads_first(kernel, q, k, v, q_seg, kv_seg)
 
 
 def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None, *,
@@ -93,15 +169,7 @@ def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arra
                      f"{LANES}, got q {l} / kv {s}; set data.seq_len to a multiple of {LANES} "
                      f"or model.attention='auto' (falls back to 'xla')")
   kernel = _kernel(n, l, s, causal, window, softcap, block_q, block_kv, interpret)
-  q = q * jnp.asarray(d ** -0.5, q.dtype)
-
-  def one(q1, k1, v1, seg1):
-    seg = None if seg1 is None else sa.SegmentIds(q=seg1, kv=seg1)
-    return kernel(q1.swapaxes(0, 1), k1.swapaxes(0, 1), v1.swapaxes(0, 1), segment_ids=seg).swapaxes(0, 1)
-
-  if segment_ids is None:
-    return jax.vmap(lambda q1, k1, v1: one(q1, k1, v1, None))(q, k, v)
-  return jax.vmap(one)(q, k, v, segment_ids.astype(jnp.int32))
+  return _heads_first(kernel, q, k, v, segment_ids, segment_ids)
 
 
 def sharded(local_fn, q: jax.Array, k: jax.Array, v: jax.Array,

@@ -9,14 +9,18 @@ run (float32: loss rtol 1e-5, gradients rtol 2e-4 / atol 2e-6, as test_paralleli
 and the compiled step must hold the collectives context parallelism adds.
 """
 
+import math
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from shardax import configs
 from shardax.configs.schema import ConfigError
 from shardax.layers import context_parallel as cp
-from shardax.sharding import report
+from shardax.layers.attention import AttentionOptions, xla_attention
+from shardax.sharding import report, use_rules
 from shardax.trainer import state as state_lib
 from meshtools import coordinates, loss_and_grads, pairs, setup_for
 
@@ -151,3 +155,116 @@ def test_balanced_order_gives_every_device_the_same_causal_work():
   assert len(set(natural)) == c        # the natural order is unbalanced
   x = np.arange(2 * s).reshape(2, s)
   np.testing.assert_array_equal(cp.unbalance(cp.balance(x, c), c), x)
+
+
+# --- options and the flash kernel on the context-parallel path ------------------------------
+def test_window_and_softcap_reach_the_context_parallel_path(reference):
+  """The model's attention_window / attention_softcap on a split sequence: loss and grads
+  equal one device's with the same options (and differ from those without: not dropped)."""
+  def built(ici, axes, preset):
+    cfg = configs.get("lm.tiny")
+    configs.apply_overrides(cfg, [
+        "model.num_layers=2", "model.d_model=64", "model.num_heads=8", "model.num_kv_heads=4",
+        "model.d_ff=128", f"model.max_len={SEQ}", f"data.seq_len={SEQ}", f"train.global_batch={BATCH}",
+        "data.source='stdlib'", f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}",
+        "model.attention_window=5", "model.attention_softcap=2.0"])
+    return configs.build(cfg)
+  params, batch, plain_loss, _ = reference
+  (want, want_grads, _), _ = loss_and_grads(setup_for(built((1,), ("data",), "dp"), jax.devices()[:1]),
+                                            params, batch)
+  assert abs(float(want) - plain_loss) > 1e-4                # the options change the loss
+  (loss, grads, _), _ = loss_and_grads(setup_for(built((2, 4), ("data", "context"), "dp_cp")), params, batch)
+  np.testing.assert_allclose(float(loss), float(want), rtol=1e-5)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
+def _vs_one_device(options, mode, balanced, shape, mesh_shape=(2, 2)):
+  """Context-parallel attention (data x context mesh) and the single-device einsum attention
+  on random q/k/v[shape] with 3 packed documents per row: (max |out error|, per q/k/v the
+  max gradient error relative to that gradient's largest entry)."""
+  b, l, n, kv, d = shape
+  ks = jax.random.split(jax.random.key(0), 4)
+  q = jax.random.normal(ks[0], (b, l, n, d))
+  k, v = (jax.random.normal(key, (b, l, kv, d)) for key in ks[1:3])
+  cot = jax.random.normal(ks[3], q.shape)
+  cuts = np.array([0, l * 2 // 5, l * 3 // 4, l])
+  row = np.repeat(np.arange(1, 4), np.diff(cuts))
+  seg = jnp.asarray(np.stack([np.roll(row, 7 * r) for r in range(b)]), jnp.int32)
+  c = mesh_shape[1]
+  mesh = jax.make_mesh(mesh_shape, ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:math.prod(mesh_shape)])
+  order = (lambda x: cp.balance(x, c)) if balanced else (lambda x: x)
+  back = (lambda x: cp.unbalance(x, c)) if balanced else (lambda x: x)
+
+  def sharded(q, k, v):
+    with cp.sequence(mode, balanced):
+      return back(cp.attention(order(q), order(k), order(v), order(seg), options=options))
+
+  def one(q, k, v):
+    return xla_attention(q, k, v, seg, window=options.window, softcap=options.softcap)
+
+  def out_and_grads(f):
+    out, vjp = jax.vjp(f, q, k, v)
+    return out, vjp(cot)
+
+  with jax.set_mesh(mesh), use_rules((("batch", "data"), ("length", "context"))):
+    out, grads = jax.jit(lambda: out_and_grads(sharded))()
+  want, want_grads = out_and_grads(one)
+  return (float(jnp.max(jnp.abs(out - want))),
+          [float(jnp.max(jnp.abs(g - e)) / jnp.max(jnp.abs(e))) for g, e in zip(grads, want_grads)])
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_einsum_blocks_apply_window_and_softcap(mode):
+  """A window of 5 (crossing chunk and device boundaries of 4-token chunks) and a soft-cap,
+  both modes, balanced order, on data 2 x context 4."""
+  opts = AttentionOptions("xla", window=5, softcap=2.0)
+  err, grad_errs = _vs_one_device(opts, mode, True, (2, 32, 4, 2, 8), mesh_shape=(2, 4))
+  assert err <= 1e-5 and max(grad_errs) <= 1e-5, (err, grad_errs)
+
+
+# The splash kernel in Pallas interpret mode (as tests/test_flash.py): 2 rows of 256 tokens,
+# 3 packed documents each (boundaries inside kernel blocks), GQA 2 q / 1 kv heads of 128, on
+# data 2 x context 2, against the single-device einsum attention on the natural order. The
+# kernel must run (the lowered program holds the splash scope), not the einsum blocks.
+FLASH_SHAPE = (2, 256, 2, 1, 128)
+
+
+def _flash(**kw):
+  return AttentionOptions("flash", flash_block_q=128, flash_block_kv=128, interpret=True, **kw)
+
+
+def test_flash_kernel_under_context_parallelism_equals_one_device_balanced_packed():
+  """All-gather CP running the splash kernel on each device's rows (chunks i and 2C-1-i):
+  float32, outputs within 2e-5 and gradients within 1e-4 of the largest entry, the
+  tolerances of tests/test_flash.py (the kernel's online softmax sums in another order)."""
+  err, grad_errs = _vs_one_device(_flash(), "allgather", True, FLASH_SHAPE)
+  assert err <= 2e-5, err
+  assert max(grad_errs) <= 1e-4, grad_errs
+
+
+def test_flash_kernel_under_context_parallelism_with_window_and_softcap():
+  """The contiguous layout, a sliding window crossing the device boundary and a soft-cap."""
+  err, grad_errs = _vs_one_device(_flash(window=48, softcap=5.0), "allgather", False, FLASH_SHAPE)
+  assert err <= 2e-5, err
+  assert max(grad_errs) <= 1e-4, grad_errs
+
+
+def test_context_parallel_attention_resolves_to_the_kernel():
+  """'flash' (and 'auto' on a TPU) take the kernel path: its scope is in the lowered program."""
+  q = jnp.zeros((2, 256, 2, 128))
+  mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh), use_rules((("batch", "data"), ("length", "context"))), cp.sequence("allgather", True):
+    lowered = lambda opts: jax.jit(lambda q: cp.attention(q, q[:, :, :1], q[:, :, :1], options=opts)).lower(q).as_text()
+    assert "splash" in lowered(_flash()) and "splash" not in lowered(AttentionOptions("xla"))
+
+
+def test_ring_refuses_an_explicit_flash_kernel():
+  q = jnp.zeros((2, 256, 4, 128))
+  mesh = jax.make_mesh((2, 2), ("data", "context"), axis_types=(jax.sharding.AxisType.Auto,) * 2,
+                       devices=jax.devices()[:4])
+  with jax.set_mesh(mesh), use_rules((("batch", "data"), ("length", "context"))), cp.sequence("ring", True):
+    with pytest.raises(cp.ContextParallelError, match="context_parallel='allgather'"):
+      cp.attention(q, q[:, :, :2], q[:, :, :2], options=AttentionOptions("flash", interpret=True))
