@@ -4,6 +4,12 @@ An experiment is a function, registered under a dotted name, that returns a
 `fdl.Config(Experiment, ...)`. Overrides edit that config tree by path before it
 is built, so a typo in a path fails with fiddle's list of valid names instead of
 being silently ignored (Praxis's UPPER_CASE attributes were).
+
+This module only holds the table: the experiments (shardax/experiments/, which build on
+configs/) register themselves when imported, and importing the `shardax` package imports
+them (shardax/__init__.py). So configs/ never imports what sits above it, and any
+`from shardax import configs` finds them. An experiment defined elsewhere (a user's module)
+registers the same way: `@configs.register("my.exp")`, then import that module.
 """
 
 from __future__ import annotations
@@ -54,13 +60,11 @@ def register(name: str, description: str = "") -> Callable:
 
 def names() -> dict[str, str]:
   """Registered experiment name -> one-line description, sorted by name."""
-  _load_experiments()
   return {n: _REGISTRY[n][1] for n in sorted(_REGISTRY)}
 
 
 def get(name: str) -> fdl.Config:
   """The named experiment's config tree (unbuilt, so overrides can still edit it)."""
-  _load_experiments()
   prefix, _, rest = name.partition(":")
   if rest and prefix in _PREFIXES:
     cfg = _PREFIXES[prefix](rest)
@@ -69,6 +73,8 @@ def get(name: str) -> fdl.Config:
   if name not in _REGISTRY:
     close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
+    if not _REGISTRY:
+      hint = "; no experiment is registered: import shardax.experiments (importing shardax does)"
     raise ConfigError(f"unknown experiment {name!r}{hint} (shardax --mode=list shows them all)")
   fn, desc = _REGISTRY[name]
   cfg = fn()
@@ -77,10 +83,6 @@ def get(name: str) -> fdl.Config:
   if not cfg.description:
     cfg.description = desc
   return cfg
-
-
-def _load_experiments() -> None:
-  import shardax.experiments  # noqa: F401  (registers on import)
 
 
 def parse_value(text: str) -> Any:

@@ -168,8 +168,9 @@ class TransformerConfig:
                f"circular_repeats = {p.stages} x {p.circular_repeats} = {per}")
 
   def attention_options(self):
-    """The attention options (layers/attention.py) these fields describe."""
-    from shardax.layers.attention import AttentionOptions
+    """The attention options these fields describe: a configs/attention.py record (the
+    schema does not import layers/; the attention layer reads the record's fields)."""
+    from shardax.configs.attention import AttentionOptions
     return AttentionOptions(self.attention, window=self.attention_window, softcap=self.attention_softcap,
                             flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
 
