@@ -221,3 +221,40 @@ def test_train_step_writes_the_balance_bias_the_optimizer_leaves_alone():
   assert not np.array_equal(second, first)
   router = np.asarray(state["params"]["units"]["moe_block"]["moe"]["router"]["kernel"])
   assert np.abs(router - router0).max() > 1e-3       # the router itself trains
+
+
+def test_enough_expert_buffer_reports_no_overflow(sharded_run):
+  """The control for the overflow test below: buffer 4x the fair share, finite loss, count 0."""
+  *_, loss, _, metrics, _ = sharded_run
+  assert np.isfinite(loss)
+  assert float(metrics["moe/expert_buffer_overflow"]) == 0
+
+
+def test_expert_buffer_overflow_poisons_the_step_and_the_loop_names_the_field(tmp_path):
+  """Under expert parallelism (8 devices, preset `expert`) a buffer of 0.1x the fair share
+  holds one token copy per destination of the 32 each device sends: the copies that do
+  not fit are never silently dropped. The step's loss is NaN, its update is not applied,
+  the count reaches the metrics, and `loop.train` stops with an error naming
+  `model.moe.expert_buffer` (rather than skipping the step as a mere non-finite one).
+  Seen failing with the NaN poisoning in `moe_dispatch.dropless` removed (finite loss,
+  weights moved) and with the loop's check removed (the step skipped, no error)."""
+  from shardax.sharding import use_rules
+  from shardax.trainer import loop
+  from shardax.trainer import step as step_lib
+  exp = tiny_dropless("expert", (8,), ("data",), "model.moe.expert_buffer=0.1",
+                      "train.steps=2", "train.log_every=1", "train.eval_every=100",
+                      "train.eval_batches=1", "checkpoint.enabled=False")
+  setup = setup_for(exp)
+  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
+  batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, setup.batch_sharding)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    state = state_lib.init_fn(setup)(jax.random.key(0))
+    before = jax.device_get(state["params"])
+    state, metrics = step_lib.train_step_fn(setup)(state, batch)
+  metrics = jax.device_get(metrics)
+  assert float(metrics["moe/expert_buffer_overflow"]) > 0
+  assert np.isnan(metrics["loss"]) and not metrics["finite"]
+  for (path, new), old in zip(jax.tree.leaves_with_path(jax.device_get(state["params"])), jax.tree.leaves(before)):
+    np.testing.assert_array_equal(new, old, err_msg=jax.tree_util.keystr(path))
+  with pytest.raises(loop.NonFiniteError, match=r"step 1: .* did not fit .*model\.moe\.expert_buffer"):
+    loop.train(exp, str(tmp_path))

@@ -37,18 +37,30 @@ def alone_and_weights(loss_fn, docs):
 
 # ---------------------------------------------------------------- MoE LM
 
-def moe_config(scan_layers: bool) -> MoELMConfig:
-  """Routing that depends on a token alone: both top-2 experts always ('all') and a
-  capacity of the whole group (E/2 x 2S / E = S), so no token is dropped whatever else
-  shares its group; no balance loss (a statistic of the whole group)."""
+MOE_DISPATCHES = {
+    # Routing that depends on a token alone: both top-2 experts always ('all') and a
+    # capacity of the whole group (E/2 x 2S / E = S), so no token is dropped whatever else
+    # shares its group.
+    "capacity": dict(num_experts=4, d_ff=32, every=2, capacity_factor=2.0, second_expert="all"),
+    # Dropless (DeepSeek-V3-like: sigmoid top-3 of 8, renormalized, scaled, one shared
+    # expert, a balance bias that changes the choices): a token's experts depend on it
+    # alone and no token is ever dropped, so nothing else in the row can move its loss.
+    "dropless": dict(num_experts=8, d_ff=16, every=2, top_k=3, score="sigmoid", gate_scale=2.5,
+                     num_shared_experts=1, bias_update_rate=1e-3, dispatch="dropless"),
+}
+
+
+def moe_config(scan_layers: bool, dispatch: str = "capacity") -> MoELMConfig:
+  """A tiny MoE LM whose routing depends on each token alone; no balance loss (a statistic
+  of the whole group)."""
   return MoELMConfig(transformer=dataclasses.replace(TINY, scan_layers=scan_layers),
-                     moe=MoEConfig(num_experts=4, d_ff=32, every=2, capacity_factor=2.0,
-                                   second_expert="all", aux_loss_weight=0.0))
+                     moe=MoEConfig(aux_loss_weight=0.0, **MOE_DISPATCHES[dispatch]))
 
 
-@pytest.mark.parametrize("scan_layers", [True, False])
-def test_moe_packed_loss_is_the_token_weighted_mean_of_each_document_alone(scan_layers):
-  cfg = moe_config(scan_layers)
+@pytest.mark.parametrize("scan_layers,dispatch", [(True, "capacity"), (False, "capacity"),
+                                                  (True, "dropless"), (False, "dropless")])
+def test_moe_packed_loss_is_the_token_weighted_mean_of_each_document_alone(scan_layers, dispatch):
+  cfg = moe_config(scan_layers, dispatch)
   graphdef, state = random_state(lambda: MoELM(cfg, rngs=nnx.Rngs(0)))
   train = jax.jit(lambda s, b: nnx.merge(graphdef, s).loss_and_metrics(b))
   evaluate = jax.jit(lambda s, b: nnx.merge(graphdef, s).eval_loss(b))
