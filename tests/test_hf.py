@@ -225,6 +225,17 @@ def test_mixtral_config_maps_onto_the_moe_lm():
     hf_config.check_exportable(exp.model, "mistral")
 
 
+def test_mixtral_unscanned_stack_maps_too(tmp_path):
+  """scan_layers=False: one [E, ...] leaf per layer (units/{i}/moe_block/...), same tensors."""
+  setup, params = imported("mixtral", (1, 1), "model.transformer.scan_layers=False")
+  assert params["units"][1]["moe_block"]["moe"]["wo"].shape == (4, 96, 64)
+  exporter.export_params(params, setup.exp.model, str(tmp_path), np.float32, 1 << 30)
+  a, b = safetensors.Reader(os.path.join(FIXTURES, "mixtral")), safetensors.Reader(str(tmp_path))
+  assert a.names() == b.names()
+  for name in a.names():
+    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+
+
 def test_mixtral_moe_layer_computes_transformers_routing():
   """Layer 1's imported MoE FFN against transformers' MixtralSparseMoeBlock math written out
   from the raw checkpoint tensors: softmax of gate.weight @ x over all experts, the top 2,
