@@ -16,8 +16,11 @@ untied head. bf16 compute with fp32 params (the AdamW update stays in fp32). Syn
 these are sized for pods; to train, point `data.source` at a tokenized corpus with
 `data.tokenizer` for that vocabulary and drop `mesh.topology`.
 
-Not here: the 32k/64k variants need the sequence split over chips (context parallelism,
-layers/context_parallel.py), which is a separate piece of work.
+At 32k tokens one sequence no longer fits a chip's share (its layer inputs, logits and
+gathered K/V), so `lm.llama3_8b_32k` splits the sequence over a `context` mesh axis
+(layers/context_parallel.py, preset `fsdp_cp`: batch over `data`, the sequence over
+`context`, weights over both): 'allgather' K/V and the splash kernel on each chip's
+query rows (two load-balanced chunks), with RoPE at Llama 3.1's llama3 scaling.
 """
 
 from shardax.configs import experiment, register
@@ -25,6 +28,7 @@ from shardax.configs import experiment, register
 
 def _llama3(num_layers: int, d_model: int, num_heads: int, d_ff: int, *, topology: str,
             ici: tuple[int, ...], per_chip: int, seq_len: int = 8192, remat: str = "full"):
+  """Llama-3.1 shapes, FSDP over (data, model=1); `per_chip` sequences per chip."""
   cfg = experiment()
   m = cfg.model
   m.vocab_size = 128256
@@ -67,3 +71,17 @@ def llama3_8b_8k():
 @register("lm.llama3_70b_8k", "Llama-3.1-70B shapes at 8192 tokens, FSDP on TPU v6e-256 (1 seq/chip), flash attention")
 def llama3_70b_8k():
   return _llama3(80, 8192, 64, 28672, topology="v6e:16x16", ici=(256, 1), per_chip=1)
+
+
+@register("lm.llama3_8b_32k", "Llama-3.1-8B shapes at 32768 tokens on TPU v6e-32: data 8 x context 4 "
+          "(all-gather K/V, flash kernel), FSDP over both")
+def llama3_8b_32k():
+  # Each chip holds a quarter of one sequence (8192 tokens), as lm.llama3_8b_8k's chips
+  # hold whole 8k sequences; figures in docs/scale.md, "Long context".
+  cfg = _llama3(32, 4096, 32, 14336, topology="v6e:4x8", ici=(8, 4), per_chip=1, seq_len=32768)
+  cfg.mesh.axes = ("data", "context")
+  cfg.sharding.preset = "fsdp_cp"
+  cfg.model.context_parallel = "allgather"
+  cfg.model.rope_scaling = "llama3"   # Llama 3.1's long-context RoPE (factor 8 from 8192)
+  cfg.train.global_batch = 8          # one 32k sequence per data replica
+  return cfg

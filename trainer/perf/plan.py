@@ -63,6 +63,8 @@ class Grid:
   pipeline_stages: tuple[int, ...] = (4, 8)           # + pipelines over a `stage` axis (pp_2d)
   pipeline_model_axis: int = 16
   pipeline_microbatches_per_stage: int = 2             # M = this x S
+  context_axis: tuple[int, ...] = ()                  # if set: mesh (data, context) of these
+                                                      # context sizes instead of (data, model)
 
 
 # Experiments whose layouts are not the 2D default's. Long-context LMs (experiments/
@@ -72,7 +74,10 @@ class Grid:
 _LONG_CONTEXT = dict(model_axis=(1,), presets=("fsdp",), remat=("full", "offload", "offload_proj"),
                      fsdp=False, tp=False, pipeline_stages=())
 GRIDS = {"lm.llama3_8b_8k": Grid(microbatches=(1, 3), **_LONG_CONTEXT),   # 3 seqs per chip
-         "lm.llama3_70b_8k": Grid(microbatches=(1,), **_LONG_CONTEXT)}    # 1 seq per chip
+         "lm.llama3_70b_8k": Grid(microbatches=(1,), **_LONG_CONTEXT),    # 1 seq per chip
+         # 32k: the sequence split over 4 or 8 chips (context parallelism, preset fsdp_cp).
+         "lm.llama3_8b_32k": Grid(**dict(_LONG_CONTEXT, presets=("fsdp_cp",), remat=("full", "offload")),
+                                  microbatches=(1,), context_axis=(4, 8))}
 
 
 def _layout(axes: Sequence[str], ici: Sequence[int], preset: str) -> list[str]:
@@ -88,11 +93,12 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
   """`--set` overrides of every candidate layout for the experiment tree `cfg`."""
   prefix = _model_prefix(cfg)
   out = []
+  axes, sizes = (("data", "context"), grid.context_axis) if grid.context_axis else (("data", "model"), grid.model_axis)
   for preset in grid.presets:
-    for m in grid.model_axis:
+    for m in sizes:
       for remat in grid.remat:
         for micro in grid.microbatches:
-          out.append(_layout(("data", "model"), (-1, m), preset)
+          out.append(_layout(axes, (-1, m), preset)
                      + [f"{prefix}remat={remat}", f"train.microbatches={micro}"])
   base = [f"{prefix}remat={grid.remat[0]}", f"train.microbatches={grid.microbatches[0]}"]
   if grid.fsdp:
