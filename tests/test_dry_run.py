@@ -56,7 +56,10 @@ def test_report_has_every_key_and_consistent_numbers(small):
   assert m["params"] > 0 and m["optimizer_state"] >= 2 * m["params"]  # AdamW: two moments
   assert m["total"] >= m["params"] + m["optimizer_state"]
   assert m["argument"] >= m["params"] + m["optimizer_state"]
-  assert r["fits"] is True and r["hbm_bytes_per_device"] == 16 * 2**30 and r["hint"] is None
+  assert r["fits"] is True and r["hint"] is None
+  # fits is judged against what the TPU compiler allows a program (15.75 GiB on v5e), not
+  # the chip's 16 GiB: a peak in between compiles on paper and is refused by the compiler.
+  assert 0.95 * 16 * 2**30 < r["hbm_bytes_per_device"] < 16 * 2**30, r["hbm_bytes_per_device"]
   assert r["compile_seconds"] > 0 and r["flops_per_device"] > 0
   exp = build(*TINY, *V5E, "model.d_model=64", "model.d_ff=256")
   assert r["model_flops_per_step"] == pytest.approx(exp.model.flops_per_example(exp.data) * 8)

@@ -10,9 +10,11 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
   bytes_per_device  params and optimizer_state from the shardings (exact, unpadded);
                     argument/output/alias/temp from the compiler; total = argument +
                     output - alias (donated) + temp: the program's peak.
-  fits              total <= the chip's HBM (the compiler's own figure when it reports
-                    one, else trainer/perf/chips.py). If the TPU compiler itself refuses
-                    (RESOURCE_EXHAUSTED), total is the figure from its message.
+  fits              total <= hbm_bytes_per_device: the HBM the TPU compiler lets a program
+                    use (`usable_hbm_bytes`: v6e 31.25 GiB of its 32, v5e 15.48 of 16),
+                    else the chip table's capacity (trainer/perf/chips.py). If the TPU
+                    compiler itself refuses (RESOURCE_EXHAUSTED), total is the figure
+                    from its message.
   flops_per_device  FLOPs of the compiled step per device with every loop body times its
                     trip count (trainer/perf/costs.py); flops_loop_bodies_once is XLA's
                     own figure, which counts a scanned layer once.
@@ -103,7 +105,8 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
       "rules": [list(r) for r in setup.rules], "num_params": state_lib.count_params(setup),
       "global_batch": exp.train.global_batch, "tokens_per_step":
           exp.model.tokens_per_example(exp.data) * exp.train.global_batch,
-      "hbm_bytes_per_device": chip.hbm_bytes if chip else None, "error": None}
+      "hbm_bytes_per_device": usable_hbm_bytes(mesh, chip) or (chip.hbm_bytes if chip else None),
+      "error": None}
   start, cpu_start = time.perf_counter(), time.process_time()
   try:
     compiled = compile_step(setup)
@@ -150,6 +153,34 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
     out["networks"] = networks.split_by_network(hlo, mesh, report.collectives(hlo))
   return write(out, job_dir)
+
+
+_USABLE_HBM: dict[str, int | None] = {}
+
+
+def usable_hbm_bytes(mesh, chip) -> int | None:
+  """The HBM the TPU compiler lets one program use, per device, or None (not a TPU, or no
+  figure). The compiler keeps part of the chip's capacity (v6e: 31.25 of 32 GiB; v5e:
+  15.48 of 16), so a peak between the two compiles on paper and is refused by the compiler:
+  the chip table's figure would call it a fit. Found by compiling a probe whose argument is
+  twice the chip's HBM and reading "available HBM (...)" from the refusal (~1 s, once per
+  device kind), rather than hard-coding the reservation, which differs by generation."""
+  device = mesh.devices.flat[0]
+  if getattr(device, "platform", None) != "tpu":
+    return None
+  kind = device.device_kind
+  if kind not in _USABLE_HBM:
+    cols = 2**20
+    rows = 2 * (chip.hbm_bytes if chip else 2**40) // (4 * cols)
+    one = jax.sharding.Mesh(np.array([device]), ("probe",))
+    x = jax.ShapeDtypeStruct((rows, cols), np.float32,
+                             sharding=jax.sharding.NamedSharding(one, jax.sharding.PartitionSpec()))
+    try:
+      jax.jit(lambda x: x[:8] + 1).lower(x).compile()
+      _USABLE_HBM[kind] = None
+    except Exception as e:  # the expected refusal; anything else: no figure
+      _USABLE_HBM[kind] = _parse_oom(str(e))[1] if "RESOURCE_EXHAUSTED" in str(e) else None
+  return _USABLE_HBM[kind]
 
 
 def _add_kernel_time(p: dict, seconds: float) -> None:
@@ -203,7 +234,10 @@ def format_report(r: dict) -> str:
     lines.append(f"    {key:<16}{_gib(m.get(key)):>16}")
   if m.get("host_temp"):
     lines.append(f"    {'host (offload)':<16}{_gib(m['host_temp']):>16}   (host memory, not HBM)")
-  lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}")
+  chip = chips.lookup(r["device_kind"])
+  usable = (f" (what the compiler allows of the chip's {_gib(chip.hbm_bytes)})"
+            if chip and r["hbm_bytes_per_device"] not in (None, chip.hbm_bytes) else "")
+  lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}{usable}")
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
   if r["flops_per_device"] is not None:
