@@ -170,3 +170,32 @@ def test_delayed_scaling_histories_are_written_by_the_step_not_the_optimizer(bat
   w = np.asarray(jax.device_get(state["params"]["layers"]["blocks"]["mlp"]["down"]["kernel"]), np.float32)
   assert np.all(third[:, 1, 0] > 0.5 * np.abs(w).reshape(w.shape[0], -1).max(axis=1))
   assert np.isfinite(float(metrics["grad_norm"]))
+
+
+def test_eight_bit_dots_are_priced_at_their_own_peak():
+  """The same matmul's gradient, int8 vs bf16: XLA counts the same FLOPs; the step model
+  moves the int8 dots' FLOPs to the chip's int8 peak (v6e: 1836 vs 918 T), so their time
+  halves, and on a chip without int8 units (v3) nothing changes."""
+  from shardax.trainer.perf import chips, costs, ops
+  x = jax.ShapeDtypeStruct((8, 128, 256), jax.numpy.bfloat16)
+  w = jax.ShapeDtypeStruct((256, 512), jax.numpy.bfloat16)
+  dn = (((2,), (0,)), ((), ()))
+
+  def priced(mode):
+    f = lambda x, w: (quantization.dot_general(mode, x, w, dn).astype(np.float32) ** 2).sum()
+    return costs.of_compiled(jax.jit(jax.grad(f, argnums=(0, 1))).lower(x, w).compile())
+
+  base, q = priced("none"), priced("int8")
+  dots8 = [op for p in q.pieces for op in p.ops if op[0] == "xla"]
+  matmul = 2.0 * 8 * 128 * 256 * 512
+  assert sorted(op[1] for op in dots8) == ["s8", "s8", "s8"]          # forward + 2 backward
+  assert sum(op[2] for op in dots8) == pytest.approx(3 * matmul)
+  assert q.flops == pytest.approx(base.flops, rel=0.05)               # both count every FLOP once
+
+  def compute(c, chip):
+    return sum(p.executions * (ops.seconds("xla", "bf16", p.flops, chip) +
+                               sum(ops.seconds(*op, chip) for op in p.ops)) for p in c.pieces)
+  v6e, v3 = chips.CHIPS["TPU v6 lite"], chips.CHIPS["TPU v3"]
+  dot_time = 3 * matmul / (v6e.peak_bf16_flops * ops.efficiency(v6e, "xla"))
+  assert compute(base, v6e) - compute(q, v6e) == pytest.approx(dot_time / 2, rel=0.1)
+  assert compute(q, v3) == pytest.approx(compute(base, v3), rel=0.1)

@@ -6,6 +6,9 @@ that is half a chip (the vendor's per-chip numbers halved); TPU v4 and v5p run
 their two cores as one "megacore" device, so per device = per chip.
 
   peak_bf16_flops  dense bf16 matmul FLOP/s (no sparsity)
+  peak_int8_flops, peak_fp8_flops  dense int8 OP/s and fp8 FLOP/s where the chip has units
+                   for them (0: none; an 8-bit dot there runs at the bf16 rate, which is
+                   what XLA does with it: widen the operands)
   hbm_bytes        HBM capacity in bytes (the vendor's GiB/GB figure; the compiler
                    may reserve a little of it)
   hbm_bandwidth    HBM bytes/s
@@ -59,6 +62,8 @@ class Chip:
   devices_per_chip: int = 1
   matmul_efficiency: float = 0.8
   host_bandwidth: float = 0.0         # bytes/s one way between a device and its host's memory
+  peak_int8_flops: float = 0.0
+  peak_fp8_flops: float = 0.0
 
 
 _TPU = "https://cloud.google.com/tpu/docs/"
@@ -103,6 +108,9 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("NVIDIA H100 NVL", 835e12, 94 * GiB, 3900 * GB, 600 * GB, _NV + "h100/"),
     # H200 SXM: 989 TFLOPs bf16 dense; 141 GB HBM3e at 4.8 TB/s; NVLink 900 GB/s.
     Chip("NVIDIA H200", 989e12, 141 * GiB, 4800 * GB, 900 * GB, _NV + "h200/"),
+    # B200 (HGX B200): 2250 TFLOPs bf16 dense (36 PF sparse for 8); 180 GB HBM3e at 7.7 TB/s
+    # (62 TB/s for 8); NVLink 5 1800 GB/s.
+    Chip("NVIDIA B200", 2250e12, 180 * GiB, 7700 * GB, 1800 * GB, _NV + "hgx/"),
 )}
 
 
@@ -136,8 +144,27 @@ _HOST_LINK = {"TPU v3": 1.5e10 / 2, "TPU v4": 1.5e10, "TPU v5 lite": 1.5e10, "TP
 CHIPS = {name: dataclasses.replace(c, host_bandwidth=_HOST_LINK.get(name, (32 if "A100" in name else 64) * GB))
          for name, c in CHIPS.items()}
 
+# 8-bit peaks, dense, per jax device (int8 OP/s, fp8 FLOP/s); where a chip has no such units
+# the field stays 0 and an 8-bit dot is priced at the bf16 rate. Sources, as read 2026-11-25:
+# Cloud TPU system-architecture pages (v4: 275 TOPS int8; v5e: 393 TOPS int8; v5p: 918 TOPS
+# int8; v6e: 1836 TOPS int8; none lists fp8 units for these generations), NVIDIA datasheets
+# (A100: 624 TOPS int8, no fp8; H100 SXM and H200: 1979 TFLOPS fp8 and 1979 TOPS int8 dense
+# (3958 with sparsity); H100 PCIe 1513; H100 NVL 1671; B200 (HGX B200 page, 72 PFLOPS fp8
+# with sparsity for 8 GPUs): 4500 dense). TPU v7x (Ironwood: 4614 TFLOPS fp8 per chip) is
+# not in the table: its ICI and DCN figures were not checked here (see above).
+_EIGHT_BIT = {"TPU v4": (275e12, 0.0), "TPU v5 lite": (393e12, 0.0), "TPU v5": (918e12, 0.0),
+              "TPU v6 lite": (1836e12, 0.0), "NVIDIA A100-SXM4-80GB": (624e12, 0.0),
+              "NVIDIA A100-SXM4-40GB": (624e12, 0.0), "NVIDIA A100 80GB PCIe": (624e12, 0.0),
+              "NVIDIA A100-PCIE-40GB": (624e12, 0.0), "NVIDIA H100 80GB HBM3": (1979e12, 1979e12),
+              "NVIDIA H100 PCIe": (1513e12, 1513e12), "NVIDIA H100 NVL": (1671e12, 1671e12),
+              "NVIDIA H200": (1979e12, 1979e12), "NVIDIA B200": (4500e12, 4500e12)}
+CHIPS = {name: dataclasses.replace(c, peak_int8_flops=_EIGHT_BIT.get(name, (0.0, 0.0))[0],
+                                   peak_fp8_flops=_EIGHT_BIT.get(name, (0.0, 0.0))[1])
+         for name, c in CHIPS.items()}
+
 # Other spellings jax reports for the same parts (driver and form-factor variants).
 _PREFIXES = (
+    ("NVIDIA B200", "NVIDIA B200"),
     ("NVIDIA H200", "NVIDIA H200"),
     ("NVIDIA H100 NVL", "NVIDIA H100 NVL"),
     ("NVIDIA H100 PCIe", "NVIDIA H100 PCIe"),

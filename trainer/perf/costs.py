@@ -63,7 +63,8 @@ class Piece:
   bytes_accessed: float
   transcendentals: float
   trips: tuple[int, ...] = ()      # trip counts of the loops around it, outermost first
-  ops: tuple = ()                  # (kind, dtype, FLOPs) of library calls XLA counts as 0 (trainer/perf/ops.py)
+  ops: tuple = ()                  # (kind, dtype, FLOPs): library calls XLA counts as 0, and XLA's own
+                                   # 8-bit dots (kind "xla", not in `flops`) (trainer/perf/ops.py)
   loops: tuple[str, ...] = ()      # bodies of the loops around it, outermost first
 
 
@@ -207,7 +208,8 @@ def _loops_started_in(mod: _Module, comp: str) -> list[tuple[str, str, int]]:
 def of_hlo_text(hlo_text: str) -> Costs:
   """Loop-aware costs of compiled HLO text (`compiled.as_text()`)."""
   mod = _split(hlo_text)
-  shapes = ops.result_shapes(hlo_text.splitlines()) if "custom-call(" in hlo_text else {}
+  eight_bit = any(f" {t}[" in hlo_text for t in ops.EIGHT_BIT)
+  shapes = ops.result_shapes(hlo_text.splitlines()) if eight_bit or "custom-call(" in hlo_text else {}
   whole = functools.lru_cache(None)(lambda c: _xla_cost(_standalone(mod, c)))
   loops: list[Loop] = []
   pieces: list[Piece] = []
@@ -218,10 +220,12 @@ def of_hlo_text(hlo_text: str) -> Costs:
     started = _loops_started_in(mod, comp)
     own = {k: whole(comp)[k] - sum(whole(b)[k] + whole(c)[k] for c, b, _ in started) for k in _KEYS}
     inside = _inside(mod, comp)
-    calls = tuple(ops.custom_call_ops((line for c in mod.blocks if c in inside for line in mod.blocks[c]),
-                                      shapes))
-    pieces.append(Piece(comp, runs, own["flops"], own["bytes accessed"], own["transcendentals"], trips, calls,
-                        around))
+    lines = [line for c in mod.blocks if c in inside for line in mod.blocks[c]]
+    calls = tuple(ops.custom_call_ops(lines, shapes))
+    # 8-bit dots: XLA counted their FLOPs; the piece keeps them apart, at their own rate.
+    dots8 = tuple(ops.eight_bit_dots(lines, shapes)) if eight_bit else ()
+    pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
+                        own["transcendentals"], trips, calls + dots8, around))
     for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:
@@ -235,7 +239,8 @@ def of_hlo_text(hlo_text: str) -> Costs:
     return out
 
   result = total(mod.entry, 1)
-  result["flops"] += sum(p.executions * sum(f for _, _, f in p.ops) for p in pieces)
+  # Library calls are FLOPs XLA did not count; its own ("xla") dots it did.
+  result["flops"] += sum(p.executions * sum(f for kind, _, f in p.ops if kind != "xla") for p in pieces)
   return Costs(result["flops"], result["transcendentals"], result["bytes accessed"],
                tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"],
                tuple(pieces), owner)

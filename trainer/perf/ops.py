@@ -14,9 +14,15 @@ reads those calls from the compiled HLO and gives each its FLOPs from its operan
                     and runs dV, dP, dQ, dK: 5 matmuls to the forward's 2).
 
 `seconds` prices every op the step model sees through the same rate table: peak of the
-operand dtype (chip.py; bf16 for 16- and 32-bit floats, whose XLA default precision runs
-on the bf16 units) times the efficiency of the op's kind on that chip family. An 8-bit
-dot gets its own peak and efficiency by adding them here and in the chip table.
+operand dtype (chips.py; bf16 for 16- and 32-bit floats, whose XLA default precision runs
+on the bf16 units; `peak_int8_flops` for s8/u8 operands, `peak_fp8_flops` for the float8
+types, each falling back to bf16 on a chip without such units) times the efficiency of
+the op's kind on that chip family.
+
+XLA's own dots with 8-bit operands (model.quantization, layers/quantization.py) are
+counted by XLA's cost analysis like any dot, at 2 FLOPs per multiply-add; `eight_bit_dots`
+finds them (dots, and the convolutions the TPU compiler writes dots as) so the step
+model can move their FLOPs from the bf16 rate to their own (costs.py).
 
 Efficiencies, each with where it comes from:
   TPU "xla"        0.8: large XLA-fused bf16 matmuls (docs/scale.md, set before the
@@ -46,7 +52,8 @@ EFFICIENCY = {
     ("gpu", "xla"): MATMUL_EFFICIENCY["gpu"], ("gpu", "gemm"): MATMUL_EFFICIENCY["gpu"],
     ("gpu", "attention"): 0.28,
 }
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1}
+_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
+          "f8e4m3b11fnuz": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1}
 _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r"|pred|s32|u32|s64)\[([\d,]*)\]")
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul[\w$]*)"')
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
@@ -62,9 +69,13 @@ def efficiency(chip: Chip, kind: str) -> float:
   return EFFICIENCY.get((family(chip), kind), chip.matmul_efficiency)
 
 
+EIGHT_BIT = {"s8": "int8", "u8": "int8", "f8e4m3fn": "fp8", "f8e5m2": "fp8", "f8e4m3fnuz": "fp8",
+             "f8e5m2fnuz": "fp8", "f8e4m3b11fnuz": "fp8", "f8e4m3": "fp8"}
+
+
 def peak(chip: Chip, dtype: str) -> float:
-  """FLOP/s of the chip's units for operands of `dtype` (an 8-bit row may add its own)."""
-  return getattr(chip, f"peak_{dtype}_flops", 0.0) or chip.peak_bf16_flops
+  """FLOP/s of the chip's units for operands of `dtype` (HLO spelling: bf16, s8, f8e4m3fn)."""
+  return getattr(chip, f"peak_{EIGHT_BIT.get(dtype, dtype)}_flops", 0.0) or chip.peak_bf16_flops
 
 
 def seconds(kind: str, dtype: str, flops: float, chip: Chip) -> float:
@@ -152,4 +163,38 @@ def custom_call_ops(lines, shapes: dict[str, str] | None = None) -> list[tuple[s
       out.append(("gemm", *gemm_flops(line, shapes)))
     elif f := _FMHA.search(line):
       out.append(("attention", *attention_flops(line, f.group(1), shapes)))
+  return out
+
+
+_DOT = re.compile(r"\s(dot|convolution)\(([^)]*)\)")
+_CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
+_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+
+
+def eight_bit_dots(lines, shapes: dict[str, str] | None = None) -> list[tuple[str, str, float]]:
+  """("xla", operand dtype, FLOPs) of each dot or convolution whose lhs is an 8-bit type.
+  `shapes`: result shapes by name (`result_shapes`, parameters included)."""
+  out = []
+  for line in lines:
+    m = _DOT.search(line)
+    if not m or "=" not in line:
+      continue
+    names = [o.strip().lstrip("%") for o in m.group(2).split(",")]
+    operands = _shapes(m.group(2)) or [found[0] for n in names if (found := _shapes((shapes or {}).get(n, "")))]
+    if len(operands) < 2 or operands[0][0] not in EIGHT_BIT:
+      continue
+    result = _shapes(line.split("=", 1)[1].split(m.group(1) + "(", 1)[0])
+    if not result:
+      continue
+    (dtype, lhs), (_, rhs) = operands[0], operands[1]
+    if m.group(1) == "dot":
+      c = _CONTRACT.search(line)
+      dims = [int(d) for d in (c.group(1) if c else "").split(",") if d]
+      contracted = math.prod(lhs[d] for d in dims)
+    else:  # kernel elements per output feature: input features x window
+      found = _LABELS.search(line)
+      labels = found.group(1) if found else ""
+      out_feature = rhs[labels.index("o")] if "o" in labels else 1
+      contracted = math.prod(rhs) // max(out_feature, 1)
+    out.append(("xla", dtype, 2.0 * math.prod(result[0][1]) * contracted))
   return out
