@@ -53,12 +53,14 @@ class MoEBlock(nnx.Module):
   def __init__(self, cfg, *, rngs: nnx.Rngs):
     t = cfg.transformer
     dt, pdt = jnp.dtype(t.dtype), jnp.dtype(t.param_dtype)
-    self.attn_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
+    self.attn_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt, eps=t.norm_eps)
     self.attn = Attention(t.d_model, t.num_heads, t.kv_heads, t.dim_per_head,
                           rope_theta=t.rope_theta, implementation=t.attention,
                           dtype=dt, param_dtype=pdt, rngs=rngs, options=t.attention_options(),
+                          norm_eps=t.norm_eps, qkv_bias=t.qkv_bias, out_bias=t.out_bias, qk_norm=t.qk_norm,
+                          rope_scaling=t.rope_scaling_params,
                           quantization=t.quantization)
-    self.mlp_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
+    self.mlp_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt, eps=t.norm_eps)
     self.moe = MoEFeedForward(t.d_model, cfg.moe, activation=t.activation,
                               dtype=dt, param_dtype=pdt, quantization=t.quantization, rngs=rngs)
 
@@ -131,7 +133,7 @@ class MoELM(nnx.Module):
     t = cfg.transformer
     dt, pdt = jnp.dtype(t.dtype), jnp.dtype(t.param_dtype)
     n = cfg.num_moe_layers
-    self.embed = Embed(t.vocab_size, t.d_model, dtype=dt, param_dtype=pdt, rngs=rngs)
+    self.embed = Embed(t.vocab_size, t.d_model, dtype=dt, param_dtype=pdt, scale=t.scale_embedding, rngs=rngs)
     k = cfg.moe.first_dense_layers
     if not k:
       self.first_dense = None
@@ -143,7 +145,7 @@ class MoELM(nnx.Module):
       self.units = stacked_units(cfg, n, rngs=rngs)
     else:
       self.units = nnx.List([Unit(cfg, rngs=rngs) for _ in range(n)])
-    self.final_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt)
+    self.final_norm = make_norm(t.norm, t.d_model, dtype=dt, param_dtype=pdt, eps=t.norm_eps)
     self.head = None if t.tied_embedding else DenseGeneral(
         t.d_model, t.vocab_size, in_axes=("embed",), out_axes=("vocab",),
         dtype=dt, param_dtype=pdt, rngs=rngs)

@@ -28,13 +28,6 @@ from shardax.trainer.hf import exporter, importer, safetensors
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral")
 PAD_TO = 32
-# layers/moe_lm.py builds its Embed with the default scale=True (rows times sqrt(d_model)),
-# not from model.transformer.scale_embedding (False for Hugging Face models), so the MoE LM's
-# outputs differ from transformers' until it passes `scale=t.scale_embedding` (layers/ is
-# not this module's to change). With that one change the fixture's logits match to 4e-6.
-# Strict: the day layers/ is fixed these pass, and the marker must go.
-MOE_EMBED_SCALE = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "layers/moe_lm.py MoELM ignores model.transformer.scale_embedding (Embed scales rows by sqrt(d))"))
 
 
 def experiment(arch, *overrides):
@@ -77,8 +70,6 @@ def arch_model(request):
 
 def test_logits_match_transformers(arch_model, request):
   arch, setup, params = arch_model
-  if arch == "mixtral":
-    request.applymarker(MOE_EMBED_SCALE)
   ref = reference(arch)
   got = logits_of(setup, params, ref)
   worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
@@ -90,8 +81,6 @@ def test_logits_match_transformers(arch_model, request):
 
 def test_greedy_decode_matches_transformers(arch_model, request):
   arch, setup, params = arch_model
-  if arch == "mixtral":
-    request.applymarker(MOE_EMBED_SCALE)
   ref = reference(arch)
   gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
   result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
@@ -195,7 +184,6 @@ def _write_config(d, base="llama", **changes):
     ({"some_new_scaling": 2.0}, "some_new_scaling"),
     ({"num_local_experts": 8}, "num_local_experts"),   # a router key in a dense model's config
     ({"base": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ({"base": "mixtral", "rms_norm_eps": 1e-5}, "rms_norm_eps"),
     ({"base": "mixtral", "attention_bias": True}, "attention_bias"),
     ({"architectures": ["GPT2LMHeadModel"]}, "exactly one of"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn' is not implemented"),

@@ -26,9 +26,6 @@ ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
 MOE = ("mixtral",)
 # transformers' defaults where they differ from Llama's (a config.json may omit a key).
 DEFAULTS = {"mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6}}
-# The epsilon layers/moe_lm.py's norms compute with: they do not read model.transformer.norm_eps
-# (yet), so a Mixtral with another rms_norm_eps would import as a different model.
-MOE_NORM_EPS = 1e-6
 
 # Keys that do not change what the model computes (bookkeeping, ids, generation defaults).
 METADATA = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
@@ -143,16 +140,12 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
 
 
 def _check_moe_attention(hf: dict[str, Any], eps: float, rope: dict[str, Any]) -> None:
-  """What layers/moe_lm.py's MoEBlock computes: no attention or MLP biases, plain RoPE, and
-  norms at MOE_NORM_EPS. Anything else would load as a different model."""
+  """What the importer maps for layers/moe_lm.py's MoEBlock: no attention or MLP biases and
+  plain RoPE (its norms take rms_norm_eps). Anything else would load as a different model."""
   if hf.get("attention_bias") or hf.get("mlp_bias"):
     raise ConfigError("config.json attention_bias/mlp_bias=true: shardax's MoE block has no biases")
   if "rope_scaling" in rope:
     raise ConfigError("config.json rope scaling: shardax's MoE block implements plain RoPE only")
-  if eps != MOE_NORM_EPS:
-    raise ConfigError(f"config.json rms_norm_eps={eps}: shardax's MoE block (layers/moe_lm.py) computes "
-                      f"its norms with eps={MOE_NORM_EPS} and does not read model.transformer.norm_eps "
-                      f"yet; a Mixtral with another rms_norm_eps cannot be imported until it does")
 
 
 def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
@@ -217,8 +210,7 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
     m = model.moe
     out.update(intermediate_size=m.d_ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
                router_jitter_noise=0.0, router_aux_loss_coef=m.aux_loss_weight / m.top_k,
-               output_router_logits=bool(source.get("output_router_logits", False)),
-               rms_norm_eps=MOE_NORM_EPS)   # what the MoE block computes with
+               output_router_logits=bool(source.get("output_router_logits", False)))
   return out
 
 
