@@ -183,3 +183,18 @@ def test_a_cache_compiled_before_the_kernel_mapping_is_named_in_the_table():
   assert cal.compiled_as(xla_row, {"id": xla_row["id"]}) == []
   assert cal.compiled_as(xla_row, {"attention": "xla", "remat": "offload"}) == [
       "cached compile: remat offload, predates the full mapping"]
+
+
+@needs_libtpu
+def test_a_flash_compiled_cache_adds_the_kernel_time_its_costs_miss():
+  cal = _calibrate()
+  row = _row("maxtext-v5p-32B-1xv5p-128")
+  path = os.path.join(cal.CACHE, f"{row['id']}.json")
+  if not os.path.exists(path):
+    pytest.skip("no cached costs for the row")
+  entry = json.load(open(path))
+  xla = cal.predict_row(row, dict(entry, attention="xla"))
+  flash = cal.predict_row(row, dict(entry, attention="flash"))
+  kernel = flash.breakdown["flash_kernel_seconds"]
+  assert kernel > 0 and flash.step_seconds == pytest.approx(xla.step_seconds + kernel)
+  assert flash.mfu == pytest.approx(xla.mfu * xla.step_seconds / flash.step_seconds)
