@@ -41,6 +41,8 @@ flags.DEFINE_integer("heartbeat_timeout_s", None,
                      "exits non-zero (default: SHARDAX_HEARTBEAT_TIMEOUT_S, else 100).")
 flags.DEFINE_bool("single_process", False, "Run as one process even where a cluster launcher is "
                   "present but its detection fails (otherwise that failure stops the job).")
+flags.DEFINE_string("plan_quantization", "", "plan: also rank these model.quantization choices, "
+                    "comma-separated (e.g. none,int8): each layout once per choice.")
 flags.DEFINE_bool("shallow", False, "dry_run/plan: compile shallow copies of a scanned stack and "
                   "extrapolate to full depth (trainer/perf/extrapolate.py) instead of the full model.")
 flags.DEFINE_float("compile_effort", None, "dry_run/plan: compile effort in [-1, 1] (jax 0.10: "
@@ -161,7 +163,8 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer.perf import plan
     write_config(exp, job_dir)
     effort = -1.0 if FLAGS.compile_effort is None else FLAGS.compile_effort
-    result = plan.plan(FLAGS.exp, FLAGS.set, job_dir, effort=effort, shallow=FLAGS.shallow)
+    result = plan.plan(FLAGS.exp, FLAGS.set, job_dir, effort=effort, shallow=FLAGS.shallow,
+                       quantization=tuple(q for q in FLAGS.plan_quantization.split(",") if q))
     print(plan.format_plan(result), flush=True)
 
 

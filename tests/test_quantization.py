@@ -199,3 +199,20 @@ def test_eight_bit_dots_are_priced_at_their_own_peak():
   dot_time = 3 * matmul / (v6e.peak_bf16_flops * ops.efficiency(v6e, "xla"))
   assert compute(base, v6e) - compute(q, v6e) == pytest.approx(dot_time / 2, rel=0.1)
   assert compute(q, v3) == pytest.approx(compute(base, v3), rel=0.1)
+
+
+def test_plan_ranks_quantization_with_the_layouts():
+  """`--mode=plan --plan_quantization=none,int8`: every layout once per choice, each a valid
+  --set line (the ranking itself is plan.rank's, tested in test_plan.py)."""
+  from shardax.trainer.perf import plan
+  cfg = configs.get("lm.small")
+  grid = plan.Grid(model_axis=(2,), remat=("full",), microbatches=(1,), pipeline_stages=(),
+                   quantization=("none", "int8"))
+  found = plan.candidates(cfg, 4, grid)
+  assert len(found) == 2 * len(plan.candidates(cfg, 4, plan.Grid(model_axis=(2,), remat=("full",),
+                                                                   microbatches=(1,), pipeline_stages=())))
+  for sets in found:
+    cfg = configs.get("lm.small")
+    configs.apply_overrides(cfg, sets)
+    assert configs.build(cfg).model.quantization in ("none", "int8")
+  assert {s[-1] for s in found} == {"model.quantization=none", "model.quantization=int8"}

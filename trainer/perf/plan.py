@@ -65,6 +65,7 @@ class Grid:
   pipeline_microbatches_per_stage: int = 2             # M = this x S
   context_axis: tuple[int, ...] = ()                  # if set: mesh (data, context) of these
                                                       # context sizes instead of (data, model)
+  quantization: tuple[str, ...] = ()                  # if set: every layout once per model.quantization
 
 
 # Experiments whose layouts are not the 2D default's. Long-context LMs (experiments/
@@ -110,6 +111,8 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
       out.append(_layout(("stage", "data", "model"), (s, -1, grid.pipeline_model_axis), "pp_2d")
                  + base + [f"{prefix}pipeline.stages={s}",
                            f"{prefix}pipeline.microbatches={grid.pipeline_microbatches_per_stage * s}"])
+  if grid.quantization:  # 8-bit matmuls (layers/quantization.py) ranked with the layouts
+    out = [sets + [f"{prefix}quantization={q}"] for sets in out for q in grid.quantization]
   return out
 
 
@@ -183,10 +186,13 @@ def rank(rows: list[dict]) -> list[dict]:
 
 def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *,
          grid: Grid = Grid(), effort: float = -1.0, shallow: bool = False,
-         log=print) -> dict[str, Any]:
-  """Evaluate every candidate of `grid`, rank them, write plan.json; returns the plan."""
+         quantization: Sequence[str] = (), log=print) -> dict[str, Any]:
+  """Evaluate every candidate of `grid`, rank them, write plan.json; returns the plan.
+  `quantization`: also rank these model.quantization choices (each layout once per choice)."""
   start = time.perf_counter()
   grid = GRIDS.get(name, grid) if grid == Grid() else grid
+  if quantization:
+    grid = dataclasses.replace(grid, quantization=tuple(quantization))
   cfg = configs.get(name)
   configs.apply_overrides(cfg, list(overrides))
   exp = configs.build(cfg)

@@ -102,7 +102,11 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
   n = int(mesh.size)
   comm = _collective_times(costs, mesh, chip)
   pieces, totals = [], collections.Counter()
+  eight_bit = collections.Counter()   # XLA's 8-bit dots (model.quantization): FLOPs by operand type
   for p in costs.pieces:
+    for kind, dtype, f in p.ops:
+      if kind == "xla":
+        eight_bit[dtype] += p.executions * f
     compute = ops.seconds("xla", "bf16", p.flops, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
     memory = p.bytes_accessed / chip.hbm_bandwidth
     local = max(compute, memory)
@@ -127,6 +131,7 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
       "bubble_seconds": bubble,
       "recompute_factor": costs.flops * n / model_flops if model_flops else None,
       "matmul_efficiency": chip.matmul_efficiency,
+      "eight_bit_flops": {d: {"flops": f, "peak": ops.peak(chip, d)} for d, f in eight_bit.items()},
       "pieces": pieces}
   return Prediction(
       step_seconds=step,
@@ -200,6 +205,9 @@ def format_prediction(pr: Prediction) -> list[str]:
            f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
            f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
            f"bubble {b['bubble_seconds']:.4g} s"]
+  for dtype, e in sorted(b.get("eight_bit_flops", {}).items()):
+    lines.append(f"    8-bit dots: {e['flops']:.4g} FLOPs per device on {dtype} operands, priced at "
+                 f"{e['peak'] / 1e12:,.0f} T/s peak")
   if c["by_kind"]:
     lines.append("    collectives by kind: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_kind"].items())))
     lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
