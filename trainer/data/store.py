@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
 import uuid
 
 REMOTE = ("gs://", "s3://")
@@ -121,12 +120,3 @@ def local_copy(path: str) -> str:
     _epath(path).copy(_epath(tmp), overwrite=True)
     os.replace(tmp, local)
   return local
-
-
-def remove_tree(path: str) -> None:
-  if is_remote(path):
-    p = _epath(path)
-    if p.exists():
-      p.rmtree()
-  else:
-    shutil.rmtree(path, ignore_errors=True)

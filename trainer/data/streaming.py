@@ -27,6 +27,7 @@ from collections.abc import Sequence
 
 import grain
 import numpy as np
+from absl import logging
 
 from shardax.trainer.data import packing, store
 from shardax.trainer.data.preparation import Prepared
@@ -111,6 +112,12 @@ def reader_layout(num_shards: int, global_batch: int, rows: tuple[int, int]) -> 
   if start % per or stop % per:
     per = stop - start
     readers = global_batch // per
+    if num_shards % readers:
+      logging.warning(
+          "data.num_shards=%d does not give each of the %d readers whole shard files: every "
+          "reader opens every file and takes every %d-th record; set data.num_shards to a "
+          "multiple of %d (the shard count should follow the readers)", num_shards, readers,
+          readers, readers)
   return readers, list(range(start // per, stop // per)), per
 
 
