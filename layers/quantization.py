@@ -47,10 +47,13 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+# qwix's quantized-training dots, called directly (its public entry point is the model
+# interception, see above); the modules are private, so pyproject pins qwix < 0.2.
 from qwix._src.core import dot_general_qt as _qt
 from qwix._src.core import ragged_dot_qt as _rqt
 
-from shardax.configs.schema import QUANTIZATION_CHOICES as MODES  # noqa: E402  (one list, in the schema)
+from shardax.configs.schema import QUANTIZATION_CHOICES as MODES  # one list of choices, in the schema
+
 _FWD = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_delayed": jnp.float8_e4m3fn}
 _BWD = {"int8": jnp.int8, "fp8": jnp.float8_e5m2, "fp8_delayed": jnp.float8_e5m2}
 
