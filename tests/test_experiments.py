@@ -31,7 +31,7 @@ SKIPPED = {
     "moe.deepseek_v3": "pod-sized (v5p:8x8x16, 675B params): built and compiled by dry runs only",
     "lm.llama3_8b_8k": "pod-sized (v6e:2x4, Llama-3.1-8B at 8k): built and compiled by dry runs only",
     "lm.llama3_70b_8k": "pod-sized (v6e:16x16, Llama-3.1-70B at 8k): built and compiled by dry runs only",
-    "lm.llama3_8b_32k": "pod-sized (v6e:4x8, Llama-3.1-8B at 32k, context parallel): built and compiled by dry runs only",
+    "lm.llama3_8b_32k": "pod-sized (v6e:8x8, Llama-3.1-8B at 32k, context parallel): built and compiled by dry runs only",
 }
 FAST = ("lm.tiny_pipelined",)
 

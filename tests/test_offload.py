@@ -106,7 +106,7 @@ def test_plan_ranks_remat_and_offload_for_the_long_context_experiments():
 def test_plan_splits_the_sequence_for_the_32k_experiment():
   """lm.llama3_8b_32k's grid: mesh (data, context) with 4 or 8 chips per sequence under
   fsdp_cp, and every candidate is a config that builds (seq_len divides 2 x context)."""
-  cands = plan.candidates(configs.get("lm.llama3_8b_32k"), 32, plan.GRIDS["lm.llama3_8b_32k"])
+  cands = plan.candidates(configs.get("lm.llama3_8b_32k"), 64, plan.GRIDS["lm.llama3_8b_32k"])
   assert {s for c in cands for s in c if s.startswith("mesh.ici=")} == {"mesh.ici=(-1, 4)", "mesh.ici=(-1, 8)"}
   assert all("sharding.preset=fsdp_cp" in c and "mesh.axes=('data', 'context')" in c for c in cands)
   for c in cands:
