@@ -244,14 +244,14 @@ class Attention(nnx.Module):
                dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
                out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
                rope_scaling: tuple[float, float, float, int] | None = None, rngs: nnx.Rngs,
-               options: AttentionOptions | None = None):
+               options: AttentionOptions | None = None, quantization: str = "none"):
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     self.rope_theta = rope_theta
     self.rope_scaling = None if rope_scaling is None else tuple(rope_scaling)
     self.options = options or AttentionOptions(implementation)  # validates the name
     self.implementation = self.options.implementation
-    kw = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+    kw = dict(dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
     self.query = DenseGeneral(d_model, (num_heads, head_dim), in_axes=("embed",),
                               out_axes=("heads", "kv"), use_bias=qkv_bias, **kw)
     self.key = DenseGeneral(d_model, (num_kv_heads, head_dim), in_axes=("embed",),
