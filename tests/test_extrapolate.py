@@ -93,3 +93,19 @@ def test_report_says_which_path_was_used(both):
   assert saved["compile_path"] == "shallow" and saved["compile_path_reason"] is None
   assert saved["shallow"]["field"] == "model.num_layers" and len(saved["shallow"]["compile_seconds"]) == 2
   assert "shallow copies of 3 and 4 layers" in ex.format_path(saved)
+
+
+def test_a_shallow_flash_dry_run_adds_the_full_depth_kernel_time():
+  """The splash kernel is 0 FLOPs in XLA's costs: the full-compile dry run adds its time, and
+  the extrapolated prediction (rebuilt from deepened costs) must too, at the full depth."""
+  pytest.importorskip("libtpu")
+  from shardax.sharding import make_mesh
+  from shardax.trainer.perf import chips, stepmodel
+  small = [o for o in SMALL if not o.startswith(("data.seq_len", "model.max_len"))]
+  exp = build("lm.tiny", *small, "data.seq_len=128", "model.max_len=128", "model.attention='flash'",
+              "model.num_layers=12")
+  out = ex.dry_run(exp, effort=-1.0)
+  assert out["compile_path"] == "shallow"
+  mesh = make_mesh(exp.mesh)
+  want = stepmodel.flash_kernel_seconds(exp, int(mesh.size), chips.lookup(mesh.devices.flat[0].device_kind))
+  assert want > 0 and out["predicted"]["breakdown"]["flash_kernel_seconds"] == pytest.approx(want)

@@ -215,7 +215,12 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   chip = chips.lookup(out["device_kind"])
   out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
   if chip is not None:
-    out["predicted"] = dry_run_lib._brief(stepmodel.from_costs(deep, make_mesh(exp.mesh), exp, chip).as_dict())
+    mesh = make_mesh(exp.mesh)
+    out["predicted"] = dry_run_lib._brief(stepmodel.from_costs(deep, mesh, exp, chip).as_dict())
+    if "flash_kernel_seconds" in ((b.get("predicted") or {}).get("breakdown") or {}):
+      # the shallow copy ran the Pallas flash kernel (0 FLOPs in XLA's costs): the full
+      # depth's kernel time, as the full compile's dry run adds it
+      dry_run_lib._add_kernel_time(out["predicted"], stepmodel.flash_kernel_seconds(exp, int(mesh.size), chip))
   return out
 
 
