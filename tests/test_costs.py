@@ -163,3 +163,18 @@ def test_bytes_are_logical_whatever_tiles_the_layouts_carry():
       "%j = s32[] add(%i, %one)", "%j = s32[]{:S(2)} add(%i, %one)")
   assert tiled.count(":T(8,128)") == 1 and tiled.count("{:S(2)}") == 2
   assert costs.of_hlo_text(tiled).bytes_accessed == costs.of_hlo_text(NESTED).bytes_accessed
+
+
+def test_a_sparsecore_computation_ends_where_its_execution_thread_is_named():
+  """v6e programs close SparseCore computations with `}, execution_thread="sparsecore"`;
+  read as still open, the entry after it was swallowed and the cost analysis failed with
+  'computation does not exist' (the Mixtral dry run on v6e:16x16)."""
+  hlo = "\n".join([
+      "HloModule m", "",
+      "%sc_body (p: f32[4]) -> f32[4] {", "  %p = f32[4]{0} parameter(0)",
+      "  ROOT %n = f32[4]{0} negate(%p)", '}, execution_thread="sparsecore"', "",
+      "ENTRY %main (a: f32[4]) -> f32[4] {", "  %a = f32[4]{0} parameter(0)",
+      "  ROOT %c = f32[4]{0} call(%a), to_apply=%sc_body", "}", ""])
+  mod = costs._split(hlo)
+  assert sorted(mod.blocks) == ["main", "sc_body"] and mod.entry == "main"
+  assert mod.callees["main"] == ["sc_body"]

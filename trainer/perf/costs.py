@@ -120,7 +120,9 @@ def _split(hlo_text: str) -> _Module:
         prefix.append(line)
       continue
     blocks[current].append(line)
-    if line.rstrip() == "}":  # a computation ends; custom-call configs may start lines with "}}"
+    # A computation ends on a bare "}" (custom-call configs may start lines with "}}"), or on
+    # "}, execution_thread=..." (the SparseCore sections of v6e programs).
+    if line.rstrip() == "}" or line.startswith("}, execution_thread="):
       current = None
   trips = report.trip_counts(hlo_text)
   callees, whiles = {}, {}
