@@ -168,7 +168,46 @@ def custom_call_ops(lines, shapes: dict[str, str] | None = None) -> list[tuple[s
 
 _DOT = re.compile(r"\s(dot|convolution)\(([^)]*)\)")
 _CONTRACT = re.compile(r"lhs_contracting_dims=\{([\d,]*)\}")
-_LABELS = re.compile(r"dim_labels=\w+_(\w+)->")
+_LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"window=\{([^}]*)\}")
+
+
+def _window(text: str, n: int) -> dict[str, list]:
+  """A convolution's window attribute: size, stride, pad (low, high), lhs/rhs dilation per
+  spatial dim (XLA omits the defaults)."""
+  fields = dict(f.split("=", 1) for f in text.split() if "=" in f)
+  ints = lambda key, default: [int(v) for v in fields[key].split("x")] if key in fields else [default] * n
+  pads = [tuple(int(v) for v in p.split("_")) for p in fields["pad"].split("x")] if "pad" in fields else [(0, 0)] * n
+  return {"size": ints("size", 1), "stride": ints("stride", 1), "pad": pads,
+          "lhs": ints("lhs_dilate", 1), "rhs": ints("rhs_dilate", 1)}
+
+
+def _taps(size_in: int, size_out: int, k: int, stride: int, pad_low: int, ldil: int, rdil: int) -> int:
+  """(output position, kernel position) pairs of one spatial dim that read a real input
+  element (not padding, not a dilation hole): what each output sums over, added up."""
+  last = (size_in - 1) * ldil
+  return sum(1 for o in range(size_out) for j in range(k)
+             if 0 <= (i := o * stride + j * rdil - pad_low) <= last and i % ldil == 0)
+
+
+def _conv_flops(line: str, lhs: tuple, rhs: tuple, out: tuple) -> float:
+  """2 x multiply-adds of a convolution, counted as XLA's cost analysis counts them: over
+  valid kernel taps only. The TPU compiler writes many dots as convolutions whose padded
+  windows mostly read padding (a [b, l, embed] x [embed, heads, kv] projection becomes a
+  window of `heads` taps of which one is real), so window size x features would overcount."""
+  labels = _LABELS.search(line)
+  if not labels:
+    return 0.0
+  lhs_l, rhs_l, out_l = labels.groups()
+  spatial = sorted(c for c in lhs_l if c.isdigit())
+  found = _WINDOW.search(line)
+  window = _window(found.group(1) if found else "", len(spatial))
+  taps = 1
+  for n, d in enumerate(spatial):
+    taps *= _taps(lhs[lhs_l.index(d)], out[out_l.index(d)], window["size"][n], window["stride"][n],
+                  window["pad"][n][0], window["lhs"][n], window["rhs"][n])
+  batch = out[out_l.index("b")]
+  return 2.0 * batch * out[out_l.index("f")] * rhs[rhs_l.index("i")] * taps
 
 
 def eight_bit_dots(lines, shapes: dict[str, str] | None = None) -> list[tuple[str, str, float]]:
@@ -190,11 +229,8 @@ def eight_bit_dots(lines, shapes: dict[str, str] | None = None) -> list[tuple[st
     if m.group(1) == "dot":
       c = _CONTRACT.search(line)
       dims = [int(d) for d in (c.group(1) if c else "").split(",") if d]
-      contracted = math.prod(lhs[d] for d in dims)
-    else:  # kernel elements per output feature: input features x window
-      found = _LABELS.search(line)
-      labels = found.group(1) if found else ""
-      out_feature = rhs[labels.index("o")] if "o" in labels else 1
-      contracted = math.prod(rhs) // max(out_feature, 1)
-    out.append(("xla", dtype, 2.0 * math.prod(result[0][1]) * contracted))
+      flops = 2.0 * math.prod(result[0][1]) * math.prod(lhs[d] for d in dims)
+    else:
+      flops = _conv_flops(line, lhs, rhs, result[0][1])
+    out.append(("xla", dtype, flops))
   return out
