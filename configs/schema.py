@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from shardax.configs import attention as attention_lib
 from shardax.configs import flops
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
 from shardax.sharding.mesh import MeshConfig
@@ -67,7 +68,7 @@ class PipelineConfig:
 # model.remat: recompute policies, and offload policies that move the saved tensors to host
 # memory (layers/transformer.py REMAT_POLICIES). model.attention: layers/attention.py.
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_proj")
-ATTENTION_CHOICES = ("xla", "fused", "flash", "auto")
+ATTENTION_CHOICES = attention_lib.IMPLEMENTATIONS
 # model.quantization: the projections' dots in 8 bits, forward and backward (layers/quantization.py).
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "fp8_delayed")
 
@@ -170,8 +171,7 @@ class TransformerConfig:
   def attention_options(self):
     """The attention options these fields describe: a configs/attention.py record (the
     schema does not import layers/; the attention layer reads the record's fields)."""
-    from shardax.configs.attention import AttentionOptions
-    return AttentionOptions(self.attention, window=self.attention_window, softcap=self.attention_softcap,
+    return attention_lib.AttentionOptions(self.attention, window=self.attention_window, softcap=self.attention_softcap,
                             flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
 
   def make(self, rngs):

@@ -48,6 +48,7 @@ import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa: F401  (re-exported)
 from shardax.layers import context_parallel
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import RMSNorm
@@ -157,33 +158,6 @@ def _fused_impl(q: jax.Array) -> str | None:
   if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d <= 128 and d % 8 == 0:
     return "cudnn"
   return None
-
-
-IMPLEMENTATIONS = ("xla", "fused", "flash", "auto")
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionOptions:
-  """How attention is computed (static; hashable). `implementation`:
-    'xla'    einsums (`xla_attention`);
-    'fused'  jax.nn.dot_product_attention (cuDNN flash attention on a GPU);
-    'flash'  the Pallas splash kernel (layers/flash.py; TPU, or interpret mode elsewhere);
-    'auto'   per target platform: 'flash' on a TPU when the lengths suit the kernel,
-             'fused' on a GPU, else 'xla'.
-  window: sliding-window attention (query i sees keys i - window < j <= i); None = all.
-  softcap: logits -> softcap * tanh(logits / softcap); None = off.
-  flash_block_q / flash_block_kv: the kernel's tile sizes; interpret: run Pallas in
-  interpret mode (tests on a CPU)."""
-  implementation: str = "xla"
-  window: int | None = None
-  softcap: float | None = None
-  flash_block_q: int = 512
-  flash_block_kv: int = 512
-  interpret: bool = False
-
-  def __post_init__(self):
-    if self.implementation not in IMPLEMENTATIONS:
-      raise ValueError(f"attention={self.implementation!r}: use one of {IMPLEMENTATIONS}")
 
 
 def target_platform() -> str:
