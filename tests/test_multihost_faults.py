@@ -1,6 +1,7 @@
 """Faults in a two-process job (real processes, real signals, 4 CPU devices each):
 a pod-wide SIGTERM (maintenance event) and one process SIGKILLed (a host lost)."""
 
+import json
 import os
 import subprocess
 import time
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import clitools as cli
+from test_cloud import BUCKET, emulator  # noqa: F401  (the local GCS emulator fixture, reused)
 
 # The schedule must not depend on train.steps, which differs between a run and its resumption.
 SCHEDULE = "optimizer.decay_steps=1000"
@@ -33,11 +35,11 @@ def finish_two(job, data_dir, tmp_path, steps):
   return open(tmp_path / "resume0.log").read()
 
 
-def reference_losses(tmp_path, data_dir, steps):
+def reference_losses(tmp_path, data_dir, steps, *sets):
   """The same (2, 4) mesh in one process with 8 devices, uninterrupted."""
   job = tmp_path / "ref"
   out = cli.run(cli.command(job, data_dir, "mesh.ici=(2, 4)", "sharding.preset='2d'", "mesh.num_cpu_devices=8",
-                            SCHEDULE, f"train.steps={steps}", "checkpoint.every=100"), devices=8)
+                            SCHEDULE, f"train.steps={steps}", "checkpoint.every=100", *sets), devices=8)
   assert out.returncode == 0, out.stderr[-3000:]
   return cli.losses(job)
 
@@ -102,12 +104,21 @@ def start_four_on_two_hosts(job, data_dir, tmp_path, *sets, tag):
 
 
 @pytest.mark.slow
-def test_four_processes_on_two_hosts_resume_their_own_data_state(tmp_path):
-  """mesh.dcn=(2, 1) over 2 faked hosts of 2 processes (4 processes would be 4 granules
-  without node ids, and the run would refuse); SIGTERM mid-run; each process resumes its
-  own data state with nothing replayed; the losses are the uninterrupted 8-device run's."""
-  data_dir, job = tmp_path / "data", tmp_path / "job"
-  procs = start_four_on_two_hosts(job, data_dir, tmp_path, "train.steps=1000", "checkpoint.every=100", tag="run")
+def test_four_processes_on_two_hosts_resume_their_own_data_state(tmp_path, emulator):
+  """A folder of JSONL files in a bucket, prepared into a gs:// data dir (the local GCS
+  emulator); mesh.dcn=(2, 1) over 2 faked hosts of 2 processes (4 processes would be 4
+  granules without node ids, and the run would refuse); SIGTERM mid-run; each process
+  resumes its own data state with nothing replayed; the losses are the uninterrupted
+  8-device run's."""
+  _, fs = emulator
+  for f in range(2):
+    fs.pipe(f"{BUCKET}/corpus/part{f}.jsonl", "".join(
+        json.dumps({"text": f"document {f}.{i}: " + " ".join(f"w{(i * 7 + j) % 97}" for j in range(60))}) + "\n"
+        for i in range(300)).encode())
+  data_dir, job = f"gs://{BUCKET}/data", tmp_path / "job"
+  source = f"data.source='files:gs://{BUCKET}/corpus/*.jsonl'"
+  procs = start_four_on_two_hosts(job, data_dir, tmp_path, "train.steps=1000", "checkpoint.every=100", source,
+                                  tag="run")
   read = lambda tag: "\n".join(open(tmp_path / f"{tag}{i}.log").read()[-2000:] for i in range(4))  # noqa: E731
   try:
     assert cli.wait_for(lambda: max(cli.losses(job), default=0) >= 4, timeout=400), read("run")
@@ -120,11 +131,11 @@ def test_four_processes_on_two_hosts_resume_their_own_data_state(tmp_path):
   assert "processes by host (from node ids): {0: 0, 1: 0, 2: 1, 3: 1}" in open(tmp_path / "run0.log").read()
   [stopped] = cli.checkpoint_steps(job)
   procs = start_four_on_two_hosts(job, data_dir, tmp_path, f"train.steps={stopped + 3}", "checkpoint.every=100",
-                                  tag="resume")
+                                  source, tag="resume")
   assert [cli.wait_or_kill(p, timeout=400) for p in procs] == [0] * 4, read("resume")
   for i in range(4):
     assert (f"process {i} restored its data state at step {stopped}, 0 batches replayed"
             in open(tmp_path / f"resume{i}.log").read()), read("resume")
-  got, ref = cli.losses(job), reference_losses(tmp_path, data_dir, stopped + 3)
+  got, ref = cli.losses(job), reference_losses(tmp_path, data_dir, stopped + 3, source)
   steps = range(stopped + 1, stopped + 4)
   np.testing.assert_allclose([got[s] for s in steps], [ref[s] for s in steps], rtol=1e-5)
