@@ -49,7 +49,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa: F401  (re-exported)
-from shardax.layers import context_parallel
+from shardax.layers import context_parallel, flash
+from shardax.layers.attention_choice import resolve, target_platform  # noqa: F401  (re-exported)
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import RMSNorm
 from shardax.sharding import shard
@@ -160,25 +161,6 @@ def _fused_impl(q: jax.Array) -> str | None:
   return None
 
 
-def target_platform() -> str:
-  """The platform the step is being compiled for: the current mesh's devices (a TPU
-  topology in a dry run says 'tpu' on this CPU), else jax's default backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  return getattr(device, "platform", None) or jax.default_backend()
-
-
-def resolve(options: AttentionOptions, q_len: int, kv_len: int) -> str:
-  """The implementation `options` asks for here ('auto' decided by target_platform)."""
-  if options.implementation != "auto":
-    return options.implementation
-  from shardax.layers import flash
-  platform = target_platform()
-  if platform == "tpu" and flash.supports(q_len, kv_len):
-    return "flash"
-  return "fused" if platform == "gpu" and options.softcap is None else "xla"
-
-
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
                    *, options: AttentionOptions = AttentionOptions()) -> jax.Array:
   """Causal GQA on one device's (or one global, GSPMD-partitioned) q[b,l,n,d], k/v[b,s,k,d].
@@ -187,7 +169,6 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
   (no shard_map: callers that hold local blocks, e.g. context parallelism, call this)."""
   impl = resolve(options, q.shape[1], k.shape[1])
   if impl == "flash":
-    from shardax.layers import flash
     return flash.splash_local(q, k, v, segment_ids, window=options.window, softcap=options.softcap,
                               block_q=options.flash_block_q, block_kv=options.flash_block_kv,
                               interpret=options.interpret)
@@ -204,7 +185,6 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
   """`attention_core` on global arrays: the flash kernel runs per device under shard_map
   (layers/flash.py `sharded`); the other paths are left to the SPMD partitioner."""
   if resolve(options, q.shape[1], k.shape[1]) == "flash":
-    from shardax.layers import flash
     local = functools.partial(attention_core, options=dataclasses.replace(options, implementation="flash"))
     return flash.sharded(lambda q, k, v, s: local(q, k, v, s), q, k, v, segment_ids)
   return attention_core(q, k, v, segment_ids, options=options)

@@ -63,6 +63,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
 
+from shardax.layers import flash
+from shardax.layers.attention_choice import resolve
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.annotate import current_mesh_shape
 
@@ -378,8 +380,7 @@ def _uses_flash(options, mode: str, local_len: int, length: int) -> bool:
   """Whether this attention runs the splash kernel (see `attention`)."""
   if options is None:
     return False
-  from shardax.layers import attention as attention_lib   # attention.py imports this module
-  impl = attention_lib.resolve(options, local_len, length)
+  impl = resolve(options, local_len, length)
   if impl != "flash":
     return False
   if mode == "ring":
@@ -418,7 +419,6 @@ def _flash_allgather(q, k, v, segment_ids, split: Split, balanced: bool, options
   ids (q: the local ones; kv: the gathered ones) keep documents apart inside the kernel.
   Why not a per-device CausalMask `offset`: the offset is static and the device index
   is not (and the balanced rows are two non-adjacent chunks)."""
-  from shardax.layers import flash
   q_spec, kv_spec, seg_spec = specs
   mesh_shape = current_mesh_shape()
   heads_axes = q_spec[2] if q_spec[2] is not None else ()

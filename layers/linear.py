@@ -88,13 +88,11 @@ class DenseGeneral(nnx.Module):
     x = x.astype(self.dtype)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     dnums = (contract, ((), ()))
-    if self.quantization == "fp8_delayed":
-      history = getattr(self, quant.HISTORY)[...]
-      y = quant.dot_general(self.quantization, x, kernel, dnums, preferred_element_type=out_dtype or self.dtype,
-                            history=history)
+    history = getattr(self, quant.HISTORY)[...] if self.quantization == "fp8_delayed" else None
+    y = quant.dot_general(self.quantization, x, kernel, dnums, preferred_element_type=out_dtype or self.dtype,
+                          history=history)
+    if history is not None:
       y = quant.record_amax(y, history, x, kernel)
-    else:
-      y = quant.dot_general(self.quantization, x, kernel, dnums, preferred_element_type=out_dtype or self.dtype)
     return y if self.bias is None else y + self.bias[...].astype(y.dtype)
 
 
