@@ -12,8 +12,9 @@ runs L/l times as often; what lies outside it scales with the parameter count). 
 costs of each compile are cached in benchmarks/calibration/<row>.json, so the model
 (trainer/perf/stepmodel.py) can be re-evaluated on every row in seconds; `--compile`
 compiles the rows whose cache is missing, and recompiles those whose cache was compiled
-with another attention kernel or remat policy than the row now maps to (without
-`--compile` such a row's "approximates" column says so). Prints each row, its predicted / published
+with another attention kernel or remat policy than the row now maps to, or (multi-slice
+rows) before the cross-slice transfers were read (without `--compile` such a row's
+"approximates" or DCN column says so). Prints each row, its predicted / published
 ratio, and the median and worst error factor max(pred/pub, pub/pred) overall and per
 chip family.
 """
@@ -77,8 +78,8 @@ def predict_row(row: dict, entry: dict):
   scale = _params(exp) / entry["num_params_shallow"]
   deep = costs.deepen(shallow, entry["layers"], exp.model.num_layers, scale)
   mesh = make_mesh(exp.mesh)
-  kind = "NVIDIA H100 80GB HBM3" if calibration.is_gpu(row) else mesh.devices.flat[0].device_kind
-  chip = chips.lookup(kind)
+  kind = calibration.gpu_kind(row) if calibration.is_gpu(row) else mesh.devices.flat[0].device_kind
+  chip = chips.lookup(kind, exp.mesh.network)
   pr = stepmodel.from_costs(deep, mesh, exp, chip)
   if entry.get("attention") == "flash":   # a Pallas call is 0 FLOPs in XLA's costs: add the kernel's time
     return with_kernel_seconds(pr, stepmodel.flash_kernel_seconds(exp, int(mesh.size), chip))
@@ -188,7 +189,7 @@ def main():
       print(f"compiled {row['id']} in {entry['compile_seconds']:.0f} s ({entry['compile_cpu_seconds']:.0f} s CPU)",
             flush=True)
     entry = json.load(open(path))
-    if a.compile and compiled_as(row, entry):   # the row's settings now map differently: recompile
+    if a.compile and (compiled_as(row, entry) or dcn_unread(row, entry)):   # stale cache: recompile
       entry = compile_row(row, a.layers)
       print(f"recompiled {row['id']} in {entry['compile_seconds']:.0f} s", flush=True)
     if notes := compiled_as(row, entry):

@@ -35,7 +35,8 @@ import math
 from shardax.configs import experiment
 from shardax.experiments.moe import moe_experiment
 
-_GEN = {"TPU v3": "v3", "TPU v4": "v4", "TPU v5p": "v5p", "TPU v5e": "v5e", "TPU v6e": "v6e"}
+_GEN = {"TPU v3": "v3", "TPU v4": "v4", "TPU v5p": "v5p", "TPU v5e": "v5e", "TPU v6e": "v6e",
+        "TPU7x": "tpu7x", "TPU v7x": "tpu7x", "TPU v7": "tpu7x", "Ironwood": "tpu7x"}
 # MaxText / Pax remat policies -> the shardax policy that recomputes about as much: "minimal"
 # and the with-context variants save every projection (recompute the attention scores:
 # dots_no_batch); the save-qkv/out-proj and except-MLP policies recompute the MLP, most of a
@@ -54,7 +55,32 @@ _REMAT = {"full": "full", "minimal": "dots_no_batch", "minimal_flash": "dots_no_
 
 
 def is_gpu(row: dict) -> bool:
-  return "H100" in row["hardware"]["accelerator"] or "A100" in row["hardware"]["accelerator"]
+  return row["hardware"]["accelerator"].startswith("NVIDIA")
+
+
+def gpu_kind(row: dict) -> str:
+  """The chip-table name of a GPU row's accelerator ("NVIDIA H100 80GB (A3)" -> the H100 row)."""
+  from shardax.trainer.perf import chips
+  accelerator = row["hardware"]["accelerator"].split(" (")[0]
+  chip = chips.lookup(accelerator)
+  if chip is None:
+    raise Unexpressible(f"row {row['id']}: hardware.accelerator={accelerator!r} is not in the chip table "
+                        f"(trainer/perf/chips.py); add its datasheet figures there")
+  return chip.name
+
+
+# Words in a GPU row's hardware description -> the cluster network (chips.NETWORKS), first match.
+_NETWORK_WORDS = (("mega", "a3-mega"), ("ultra", "a3-ultra"), ("a4", "a4"), ("infiniband", "infiniband-ndr"),
+                  ("dgx", "infiniband-ndr"), ("a3", "a3-high"))
+
+
+def gpu_network(row: dict) -> str | None:
+  """The cluster network a GPU row ran on, read from its hardware description; None: unknown
+  (the step model then uses the chip's default, A3 High's, and approximations() says so)."""
+  hw = row["hardware"]
+  text = " ".join(str(hw.get(k) or "") for k in ("accelerator", "slice_name_as_published",
+                                                   "naming_convention", "network")).lower()
+  return next((net for word, net in _NETWORK_WORDS if word in text), None)
 
 
 def topology(row: dict) -> tuple[str, int]:
@@ -77,7 +103,7 @@ def slice_shape(gen: str, chips: int) -> str:
   slices 2x2x1, 2x2x2, 2x2x4, 2x4x4; from 64 chips on, multiples of the cube, each dim
   a multiple of 4, grown on the shortest dim (v4-384 is 4x4x12, v5p-4096 is 8x16x16).
   """
-  if gen in ("v2", "v3", "v5e", "v6e"):
+  if gen in ("v2", "v3", "v5e", "v6e"):   # else 3D: v4, v5p, tpu7x
     if chips < 1 or chips & (chips - 1):
       raise ValueError(f"{gen} slices have a power-of-two chip count (1, 4, 8, 16, ... 256); got {chips}")
     short = 1 << (chips.bit_length() - 1) // 2
@@ -180,6 +206,9 @@ def _from_row(row: dict, num_layers: int | None):
   cfg.train.global_batch = t["global_batch_seqs"]
   name, slices = topology(row)
   cfg.mesh.topology = name
+  if is_gpu(row):
+    gpu_kind(row)   # a GPU the chip table lacks is named here, not in the step model
+    cfg.mesh.network = gpu_network(row)
   axes, ici, dcn, preset = mesh_of(row, slices)
   cfg.mesh.axes, cfg.mesh.ici = axes, ici
   if slices > 1:
@@ -323,7 +352,9 @@ def approximations(row: dict) -> list[str]:
   if "adafactor" in t["optimizer"].lower():
     out.append("AdamW for Adafactor")
   if is_gpu(row):
-    out.append("TPU program, H100 timing")
+    out.append(f"TPU program, {gpu_kind(row).removeprefix('NVIDIA ').split(' ')[0]} timing")
+    if gpu_network(row) is None:
+      out.append("network not named: A3 High's")
   if _is_moe(row) and not _first(t, "moe_impl", "moe_kernel", "capacity_factor", "moe_capacity_factor") \
       and _top_k(row) != 2:
     out.append("dropless dispatch (the row names no MoE implementation)")

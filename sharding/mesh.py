@@ -32,12 +32,16 @@ class MeshConfig:
   axes: axis names, one per entry of `ici`.
   num_cpu_devices: simulate this many devices on a CPU (must be set before jax starts).
   topology: a TPU topology name such as "v5e:2x2" for ahead-of-time dry runs.
+  network: the data-center network between granules, by name, for the step-time model
+    (trainer/perf/chips.NETWORKS: "a3-high", "a3-mega", "a3-ultra", "a4", "infiniband-ndr",
+    "infiniband-hdr"); None: the chip's default (TPU: its hosts' NICs; GPU: A3 High).
   """
   ici: tuple[int, ...] = (-1, 1)
   dcn: tuple[int, ...] = ()
   axes: tuple[str, ...] = ("data", "model")
   num_cpu_devices: int | None = None
   topology: str | None = None
+  network: str | None = None
 
   def __post_init__(self):
     ici, dcn = tuple(self.ici), tuple(self.dcn)
@@ -48,6 +52,10 @@ class MeshConfig:
       raise ValueError(f"mesh.dcn={dcn} needs one entry per axis in mesh.axes={self.axes}")
     if len(set(self.axes)) != len(self.axes):
       raise ValueError(f"mesh.axes={self.axes} repeats a name")
+    from shardax.trainer.perf.chips import NETWORKS   # figures only; nothing imported back
+    if self.network is not None and self.network not in NETWORKS:
+      raise ValueError(f"mesh.network={self.network!r} is not a network the step-time model knows; "
+                       f"use one of {sorted(NETWORKS)} or leave it unset (None) for the chip's default")
     for name, shape in (("ici", ici), ("dcn", dcn)):
       if sum(1 for s in shape if s == -1) > 1 or any(s == 0 or s < -1 for s in shape):
         raise ValueError(f"mesh.{name}={shape}: sizes must be positive, with at most one -1")

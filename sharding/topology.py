@@ -9,7 +9,8 @@ these devices: they exist for ahead-of-time (AOT) dry runs.
 
 Names are `<generation>:<chips per dim>` as on Cloud TPU: v3 and v5e/v6e are 2D tori
 ("v3:32x32" = 1024 chips = 2048 TPUv3 cores, each core its own jax device),
-v4 and v5p are 3D ("v4:8x16x16" = 2048 chips). v4 and v5p chips appear as one
+v4, v5p and TPU7x (Ironwood) are 3D ("v4:8x16x16" = 2048 chips; "tpu7x:4x4x4" = 64 chips
+= 128 jax devices, its two TensorCores each their own device). v4 and v5p chips appear as one
 "megacore" device each, as on a real v4/v5p VM (libtpu's default chip config for
 v4 would list its two cores separately). On a CPU-only machine libtpu wants a
 few environment variables it would otherwise read from the Cloud TPU metadata
@@ -26,11 +27,11 @@ import re
 
 import jax
 
-GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e")
-_NAME = re.compile(r"^(v\d[a-z]*):(\d+(?:x\d+){1,2})$")
+GENERATIONS = ("v2", "v3", "v4", "v5e", "v5p", "v6e", "tpu7x")
+_NAME = re.compile(r"^(v\d[a-z]*|tpu7x):(\d+(?:x\d+){1,2})$")
 # A Cloud TPU accelerator type of each generation; libtpu only needs it to be valid.
 _ACCELERATOR_TYPE = {"v2": "v2-8", "v3": "v3-8", "v4": "v4-8", "v5e": "v5litepod-4",
-                     "v5p": "v5p-8", "v6e": "v6e-4"}
+                     "v5p": "v5p-8", "v6e": "v6e-4", "tpu7x": "tpu7x-8"}
 
 _CHIP_CONFIG = {"v4": "megacore"}
 
@@ -44,7 +45,7 @@ def parse(name: str) -> tuple[str, tuple[int, ...]]:
   m = _NAME.match(str(name).strip())
   if not m or m.group(1) not in GENERATIONS:
     raise TopologyError(f"mesh.topology={name!r}: expected GENERATION:AxB[xC] with GENERATION one of "
-                        f"{', '.join(GENERATIONS)}, e.g. v5e:16x16, v3:32x32, v4:8x16x16, v5p:8x8x8")
+                        f"{', '.join(GENERATIONS)}, e.g. v5e:16x16, v3:32x32, v4:8x16x16, v5p:8x8x8, tpu7x:4x4x4")
   return m.group(1), tuple(int(s) for s in m.group(2).split("x"))
 
 

@@ -10,6 +10,7 @@ import pytest
 from shardax import configs
 from shardax.experiments import calibration
 from shardax.sharding import topology
+from shardax.trainer.perf import chips as chips_lib
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 RUNS = "/work/shared/published-runs/calibration.json"
@@ -22,12 +23,13 @@ SHAPES_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128:
 
 @needs_libtpu
 @pytest.mark.parametrize("gen, shapes", [("v5e", SHAPES_2D), ("v6e", SHAPES_2D), ("v4", SHAPES_3D),
-                                         ("v5p", SHAPES_3D)])
+                                         ("v5p", SHAPES_3D), ("tpu7x", SHAPES_3D)])
 def test_every_slice_shape_is_one_libtpu_knows(gen, shapes):
   for chips, shape in shapes.items():
     name = calibration.slice_shape(gen, chips)
     assert name == f"{gen}:{shape}"
-    assert len(topology.devices(name)) == chips   # libtpu's get_topology_desc accepts it
+    devices = topology.devices(name)   # libtpu's get_topology_desc accepts it
+    assert len(devices) == chips * chips_lib.lookup(devices[0].device_kind).devices_per_chip
 
 
 def test_slice_counts_that_do_not_exist_are_named():
@@ -198,3 +200,17 @@ def test_a_flash_compiled_cache_adds_the_kernel_time_its_costs_miss():
   kernel = flash.breakdown["flash_kernel_seconds"]
   assert kernel > 0 and flash.step_seconds == pytest.approx(xla.step_seconds + kernel)
   assert flash.mfu == pytest.approx(xla.mfu * xla.step_seconds / flash.step_seconds)
+
+
+def test_a_gpu_row_is_timed_on_its_gpu_and_its_cluster_network():
+  r = _row("maxtext-a3-llama2-7b-2vm")
+  assert calibration.gpu_kind(r) == "NVIDIA H100 80GB HBM3"
+  assert configs.build(calibration.from_row(r, num_layers=2)).mesh.network == "a3-high"
+  r["hardware"]["accelerator"] = "NVIDIA H100 80GB (A3 Mega)"
+  assert configs.build(calibration.from_row(r, num_layers=2)).mesh.network == "a3-mega"
+  r["hardware"].update(accelerator="NVIDIA H200", slice_name_as_published="2x h200-8", naming_convention="")
+  assert calibration.gpu_kind(r) == "NVIDIA H200"
+  assert "network not named: A3 High's" in calibration.approximations(r)
+  r["hardware"]["accelerator"] = "NVIDIA GB300"
+  with pytest.raises(ValueError, match="'NVIDIA GB300' is not in the chip table"):
+    calibration.from_row(r, num_layers=2)

@@ -179,6 +179,24 @@ def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
   assert len({mesh_lib.granule_of(d) for d in devices}) == 16
 
 
+def test_a_named_cluster_network_prices_the_inter_host_part_at_its_bandwidth():
+  """The same 2 x 8 all-reduce on A3 High (4 x 200 Gbps NICs per 8 GPUs) and on an InfiniBand
+  NDR cluster (400 Gb/s per GPU): NVLink time the same, network time 4x shorter."""
+  from shardax.trainer.perf import chips, stepmodel
+  devices = np.array([_Dev(i, i // 8) for i in range(16)])
+  line = "%ar = f32[8192,1024]{1,0} all-reduce(%g), replica_groups=[1,16]<=[16], to_apply=%add"
+  [c] = report.collectives(f"ENTRY %main.1 (g: f32[8192,1024]) -> f32[8192,1024] {{\n  {line}\n}}\n")
+  kind = "NVIDIA H100 80GB HBM3"
+  assert chips.lookup(kind, "a3-high").dcn_bandwidth == chips.lookup(kind).dcn_bandwidth == 12.5e9
+  a3, ib = (stepmodel._collective_times(_costs([c]), _Mesh(devices, ("data",)), chips.lookup(kind, net))["by_link"]
+            for net in ("a3-high", "infiniband-ndr"))
+  assert a3["ici"] == pytest.approx(ib["ici"])
+  latency = __import__("shardax.trainer.perf.links", fromlist=["x"]).DCN_LATENCY
+  assert (a3["dcn"] - latency) == pytest.approx(4 * (ib["dcn"] - latency), rel=1e-6)
+  with pytest.raises(ValueError, match="mesh.network='a3'.*a3-high"):
+    chips.lookup(kind, "a3")
+
+
 _WIDE = ["model.num_layers=2", "model.d_model=1024", "model.num_heads=8", "model.d_ff=4096",
          "model.vocab_size=1024", "model.max_len=128", "data.seq_len=128", "train.global_batch=16",
          "data.source='synthetic'", "sharding.preset='dp'"]

@@ -80,9 +80,13 @@ _NV = "https://www.nvidia.com/en-us/data-center/"
 # link; v5e hosts have 2 x 100 Gbps NICs for 8 chips = 3.125 GB/s per chip (the pod's 6.4 Tbps
 # of DCN over 256 chips agrees); the v6e page gives no NIC figure: the scaling book's 12.5 GB/s
 # per chip stands. The DCN figures are per chip (a host's NICs shared by its chips).
+# The v5p page (checked 2026-11-25) lists DCN 50 Gbps per chip = 6.25 GB/s, as used here.
+# TPU7x (Ironwood): a 3D torus like v5p (libtpu names its slices tpu7x:AxBxC, 2 devices per
+# chip); 1.2 TB/s bidirectional ICI per chip (Google's Ironwood announcement, 2025-04) over 6
+# ports = 1e11 B/s one way per link; its DCN figure was not found: v5p's 6.25 GB/s per chip.
 _TPU_LINKS = {"TPU v3": (1e11, 2, 4, 3.125e9, 2), "TPU v4": (4.5e10, 3, 4, 6.25e9, 1),
               "TPU v5 lite": (5e10, 2, 16, 3.125e9, 1), "TPU v5": (9e10, 3, 4, 6.25e9, 1),
-              "TPU v6 lite": (1e11, 2, 16, 1.25e10, 1)}
+              "TPU v6 lite": (1e11, 2, 16, 1.25e10, 1), "TPU7x": (1e11, 3, 4, 6.25e9, 2)}
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     # v3: 123 TFLOPs, 32 GiB, 900 GBps per chip of 2 cores; all-reduce 340 TB/s per 1024-chip pod.
@@ -91,12 +95,16 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("TPU v4", 275e12, 32 * GiB, 1200 * GB, 2 * 1.1e15 / 4096, _TPU + "v4"),
     # v5e: 197 TFLOPs (int8 393 TOPs), 16 GB, 819 GBps, bidirectional ICI 400 GBps (datasheet, 2026-11-23).
     Chip("TPU v5 lite", 197e12, 16 * GiB, 819 * GB, 400 * GB, _TPU + "v5e"),
-    # v5p: 459 TFLOPs, 95 GiB, 2765 GBps, bidirectional ICI 1200 GBps.
-    Chip("TPU v5", 459e12, 95 * GiB, 2765 * GB, 1200 * GB, _TPU + "v5p"),
+    # v5p: 459 TFLOPs, 2765 GBps, bidirectional ICI 1200 GBps. Its page says 95 GiB of HBM, but
+    # libtpu's compiler lets one device use 95.74 GiB (tests/test_chips.py): the part holds 96 GiB.
+    Chip("TPU v5", 459e12, 96 * GiB, 2765 * GB, 1200 * GB, _TPU + "v5p"),
     # v6e (Trillium): 918 TFLOPs (int8 1836 TOPs), 32 GB, 1638 GBps, bidirectional ICI 800 GBps
-    # (datasheet, 2026-11-23). libtpu 0.0.42.1 also describes TPU7x ("tpu7x:2x2x1": 8 devices,
-    # two per chip); not in this table: its ICI and DCN figures were not checked here.
+    # (datasheet, 2026-11-23).
     Chip("TPU v6 lite", 918e12, 32 * GiB, 1638 * GB, 800 * GB, _TPU + "v6e"),
+    # TPU7x (Ironwood), per chip of two devices: 2307 TFLOPs bf16, 4614 fp8, 192 GiB HBM (the
+    # tpu7x page's table, read 2026-11-25); 7.37 TB/s HBM and 1.2 TB/s bidirectional ICI
+    # (Google's Ironwood announcement, 2025-04: the page's table was not read that far).
+    Chip("TPU7x", 2307e12 / 2, 192 * GiB // 2, 7370 * GB / 2, 1200 * GB / 2, _TPU + "tpu7x"),
     # A100 SXM: 312 TFLOPs bf16 dense; 80 GB HBM2e at 2039 GB/s (40 GB: 1555); NVLink 600 GB/s.
     Chip("NVIDIA A100-SXM4-80GB", 312e12, 80 * GiB, 2039 * GB, 600 * GB, _NV + "a100/"),
     Chip("NVIDIA A100-SXM4-40GB", 312e12, 40 * GiB, 1555 * GB, 600 * GB, _NV + "a100/"),
@@ -120,7 +128,8 @@ def _with_links(chip: Chip) -> Chip:
     return dataclasses.replace(chip, ici_link_bandwidth=link, torus_dims=dims, wraparound_from=wrap,
                                dcn_bandwidth=dcn, devices_per_chip=per_chip,
                                matmul_efficiency=MATMUL_EFFICIENCY["tpu"])
-  # GPUs: NVLink one way = half the bidirectional figure; network per GPU as for A3.
+  # GPUs: NVLink one way = half the bidirectional figure; network per GPU as for A3 High
+  # (NETWORKS below; `mesh.network` names another cluster's).
   return dataclasses.replace(chip, ici_link_bandwidth=chip.ici_bandwidth / 2, dcn_bandwidth=12.5 * GB,
                              matmul_efficiency=MATMUL_EFFICIENCY["gpu"])
 
@@ -140,7 +149,7 @@ CHIPS = {name: _with_links(c) for name, c in CHIPS.items()}
 # TPU v3's two cores share their chip's link. GPUs: the datasheets' PCIe generation x16,
 # one way (A100 Gen4 32 GB/s, H100/H200 Gen5 64 GB/s; an upper bound: real copies reach ~80%).
 _HOST_LINK = {"TPU v3": 1.5e10 / 2, "TPU v4": 1.5e10, "TPU v5 lite": 1.5e10, "TPU v5": 1.5e10,
-              "TPU v6 lite": 1.5e10}
+              "TPU v6 lite": 1.5e10, "TPU7x": 1.5e10 / 2}
 CHIPS = {name: dataclasses.replace(c, host_bandwidth=_HOST_LINK.get(name, (32 if "A100" in name else 64) * GB))
          for name, c in CHIPS.items()}
 
@@ -150,9 +159,9 @@ CHIPS = {name: dataclasses.replace(c, host_bandwidth=_HOST_LINK.get(name, (32 if
 # int8; v6e: 1836 TOPS int8; none lists fp8 units for these generations), NVIDIA datasheets
 # (A100: 624 TOPS int8, no fp8; H100 SXM and H200: 1979 TFLOPS fp8 and 1979 TOPS int8 dense
 # (3958 with sparsity); H100 PCIe 1513; H100 NVL 1671; B200 (HGX B200 page, 72 PFLOPS fp8
-# with sparsity for 8 GPUs): 4500 dense). TPU v7x (Ironwood: 4614 TFLOPS fp8 per chip) is
-# not in the table: its ICI and DCN figures were not checked here (see above).
-_EIGHT_BIT = {"TPU v4": (275e12, 0.0), "TPU v5 lite": (393e12, 0.0), "TPU v5": (918e12, 0.0),
+# with sparsity for 8 GPUs): 4500 dense); TPU7x: 4614 TFLOPS fp8 per chip (its page; no int8
+# figure there: int8 is priced at the bf16 rate).
+_EIGHT_BIT = {"TPU7x": (0.0, 4614e12 / 2), "TPU v4": (275e12, 0.0), "TPU v5 lite": (393e12, 0.0), "TPU v5": (918e12, 0.0),
               "TPU v6 lite": (1836e12, 0.0), "NVIDIA A100-SXM4-80GB": (624e12, 0.0),
               "NVIDIA A100-SXM4-40GB": (624e12, 0.0), "NVIDIA A100 80GB PCIe": (624e12, 0.0),
               "NVIDIA A100-PCIE-40GB": (624e12, 0.0), "NVIDIA H100 80GB HBM3": (1979e12, 1979e12),
@@ -176,15 +185,35 @@ _PREFIXES = (
     ("TPU v5p", "TPU v5"),
     ("TPU v5e", "TPU v5 lite"),
     ("TPU v6e", "TPU v6 lite"),
+    ("TPU v7", "TPU7x"),
 )
 
 
-def lookup(device_kind: str) -> Chip | None:
-  """The row for a jax `device_kind` ("TPU v4", "TPU v5 lite", "NVIDIA H100 80GB HBM3"), else None."""
+# Data-center networks between the hosts of GPU clusters (`mesh.network`), bytes/s one way per
+# GPU: the node's GPU NICs shared by its 8 GPUs. A GPU row without a named network gets
+# "a3-high" (the calibration rows' A3 VMs). Sources, as read 2026-11-25: Google Cloud's GPU
+# machine pages and GKE's GPUDirect-TCPX(O) guide (A3 High: 4 x 200 Gbps GPUDirect-TCPX NICs
+# for 8 GPUs; A3 Mega: 8 x 200 Gbps GPUDirect-TCPXO, one per GPU; A3 Ultra (H200) and A4 (B200):
+# one 400 Gbps ConnectX-7 RoCE NIC per GPU); NVIDIA DGX H100 / DGX B200 user guides (one
+# 400 Gb/s ConnectX-7 InfiniBand NDR port per GPU; DGX A100: 200 Gb/s HDR). Line rates: what
+# NCCL reaches is below them (~80-90% on RoCE/InfiniBand).
+NETWORKS: dict[str, float] = {
+    "a3-high": 4 * 200e9 / 8 / 8, "a3-mega": 200e9 / 8, "a3-ultra": 400e9 / 8, "a4": 400e9 / 8,
+    "infiniband-ndr": 400e9 / 8, "infiniband-hdr": 200e9 / 8}
+
+
+def lookup(device_kind: str, network: str | None = None) -> Chip | None:
+  """The row for a jax `device_kind` ("TPU v4", "TPU v5 lite", "NVIDIA H100 80GB HBM3"), else
+  None; `network` (a NETWORKS name, `mesh.network`) replaces its DCN figure."""
   kind = device_kind.strip()
-  if kind in CHIPS:
-    return CHIPS[kind]
+  chip = CHIPS.get(kind)
   for prefix, name in _PREFIXES:
-    if kind.startswith(prefix):
-      return CHIPS[name]
-  return None
+    if chip is None and kind.startswith(prefix):
+      chip = CHIPS[name]
+  if chip is None or network is None:
+    return chip
+  if network not in NETWORKS:
+    raise ValueError(f"mesh.network={network!r} is not a network this model knows; use one of "
+                     f"{sorted(NETWORKS)} or leave it unset for the chip's default ({chip.name}: "
+                     f"{chip.dcn_bandwidth / GB:g} GB/s per device)")
+  return dataclasses.replace(chip, dcn_bandwidth=NETWORKS[network])

@@ -95,7 +95,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   (`costs_out`: a list that receives the program's loop-aware costs, for extrapolate.py)."""
   mesh, setup = prepare(exp)
   kind = mesh.devices.flat[0].device_kind
-  chip = chips.lookup(kind)
+  chip = chips.lookup(kind, exp.mesh.network)
   mem = {"params": _shard_bytes(setup.abstract["params"]),
          "optimizer_state": _shard_bytes(setup.abstract["opt_state"])}
   model_flops = float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch

@@ -130,7 +130,7 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
                       "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},
       "bubble_seconds": bubble,
       "recompute_factor": costs.flops * n / model_flops if model_flops else None,
-      "matmul_efficiency": chip.matmul_efficiency,
+      "matmul_efficiency": chip.matmul_efficiency, "dcn_bandwidth": chip.dcn_bandwidth,
       "eight_bit_flops": {d: {"flops": f, "peak": ops.peak(chip, d)} for d, f in eight_bit.items()},
       "pieces": pieces}
   return Prediction(
@@ -211,7 +211,10 @@ def format_prediction(pr: Prediction) -> list[str]:
   if c["by_kind"]:
     lines.append("    collectives by kind: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_kind"].items())))
     lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
-    lines.append("    collectives by link: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_link"].items())))
+    dcn = (f" (DCN priced at {b['dcn_bandwidth'] / 1e9:g} GB/s one way per device)"
+           if c["by_link"].get("dcn") and b.get("dcn_bandwidth") else "")
+    lines.append("    collectives by link: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_link"].items()))
+                 + dcn)
   return lines
 
 
