@@ -146,7 +146,10 @@ def attention(row: dict) -> str:
 
   TPU rows: a Pallas flash / splash kernel -> 'flash' (when the sequence length suits the
   splash kernel: a multiple of 128; else 'xla'). GPU rows: a flash / cuDNN / fused kernel ->
-  'fused'. Plain XLA attention ("no flash kernel" included), a missing field and anything
+  'flash' too: the TPU program that stands in for the GPU one then runs the splash kernel,
+  which like cuDNN's never writes the S x S scores, and the kernel is priced at the GPU's
+  measured flash rate (stepmodel.flash_kernel_seconds); 'fused' where the splash kernel
+  cannot take the length (the stand-in compile then lowers it to XLA). Plain XLA attention ("no flash kernel" included), a missing field and anything
   unrecognized -> 'xla' (approximations() names the unrecognized). A GPU-only kernel on TPU
   hardware raises Unexpressible naming training.attention_kernel.
   """
@@ -154,16 +157,16 @@ def attention(row: dict) -> str:
   if "no flash" in kernel:
     return "xla"
   flash, gpu_kernel = any(w in kernel for w in _FLASH), any(w in kernel for w in _GPU_KERNELS)
-  if is_gpu(row):
-    return "fused" if flash or gpu_kernel or "fused" in kernel else "xla"
-  if gpu_kernel:
+  if is_gpu(row) and not (flash or gpu_kernel or "fused" in kernel):
+    return "xla"
+  if gpu_kernel and not is_gpu(row):
     raise Unexpressible(f"row {row.get('id', '?')}: training.attention_kernel="
                         f"{row['training']['attention_kernel']!r} is a GPU kernel, but "
                         f"hardware.accelerator={row['hardware']['accelerator']!r} is a TPU")
-  if flash:
+  if flash or is_gpu(row):
     from shardax.layers import flash as splash
     seq = row["training"]["seq_len"]
-    return "flash" if splash.supports(seq, seq) else "xla"
+    return "flash" if splash.supports(seq, seq) else "fused" if is_gpu(row) else "xla"
   return "xla"
 
 
@@ -372,6 +375,8 @@ def _attention_notes(row: dict) -> list[str]:
   chosen, flash = attention(row), any(w in kernel for w in _FLASH)
   if chosen == "fused":   # the TPU stand-in compile lowers jax.nn.dot_product_attention to XLA
     return ["XLA attention for cuDNN flash (fused, TPU compile)"]
+  if chosen == "flash" and is_gpu(row):
+    return ["TPU splash kernel for cuDNN flash (stand-in compile; priced at the GPU's flash rate)"]
   if chosen == "xla" and flash:
     return ["XLA attention for flash (seq_len not a multiple of 128)"]
   if chosen == "xla" and not any(w in kernel for w in ("xla", "dot-product", "dot_product", "einsum")):

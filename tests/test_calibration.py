@@ -126,7 +126,7 @@ def test_what_cannot_be_rebuilt_is_named_not_a_traceback():
     ("plain XLA dot-product attention with causal mask (no flash kernel in MaxText at that date)", False, "xla"),
     ("XLA dot-product attention; attention_logits_dtype float32", False, "xla"),
     ("some new kernel", False, "xla"),
-    ("cudnn_flash_te (TransformerEngine cuDNN fused attention, NVTE_FUSED_ATTN=1)", True, "fused"),
+    ("cudnn_flash_te (TransformerEngine cuDNN fused attention, NVTE_FUSED_ATTN=1)", True, "flash"),
     ("dot_product", True, "xla")])
 def test_the_attention_kernel_maps_onto_model_attention(kernel, gpu, want):
   r = _row("maxtext-a3-llama2-7b-1vm" if gpu else "maxtext-v4-22B-1xv4-128")
@@ -135,7 +135,7 @@ def test_the_attention_kernel_maps_onto_model_attention(kernel, gpu, want):
   assert exp.model.attention == want
   notes = calibration.approximations(r)
   assert ("XLA attention for some new kernel" in notes) == (kernel == "some new kernel")
-  assert any("cuDNN flash (fused, TPU compile)" in n for n in notes) == (want == "fused")
+  assert any("splash kernel for cuDNN flash" in n for n in notes) == (gpu and want == "flash")
 
 
 def test_flash_rows_whose_length_the_splash_kernel_cannot_take_stay_xla_and_say_so():

@@ -67,6 +67,22 @@ def test_a_gpu_step_is_priced_with_its_library_calls():
   assert p.breakdown["compute_seconds"] == pytest.approx(want, rel=0.01)
 
 
+def test_a_kernel_the_cost_analysis_misses_is_priced_like_the_cudnn_calls_above():
+  """stepmodel.flash_kernel_seconds (a Pallas kernel, or a TPU program standing in for a GPU
+  one) for the attention of GPU_HLO (B 2, S 1024, H 8, D 128, causal, no remat) on an H100:
+  the same seconds as the cuDNN forward + backward calls priced from the program."""
+  from types import SimpleNamespace as NS
+
+  from shardax.trainer.perf import stepmodel
+  h100 = chips.lookup("NVIDIA H100 80GB HBM3")
+  exp = NS(model=NS(num_layers=1, num_heads=8, dim_per_head=128, remat="none"), data=NS(seq_len=1024),
+           train=NS(global_batch=2))
+  calls = sum(ops.seconds(*op, h100) for op in costs.of_hlo_text(GPU_HLO).pieces[0].ops if op[0] == "attention")
+  assert stepmodel.flash_kernel_seconds(exp, 1, h100) == pytest.approx(calls)
+  exp.model.remat = "full"   # the rematerialized forward once more
+  assert stepmodel.flash_kernel_seconds(exp, 1, h100) == pytest.approx(calls * 4.5 / 3.5)
+
+
 def test_a_program_priced_as_another_chip_says_so_first():
   """A TPU program timed as an H100 (the calibration's GPU rows): the first line says so."""
   from shardax.trainer.perf import stepmodel

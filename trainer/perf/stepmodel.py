@@ -238,14 +238,16 @@ def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
   """Seconds per step of the Pallas flash-attention kernel (layers/flash.py) on one device.
 
   XLA's cost analysis prices a Pallas `tpu_custom_call` at 0 FLOPs, so the compiled program's
-  costs miss the attention score matmuls the kernel does. They are the attention term of
-  the model FLOPs (trainer/perf/flops.py: causal-halved; the kernel skips fully masked
-  blocks), plus one more forward (a third of it) when the layer is rematerialized, at the
-  same matmul rate as the rest (assumption 1)."""
+  costs miss the attention score matmuls the kernel does. Counted as the kernel runs them,
+  the same way a GPU program's cuDNN flash calls are (ops.attention_flops): forward QK^T and
+  PV, 4 S S D per head, halved for the causal mask (fully masked blocks are skipped); the
+  backward recomputes the scores and does 5 matmuls (2.5 x the forward); a rematerialized
+  layer runs the forward once more. Priced at the chip family's attention efficiency (TPU:
+  the matmul rate; a GPU, for a TPU program standing in for a GPU one: the measured cuDNN
+  flash rate)."""
   t = getattr(exp.model, "transformer", exp.model)
   seq = exp.data.seq_len
-  per_token = 12 * t.num_layers * seq * t.num_heads * t.dim_per_head / 2
-  if t.remat != "none":
-    per_token *= 4 / 3
+  forward = 4 * t.num_layers * seq * t.num_heads * t.dim_per_head / 2   # per token
+  per_token = forward * (3.5 + (1.0 if t.remat != "none" else 0.0))
   tokens = seq * exp.train.global_batch
-  return per_token * tokens / num_devices / (chip.peak_bf16_flops * chip.matmul_efficiency)
+  return ops.seconds("attention", "bf16", per_token * tokens / num_devices, chip)
