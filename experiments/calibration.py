@@ -149,25 +149,24 @@ def attention(row: dict) -> str:
   'flash' too: the TPU program that stands in for the GPU one then runs the splash kernel,
   which like cuDNN's never writes the S x S scores, and the kernel is priced at the GPU's
   measured flash rate (stepmodel.flash_kernel_seconds); 'fused' where the splash kernel
-  cannot take the length (the stand-in compile then lowers it to XLA). Plain XLA attention ("no flash kernel" included), a missing field and anything
-  unrecognized -> 'xla' (approximations() names the unrecognized). A GPU-only kernel on TPU
+  cannot take the length (the stand-in compile then lowers it to XLA). Plain XLA attention
+  ("no flash kernel" included), a missing field and anything unrecognized -> 'xla'
+  (approximations() names the unrecognized). A GPU-only kernel on TPU
   hardware raises Unexpressible naming training.attention_kernel.
   """
   kernel = str(row["training"].get("attention_kernel") or "xla").lower()
   if "no flash" in kernel:
     return "xla"
-  flash, gpu_kernel = any(w in kernel for w in _FLASH), any(w in kernel for w in _GPU_KERNELS)
-  if is_gpu(row) and not (flash or gpu_kernel or "fused" in kernel):
-    return "xla"
-  if gpu_kernel and not is_gpu(row):
+  flash, gpu_kernel, gpu = any(w in kernel for w in _FLASH), any(w in kernel for w in _GPU_KERNELS), is_gpu(row)
+  if gpu_kernel and not gpu:
     raise Unexpressible(f"row {row.get('id', '?')}: training.attention_kernel="
                         f"{row['training']['attention_kernel']!r} is a GPU kernel, but "
                         f"hardware.accelerator={row['hardware']['accelerator']!r} is a TPU")
-  if flash or is_gpu(row):
-    from shardax.layers import flash as splash
-    seq = row["training"]["seq_len"]
-    return "flash" if splash.supports(seq, seq) else "fused" if is_gpu(row) else "xla"
-  return "xla"
+  if not (flash or gpu_kernel or (gpu and "fused" in kernel)):
+    return "xla"
+  from shardax.layers import flash as splash
+  seq = row["training"]["seq_len"]
+  return "flash" if splash.supports(seq, seq) else "fused" if gpu else "xla"
 
 
 class Unexpressible(ValueError):

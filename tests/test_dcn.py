@@ -182,7 +182,7 @@ def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
 def test_a_named_cluster_network_prices_the_inter_host_part_at_its_bandwidth():
   """The same 2 x 8 all-reduce on A3 High (4 x 200 Gbps NICs per 8 GPUs) and on an InfiniBand
   NDR cluster (400 Gb/s per GPU): NVLink time the same, network time 4x shorter."""
-  from shardax.trainer.perf import chips, stepmodel
+  from shardax.trainer.perf import chips, links, stepmodel
   devices = np.array([_Dev(i, i // 8) for i in range(16)])
   line = "%ar = f32[8192,1024]{1,0} all-reduce(%g), replica_groups=[1,16]<=[16], to_apply=%add"
   [c] = report.collectives(f"ENTRY %main.1 (g: f32[8192,1024]) -> f32[8192,1024] {{\n  {line}\n}}\n")
@@ -191,10 +191,10 @@ def test_a_named_cluster_network_prices_the_inter_host_part_at_its_bandwidth():
   a3, ib = (stepmodel._collective_times(_costs([c]), _Mesh(devices, ("data",)), chips.lookup(kind, net))["by_link"]
             for net in ("a3-high", "infiniband-ndr"))
   assert a3["ici"] == pytest.approx(ib["ici"])
-  latency = __import__("shardax.trainer.perf.links", fromlist=["x"]).DCN_LATENCY
+  latency = links.DCN_LATENCY
   assert (a3["dcn"] - latency) == pytest.approx(4 * (ib["dcn"] - latency), rel=1e-6)
   with pytest.raises(ValueError, match="mesh.network='a3'.*a3-high"):
-    chips.lookup(kind, "a3")
+    MeshConfig(network="a3")
 
 
 _WIDE = ["model.num_layers=2", "model.d_model=1024", "model.num_heads=8", "model.d_ff=4096",

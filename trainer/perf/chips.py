@@ -122,6 +122,19 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
 )}
 
 
+# Data-center networks between the hosts of GPU clusters (`mesh.network`), bytes/s one way per
+# GPU: the node's GPU NICs shared by its 8 GPUs. A GPU row without a named network gets
+# "a3-high" (the calibration rows' A3 VMs). Sources, as read 2026-11-25: Google Cloud's GPU
+# machine pages and GKE's GPUDirect-TCPX(O) guide (A3 High: 4 x 200 Gbps GPUDirect-TCPX NICs
+# for 8 GPUs; A3 Mega: 8 x 200 Gbps GPUDirect-TCPXO, one per GPU; A3 Ultra (H200) and A4 (B200):
+# one 400 Gbps ConnectX-7 RoCE NIC per GPU); NVIDIA DGX H100 / DGX B200 user guides (one
+# 400 Gb/s ConnectX-7 InfiniBand NDR port per GPU; DGX A100: 200 Gb/s HDR). Line rates: what
+# NCCL reaches is below them (~80-90% on RoCE/InfiniBand).
+NETWORKS: dict[str, float] = {
+    "a3-high": 4 * 200e9 / 8 / 8, "a3-mega": 200e9 / 8, "a3-ultra": 400e9 / 8, "a4": 400e9 / 8,
+    "infiniband-ndr": 400e9 / 8, "infiniband-hdr": 200e9 / 8}
+
+
 def _with_links(chip: Chip) -> Chip:
   if chip.name in _TPU_LINKS:
     link, dims, wrap, dcn, per_chip = _TPU_LINKS[chip.name]
@@ -129,8 +142,8 @@ def _with_links(chip: Chip) -> Chip:
                                dcn_bandwidth=dcn, devices_per_chip=per_chip,
                                matmul_efficiency=MATMUL_EFFICIENCY["tpu"])
   # GPUs: NVLink one way = half the bidirectional figure; network per GPU as for A3 High
-  # (NETWORKS below; `mesh.network` names another cluster's).
-  return dataclasses.replace(chip, ici_link_bandwidth=chip.ici_bandwidth / 2, dcn_bandwidth=12.5 * GB,
+  # (`mesh.network` names another cluster's).
+  return dataclasses.replace(chip, ici_link_bandwidth=chip.ici_bandwidth / 2, dcn_bandwidth=NETWORKS["a3-high"],
                              matmul_efficiency=MATMUL_EFFICIENCY["gpu"])
 
 
@@ -161,8 +174,8 @@ CHIPS = {name: dataclasses.replace(c, host_bandwidth=_HOST_LINK.get(name, (32 if
 # (3958 with sparsity); H100 PCIe 1513; H100 NVL 1671; B200 (HGX B200 page, 72 PFLOPS fp8
 # with sparsity for 8 GPUs): 4500 dense); TPU7x: 4614 TFLOPS fp8 per chip (its page; no int8
 # figure there: int8 is priced at the bf16 rate).
-_EIGHT_BIT = {"TPU7x": (0.0, 4614e12 / 2), "TPU v4": (275e12, 0.0), "TPU v5 lite": (393e12, 0.0), "TPU v5": (918e12, 0.0),
-              "TPU v6 lite": (1836e12, 0.0), "NVIDIA A100-SXM4-80GB": (624e12, 0.0),
+_EIGHT_BIT = {"TPU v4": (275e12, 0.0), "TPU v5 lite": (393e12, 0.0), "TPU v5": (918e12, 0.0),
+              "TPU v6 lite": (1836e12, 0.0), "TPU7x": (0.0, 4614e12 / 2), "NVIDIA A100-SXM4-80GB": (624e12, 0.0),
               "NVIDIA A100-SXM4-40GB": (624e12, 0.0), "NVIDIA A100 80GB PCIe": (624e12, 0.0),
               "NVIDIA A100-PCIE-40GB": (624e12, 0.0), "NVIDIA H100 80GB HBM3": (1979e12, 1979e12),
               "NVIDIA H100 PCIe": (1513e12, 1513e12), "NVIDIA H100 NVL": (1671e12, 1671e12),
@@ -189,19 +202,6 @@ _PREFIXES = (
 )
 
 
-# Data-center networks between the hosts of GPU clusters (`mesh.network`), bytes/s one way per
-# GPU: the node's GPU NICs shared by its 8 GPUs. A GPU row without a named network gets
-# "a3-high" (the calibration rows' A3 VMs). Sources, as read 2026-11-25: Google Cloud's GPU
-# machine pages and GKE's GPUDirect-TCPX(O) guide (A3 High: 4 x 200 Gbps GPUDirect-TCPX NICs
-# for 8 GPUs; A3 Mega: 8 x 200 Gbps GPUDirect-TCPXO, one per GPU; A3 Ultra (H200) and A4 (B200):
-# one 400 Gbps ConnectX-7 RoCE NIC per GPU); NVIDIA DGX H100 / DGX B200 user guides (one
-# 400 Gb/s ConnectX-7 InfiniBand NDR port per GPU; DGX A100: 200 Gb/s HDR). Line rates: what
-# NCCL reaches is below them (~80-90% on RoCE/InfiniBand).
-NETWORKS: dict[str, float] = {
-    "a3-high": 4 * 200e9 / 8 / 8, "a3-mega": 200e9 / 8, "a3-ultra": 400e9 / 8, "a4": 400e9 / 8,
-    "infiniband-ndr": 400e9 / 8, "infiniband-hdr": 200e9 / 8}
-
-
 def lookup(device_kind: str, network: str | None = None) -> Chip | None:
   """The row for a jax `device_kind` ("TPU v4", "TPU v5 lite", "NVIDIA H100 80GB HBM3"), else
   None; `network` (a NETWORKS name, `mesh.network`) replaces its DCN figure."""
@@ -212,8 +212,4 @@ def lookup(device_kind: str, network: str | None = None) -> Chip | None:
       chip = CHIPS[name]
   if chip is None or network is None:
     return chip
-  if network not in NETWORKS:
-    raise ValueError(f"mesh.network={network!r} is not a network this model knows; use one of "
-                     f"{sorted(NETWORKS)} or leave it unset for the chip's default ({chip.name}: "
-                     f"{chip.dcn_bandwidth / GB:g} GB/s per device)")
-  return dataclasses.replace(chip, dcn_bandwidth=NETWORKS[network])
+  return dataclasses.replace(chip, dcn_bandwidth=NETWORKS[network])   # MeshConfig checked the name
