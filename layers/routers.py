@@ -44,7 +44,8 @@ class Routing(NamedTuple):
   load: jax.Array       # float32 [E]: each expert's share of the assignments (sums to 1)
   aux_loss: jax.Array   # scalar E * sum_e(me * load_e)
   z_loss: jax.Array     # scalar mean(logsumexp(logits)^2)
-  metrics: dict         # scalar diagnostics: 'max_load' (max share x E; 1.0 is uniform)
+  metrics: dict         # scalar diagnostics: 'max_load' (max share x E; 1.0 is uniform),
+                        # 'last_gate' (the k-th choice's share of the chosen scores)
 
 
 def scores_of(logits: jax.Array, score: str) -> jax.Array:
@@ -65,6 +66,8 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   choose = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
   index = top_k_indices(choose, top_k)
   gates = jnp.take_along_axis(scores, index, axis=-1)
+  # How much the k-th expert still counts: near 0, top-k has collapsed to fewer experts.
+  last_gate = jnp.mean(gates[..., -1] / (jnp.sum(gates, axis=-1) + 1e-20))
   if renormalize:
     gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
   gates = gates * gate_scale
@@ -75,7 +78,7 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   aux_loss = e * jnp.sum(me * load)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   return Routing(index.astype(jnp.int32), gates, load, aux_loss, z_loss,
-                 {"max_load": jnp.max(load) * e})
+                 {"max_load": jnp.max(load) * e, "last_gate": last_gate})
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:

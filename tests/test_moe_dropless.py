@@ -117,6 +117,17 @@ def test_bias_balancing_moves_a_skewed_router_to_uniform_load():
   assert np.abs(first - 1).mean() > 0.9 and np.abs(last - 1).mean() < 0.15
 
 
+def test_last_gate_reports_how_much_the_kth_choice_counts():
+  """'last_gate': the k-th chosen expert's share of the chosen scores, before any scale.
+  Near 0 a top-k router has collapsed toward fewer experts (a softmax whose logits grew)."""
+  logits = jnp.log(jnp.array([[0.7, 0.2, 0.1], [0.25, 0.5, 0.25]], jnp.float32))
+  two = routers.route(logits, top_k=2, gate_scale=2.0).metrics["last_gate"]
+  np.testing.assert_allclose(two, (0.2 / 0.9 + 0.25 / 0.75) / 2, rtol=1e-5)
+  np.testing.assert_allclose(routers.route(logits, top_k=1).metrics["last_gate"], 1.0, rtol=1e-6)
+  np.testing.assert_allclose(routers.route(logits, top_k=3, renormalize=False).metrics["last_gate"],
+                             (0.1 + 0.25) / 2, rtol=1e-5)
+
+
 def test_capacity_dispatch_rejects_routers_it_cannot_run():
   with pytest.raises(Exception, match="model.moe.dispatch='capacity' is GShard"):
     MoEConfig(top_k=4)
