@@ -66,10 +66,11 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   choose = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
   index = top_k_indices(choose, top_k)
   gates = jnp.take_along_axis(scores, index, axis=-1)
+  share = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
   # How much the k-th expert still counts: near 0, top-k has collapsed to fewer experts.
-  last_gate = jnp.mean(gates[..., -1] / (jnp.sum(gates, axis=-1) + 1e-20))
+  last_gate = jnp.mean(share[..., -1])
   if renormalize:
-    gates = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
+    gates = share
   gates = gates * gate_scale
   flat = index.reshape(-1)
   load = jnp.zeros((e,), jnp.float32).at[flat].add(1.0) / flat.shape[0]
