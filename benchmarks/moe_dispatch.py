@@ -1,10 +1,10 @@
 """Dropless against capacity-based MoE dispatch: train-step time of the same model, side by side.
 
     .venv/bin/python benchmarks/moe_dispatch.py                                # moe.mixtral_tiny, this CPU
-    python benchmarks/moe_dispatch.py --set model.transformer.d_model=1024 \\
-        --set model.transformer.num_heads=8 --set model.moe.d_ff=2048 \\
-        --set model.transformer.dtype="'bfloat16'" --set train.global_batch=16 \\
-        --set data.seq_len=1024 --set model.transformer.max_len=1024         # a GPU-sized one
+    python benchmarks/moe_dispatch.py --set model.d_model=1024 \\
+        --set model.num_heads=8 --set model.moe.d_ff=2048 \\
+        --set model.dtype="'bfloat16'" --set train.global_batch=16 \\
+        --set data.seq_len=1024 --set model.max_len=1024         # a GPU-sized one
 
 One top-2 MoE experiment (`--exp`, default moe.mixtral_tiny: top-2 of 8, renormalized
 softmax gates) is built twice, differing only in `model.moe.dispatch`:

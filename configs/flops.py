@@ -29,7 +29,9 @@ def matmul_params(cfg) -> int:
 
 def per_token(cfg, seq_len: int, causal: bool = True) -> float:
   """Training FLOPs per token; causal=False counts every attention score (MaxText before
-  2023-11-29, Megatron's and many papers' figures)."""
+  2023-11-29, Megatron's and many papers' figures). MoE models: `moe_per_token`."""
+  if getattr(cfg, "moe", None) is not None:
+    return moe_per_token(cfg, seq_len, causal)
   attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
   return 6 * matmul_params(cfg) + attention
 
@@ -38,8 +40,8 @@ def per_step(cfg, global_batch: int, seq_len: int) -> float:
   return per_token(cfg, seq_len) * global_batch * seq_len
 
 
-def moe_per_token(cfg, seq_len: int) -> float:
-  """Training FLOPs per token of a `configs.moe.MoELMConfig` (top-k MoE LM, shared experts).
+def moe_per_token(cfg, seq_len: int, causal: bool = True) -> float:
+  """Training FLOPs per token of a `TransformerConfig` with `moe` set (top-k MoE, shared experts).
 
   Counts the matmuls a token actually activates: attention and the head as above, the
   dense FFN of the non-MoE layers, and in each MoE layer the router (d_model x E) plus
@@ -49,10 +51,9 @@ def moe_per_token(cfg, seq_len: int) -> float:
   FLOP count does include). Dropped tokens and skipped second experts are counted as if
   processed, so the figure does not depend on the routing.
   """
-  t, m = cfg.transformer, cfg.moe
-  n_moe = cfg.num_moe_layers
-  d = t.d_model
+  m, n_moe, d = cfg.moe, cfg.num_moe_layers, cfg.d_model
   active = m.top_k + m.num_shared_experts   # routed + shared experts a token goes through
-  swap = n_moe * (d * m.num_experts + active * 3 * d * m.d_ff - 3 * d * t.d_ff)
-  attention = 12 * t.num_layers * seq_len * t.num_heads * t.dim_per_head / 2
-  return 6 * (matmul_params(t) + swap) + attention
+  dense_mlp = (2 if getattr(cfg, "mlp", "gated") == "plain" else 3) * d * cfg.d_ff
+  swap = n_moe * (d * m.num_experts + active * 3 * d * m.d_ff - dense_mlp)
+  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
+  return 6 * (matmul_params(cfg) + swap) + attention

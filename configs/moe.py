@@ -1,10 +1,10 @@
-"""Config of a GShard-style mixture-of-experts LM: a dense TransformerConfig plus MoEConfig.
+"""The mixture-of-experts part of an LM config: `TransformerConfig(..., moe=MoEConfig(...))`.
 
-Composed, not inherited: `MoELMConfig(transformer=TransformerConfig(...), moe=MoEConfig(...))`.
-Overrides reach either part by path: `--set model.moe.num_experts=16`,
-`--set model.transformer.num_layers=8`. The dense config describes every layer's
-attention and the dense FFN of the layers that are not MoE; `moe` describes the
-expert FFN that replaces the dense one in every `moe.every`-th layer.
+Composed, not inherited, and one model: the TransformerConfig describes every layer's
+attention and the dense FFN of the layers that are not MoE; `moe` describes the expert FFN
+that replaces the dense one in every `moe.every`-th layer. Overrides reach both by path:
+`--set model.moe.num_experts=16`, `--set model.num_layers=8` (before 2026-11-26 an MoE
+model's own fields lived under `model.transformer.`; those paths are refused with the new one).
 """
 
 from __future__ import annotations
@@ -12,17 +12,11 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardax.configs import flops
-from shardax.configs.schema import ConfigError, DataConfig, TransformerConfig, make_model
+from shardax.configs.errors import require as _require
 
 SECOND_EXPERT_POLICIES = ("all", "random", "sampling")
 SCORES = ("softmax", "sigmoid")
 DISPATCHES = ("capacity", "dropless")
-
-
-def _require(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ConfigError(msg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,74 +130,3 @@ class MoEConfig:
     """
     c = max(self.min_capacity, math.ceil(self.capacity_factor * 2 * group_size / self.num_experts))
     return min(c, group_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class MoELMConfig:
-  """A decoder-only LM whose every `moe.every`-th layer has an MoE FFN."""
-  transformer: TransformerConfig = dataclasses.field(default_factory=TransformerConfig)
-  moe: MoEConfig = dataclasses.field(default_factory=MoEConfig)
-
-  def __post_init__(self):
-    t, m = self.transformer, self.moe
-    _require(m.first_dense_layers < t.num_layers and (t.num_layers - m.first_dense_layers) % m.every == 0,
-             f"model.transformer.num_layers={t.num_layers} minus model.moe.first_dense_layers="
-             f"{m.first_dense_layers} is not a positive multiple of model.moe.every={m.every}; after the "
-             f"first dense layers the layers repeat in units of (every - 1) dense + 1 MoE layer")
-    _require(t.pipeline.stages == 1,
-             "model.transformer.pipeline.stages > 1 is not supported for the MoE LM; use 1")
-
-  def for_decode(self) -> "MoELMConfig":
-    """The same model (same params) as decoding runs it: no token is ever dropped.
-
-    One gating group per sequence of the call (prefill: the padded prompt; a generate
-    step: its one token) and capacity = group size (`capacity_factor = E/2` reaches the
-    cap S: an expert gets each token at most once), so padding and the other rows of the
-    batch cannot change a sequence's output; the second expert is always used ('all'),
-    so a token's output does not depend on random gating or on how calls group tokens.
-    """
-    if self.moe.dispatch == "dropless":
-      return self   # nothing is ever dropped, and no routing is random
-    moe = dataclasses.replace(self.moe, group_size=None, second_expert="all",
-                              capacity_factor=self.moe.num_experts / 2)
-    return dataclasses.replace(self, moe=moe)
-
-  # Fields the trainer and Experiment read from any LM config.
-  @property
-  def vocab_size(self) -> int:
-    return self.transformer.vocab_size
-
-  @property
-  def max_len(self) -> int:
-    return self.transformer.max_len
-
-  @property
-  def num_moe_layers(self) -> int:
-    return (self.transformer.num_layers - self.moe.first_dense_layers) // self.moe.every
-
-  def make(self, rngs):
-    return make_model(self, rngs)   # layers/moe_lm.MoELM, registered by layers/__init__.py
-
-  def batch_fields(self, data: DataConfig):
-    return self.transformer.batch_fields(data)
-
-  def tokens_per_example(self, data: DataConfig) -> int:
-    return data.seq_len
-
-  def flops_per_example(self, data: DataConfig) -> float:
-    """Model FLOPs of one example, counting only the activated (top-k and shared) experts."""
-    return flops.moe_per_token(self, data.seq_len) * data.seq_len
-
-  def param_count(self) -> int:
-    """Total parameters (all experts), from the config alone: what `gshard_1t` is sized by."""
-    t, m = self.transformer, self.moe
-    d, h, kv, dh = t.d_model, t.num_heads, t.kv_heads, t.dim_per_head
-    attn = d * h * dh + 2 * d * kv * dh + h * dh * d
-    norms = 2 * d * (2 if t.norm == "layer" else 1)
-    n_moe = self.num_moe_layers
-    dense_ffn = (t.num_layers - n_moe) * 3 * d * t.d_ff
-    moe_ffn = n_moe * (d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
-                       + (m.num_experts if m.bias_update_rate else 0))
-    head = 0 if t.tied_embedding else d * t.vocab_size
-    final_norm = d * (2 if t.norm == "layer" else 1)
-    return t.num_layers * (attn + norms) + dense_ffn + moe_ffn + t.vocab_size * d + head + final_norm

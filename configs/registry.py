@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import typing
 import difflib
 import json
 from typing import Any, Callable, Sequence
@@ -85,6 +86,9 @@ def get(name: str) -> fdl.Config:
   return cfg
 
 
+MOVED = "model.transformer."   # the MoE LM's old config section (before 2026-11-26)
+
+
 def parse_value(text: str) -> Any:
   """A Python literal (`8`, `1e-3`, `(2, 4)`, `2,4`, `None`, `'x'`); anything else is a string."""
   try:
@@ -99,6 +103,11 @@ def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
     if "=" not in item:
       raise ConfigError(f"--set {item!r}: expected PATH=VALUE, e.g. --set train.steps=10")
     path, text = item.split("=", 1)
+    if path.strip().startswith(MOVED):
+      new = "model." + path.strip()[len(MOVED):]
+      raise ConfigError(f"--set {path.strip()}: an MoE model's own fields moved from model.transformer.* "
+                        f"to model.* (dense and MoE LMs are one config since 2026-11-26): use "
+                        f"--set {new}={text.strip()}")
     *parents, leaf = path.strip().split(".")
     node = cfg
     for i, part in enumerate(parents):
@@ -123,10 +132,28 @@ def _check_name(node: fdl.Buildable, name: str, path: str) -> None:
 
 
 def _child(node: Any, part: str, path: str) -> Any:
+  """node.part; an optional section left None (a dense model's `moe`) is created with its
+  defaults, so `--set model.moe.num_experts=8` turns lm.tiny into an MoE model."""
   if not isinstance(node, fdl.Buildable):
     raise ConfigError(f"--set {path}: cannot descend into a plain value")
   _check_name(node, part, path)
-  return getattr(node, part)
+  child = getattr(node, part)
+  if child is None:
+    section = _optional_section(fdl.get_callable(node), part)
+    if section is not None:
+      child = config_tree(section)
+      setattr(node, part, child)
+  return child
+
+
+def _optional_section(cls: Any, name: str) -> type | None:
+  """The dataclass type of field `name` of `cls` when it is `SomeConfig | None`, else None."""
+  try:
+    hint = typing.get_type_hints(cls).get(name)
+  except Exception:   # a callable without resolvable hints
+    return None
+  kinds = [a for a in typing.get_args(hint) if dataclasses.is_dataclass(a)]
+  return kinds[0] if len(kinds) == 1 and type(None) in typing.get_args(hint) else None
 
 
 def build(cfg: fdl.Config) -> Experiment:

@@ -14,17 +14,13 @@ from typing import Any
 
 from shardax.configs import attention as attention_lib
 from shardax.configs import flops
+from shardax.configs.errors import ConfigError, require
+from shardax.configs.moe import MoEConfig
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
 from shardax.sharding.mesh import MeshConfig
 
 
-class ConfigError(ValueError):
-  """A config value that cannot work; the message names the field and the fix."""
-
-
-def _require(cond: bool, msg: str) -> None:
-  if not cond:
-    raise ConfigError(msg)
+_require = require
 
 
 # Model class of each model config class. layers/ registers its models (layers/__init__.py),
@@ -120,6 +116,9 @@ class TransformerConfig:
   rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_len / low are scaled in full ...
   rope_high_freq_factor: float = 4.0  # ... below original_len / high not at all; smooth in between
   rope_original_max_len: int = 8192   # llama3: the context length the model was pretrained at
+  # Mixture of experts (configs/moe.py): None = a dense model; set, the stack's unit is
+  # (moe.every - 1) dense layers then one MoE layer, after moe.first_dense_layers dense ones.
+  moe: MoEConfig | None = None
 
   def __post_init__(self):
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
@@ -161,7 +160,19 @@ class TransformerConfig:
              f"model.rope_scaling='llama3' needs rope_scaling_factor >= 1, rope_high_freq_factor > "
              f"rope_low_freq_factor > 0 and rope_original_max_len >= 1 (got {self.rope_scaling_factor}, "
              f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}, {self.rope_original_max_len})")
+    m = self.moe
+    if m is not None:
+      _require(m.first_dense_layers < self.num_layers and
+               (self.num_layers - m.first_dense_layers) % m.every == 0,
+               f"model.num_layers={self.num_layers} minus model.moe.first_dense_layers="
+               f"{m.first_dense_layers} is not a positive multiple of model.moe.every={m.every}; after "
+               f"the first dense layers the layers repeat in units of (every - 1) dense + 1 MoE layer")
     p = self.pipeline
+    _require(p.stages == 1 or m is None,
+             f"model.pipeline.stages={p.stages} with model.moe set (an MoE model) is refused: the "
+             f"pipeline's stage loop does not carry the MoE layers' routing statistics (balance "
+             f"losses, bias updates) out of its bubble-masked iterations; use expert/data/FSDP "
+             f"parallelism for MoE models, or model.moe=None")
     if p.stages > 1:
       per = p.stages * p.circular_repeats
       _require(self.num_layers % per == 0,
@@ -197,6 +208,57 @@ class TransformerConfig:
   @property
   def kv_heads(self) -> int:
     return self.num_kv_heads or self.num_heads
+
+  @property
+  def num_first_dense(self) -> int:
+    """Dense layers before the repeating units (an MoE model's moe.first_dense_layers)."""
+    return 0 if self.moe is None else self.moe.first_dense_layers
+
+  @property
+  def num_units(self) -> int:
+    """Repeating units of the stack: layers (dense), else MoE layers (one per unit)."""
+    if self.moe is None:
+      return self.num_layers
+    return (self.num_layers - self.moe.first_dense_layers) // self.moe.every
+
+  @property
+  def num_moe_layers(self) -> int:
+    return 0 if self.moe is None else self.num_units
+
+  def dense_part(self) -> "TransformerConfig":
+    """This config without MoE: what each dense layer of the model is."""
+    return self if self.moe is None else dataclasses.replace(self, moe=None)
+
+  def for_decode(self) -> "TransformerConfig":
+    """The same model (same params) as decoding runs it: no token is ever dropped.
+
+    Capacity dispatch: one gating group per sequence of the call (prefill: the padded
+    prompt; a generate step: its one token) and capacity = group size
+    (`capacity_factor = E/2` reaches the cap S: an expert gets each token at most once),
+    so padding and the other rows of the batch cannot change a sequence's output; the
+    second expert is always used ('all'), so a token's output does not depend on random
+    gating or on how calls group tokens. Dense and dropless models are returned as they are.
+    """
+    if self.moe is None or self.moe.dispatch == "dropless":
+      return self
+    moe = dataclasses.replace(self.moe, group_size=None, second_expert="all",
+                              capacity_factor=self.moe.num_experts / 2)
+    return dataclasses.replace(self, moe=moe)
+
+  def param_count(self) -> int:
+    """Total parameters (all experts), from the config alone: what `gshard_1t` is sized by."""
+    d, h, kv, dh = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head
+    attn = d * h * dh + 2 * d * kv * dh + h * dh * d
+    norm = d * (2 if self.norm == "layer" else 1)
+    norms = (1 if self.parallel_block else 2) * norm
+    n_moe = self.num_moe_layers
+    dense_ffn = (self.num_layers - n_moe) * (2 if self.mlp == "plain" else 3) * d * self.d_ff
+    m = self.moe
+    moe_ffn = 0 if m is None else n_moe * (
+        d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
+        + (m.num_experts if m.bias_update_rate else 0))
+    head = 0 if self.tied_embedding else d * self.vocab_size
+    return self.num_layers * (attn + norms) + dense_ffn + moe_ffn + self.vocab_size * d + head + norm
 
   @property
   def dim_per_head(self) -> int:

@@ -191,7 +191,7 @@ def _from_row(row: dict, num_layers: int | None):
   moe = _is_moe(row)
   cfg = moe_experiment() if moe else experiment()
   cfg.name = f"calibration.{row['id']}"
-  mc = cfg.model.transformer if moe else cfg.model
+  mc = cfg.model
   mc.num_layers = num_layers or m["num_layers"]
   mc.d_model, mc.num_heads, mc.d_ff = m["d_model"], m["num_heads"], m["d_ff"]
   mc.num_kv_heads, mc.head_dim = m.get("num_kv_heads"), m.get("head_dim")
@@ -319,7 +319,7 @@ def _set_moe(cfg, row: dict) -> None:
   moe.every = int(_first(m, "moe_every", "moe_layer_interval") or 1)
   moe.num_shared_experts = int(_first(m, "num_shared_experts", "n_shared_experts", "shared_experts") or 0)
   moe.first_dense_layers = int(_first(m, "first_dense_layers", "first_k_dense_replace") or 0)
-  cfg.model.transformer.d_ff = int(_first(m, "dense_d_ff", "d_ff"))
+  cfg.model.d_ff = int(_first(m, "dense_d_ff", "d_ff"))
   top_k = _top_k(row)
   if not 1 <= top_k <= moe.num_experts:
     raise Unexpressible(f"row {row['id']}: model.experts_per_token={top_k} is not in [1, num_experts="

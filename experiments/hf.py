@@ -8,8 +8,8 @@ come from --set. The defaults suit fine-tuning: a low learning rate, short warmu
 master weights; the mesh takes every device on the data axis with the `fsdp` rules
 (weights and optimizer state split across data-parallel devices).
 
-A Mixtral is a MoELMConfig: config.json's attention and norms go to model.transformer, its
-router and experts to model.moe (trainer/hf/config.py moe_fields), e.g.
+A Mixtral is the same LM with `model.moe` set: config.json's attention and norms go to
+model.*, its router and experts to model.moe (trainer/hf/config.py moe_fields), e.g.
 `--set model.moe.aux_loss_weight=0`.
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 
 from shardax.configs import experiment
-from shardax.configs.moe import MoELMConfig
+from shardax.configs.moe import MoEConfig
 from shardax.configs.registry import config_tree, register_prefix
 from shardax.trainer.hf import config as hf_config
 
@@ -29,10 +29,10 @@ def hf_experiment(model_dir: str):
   fields, moe = hf_config.model_fields(hf), hf_config.moe_fields(hf)
   cfg = experiment(name=f"hf:{directory}", description=f"{hf_config.architecture(hf)} from {directory}")
   if moe is not None:
-    cfg.model = config_tree(MoELMConfig)
+    cfg.model.moe = config_tree(MoEConfig)
     for key, value in moe.items():
       setattr(cfg.model.moe, key, value)
-  model = cfg.model.transformer if moe is not None else cfg.model
+  model = cfg.model
   for key, value in fields.items():
     setattr(model, key, value)
   model.max_len = min(fields["max_len"], 4096)   # export writes the source's length back

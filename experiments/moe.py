@@ -5,14 +5,14 @@ splits the batch (GShard), so the dispatch and combine einsums become all-to-all
 """
 
 from shardax.configs import experiment, register
-from shardax.configs.moe import MoELMConfig
+from shardax.configs.moe import MoEConfig
 from shardax.configs.registry import config_tree
 
 
 def moe_experiment():
-  """An experiment tree whose model is a `MoELMConfig` (defaults everywhere else)."""
+  """An experiment tree whose model has MoE layers (`model.moe`; defaults everywhere else)."""
   cfg = experiment()
-  cfg.model = config_tree(MoELMConfig)
+  cfg.model.moe = config_tree(MoEConfig)
   cfg.sharding.preset = "expert"
   return cfg
 
@@ -20,7 +20,7 @@ def moe_experiment():
 @register("moe.tiny", "4-layer byte-level LM, 8-expert top-2 MoE FFN every 2nd layer; CPU, minutes")
 def tiny():
   cfg = moe_experiment()
-  t, m = cfg.model.transformer, cfg.model.moe
+  t, m = cfg.model, cfg.model.moe
   t.num_layers = 4
   t.d_model = 128
   t.num_heads = 4
@@ -46,7 +46,7 @@ def tiny():
 
 @register("moe.gshard_1t", "GShard-scale top-2 MoE LM: 2048 experts, 40 layers, ~1.03T params, TPUv3-2048")
 def gshard_1t():
-  """~1.03T parameters (`MoELMConfig.param_count()` = 1,031,538,820,096 at these sizes).
+  """~1.03T parameters (`TransformerConfig.param_count()` = 1,031,538,820,096 at these sizes).
 
   20 MoE layers x 2048 experts x 3 x 1024 x 8192 (gated FFN) = 1.0308e12 expert weights,
   plus 0.74e9 for attention, the 20 dense FFNs, routers and the embedding. GShard's own
@@ -59,7 +59,7 @@ def gshard_1t():
   Built abstractly by dry runs; not meant to be compiled on a CPU host.
   """
   cfg = moe_experiment()
-  t, m = cfg.model.transformer, cfg.model.moe
+  t, m = cfg.model, cfg.model.moe
   t.num_layers = 40
   t.d_model = 1024
   t.num_heads = 16
@@ -90,7 +90,7 @@ def gshard_1t():
 
 def _like_lm_tiny(cfg):
   """lm.tiny's shape, data and schedule (experiments/lm.py), so the bits per byte compare."""
-  t = cfg.model.transformer
+  t = cfg.model
   t.num_layers = 4
   t.d_model = 192
   t.num_heads = 4
@@ -177,7 +177,7 @@ POD_RULES = (("batch", ("data", "expert")), ("batch", "data"), ("expert", "exper
 
 
 def _pod_moe(cfg, topology: str, ici: tuple[int, int], global_batch: int, seq_len: int):
-  t = cfg.model.transformer
+  t = cfg.model
   t.dtype = "bfloat16"
   t.param_dtype = "bfloat16"
   t.remat = "full"
@@ -206,7 +206,7 @@ def mixtral_8x7b():
   """Mixtral 8x7B's shapes (arXiv 2401.04088): d_model 4096, 32 heads of 128, 8 KV heads,
   every FFN 8 experts of gated d_ff 14336, top-2 renormalized softmax gates; rope theta 1e6."""
   cfg = moe_experiment()
-  t, m = cfg.model.transformer, cfg.model.moe
+  t, m = cfg.model, cfg.model.moe
   t.num_layers = 32
   t.d_model = 4096
   t.num_heads = 32
@@ -234,7 +234,7 @@ def deepseek_v3():
   prediction. 1024 chips: 8 data x 128 expert (the topology's 8 x 16 plane), two experts
   per chip and layer."""
   cfg = moe_experiment()
-  t, m = cfg.model.transformer, cfg.model.moe
+  t, m = cfg.model, cfg.model.moe
   t.num_layers = 61
   t.d_model = 7168
   t.num_heads = 128

@@ -8,21 +8,18 @@ from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral, fan_in_init
 from shardax.layers.mlp import GatedMLP
 from shardax.layers.moe import Gating, MoEFeedForward, top2_gating
-from shardax.layers.moe_lm import MoEBlock, MoELM
 from shardax.layers.norm import LayerNorm, RMSNorm, make_norm
 from shardax.layers.transformer import (REMAT_POLICIES, Block, LayerStack, TransformerLM,
                                         apply_layers, block_fn, stacked_blocks)
 from shardax.layers.unet import UNet3D
-from shardax.configs import moe as _moe_config
 from shardax.configs import schema as _schema
 
 # The configs name no layers (a leaf); the models they make are registered here.
 _schema.register_model(_schema.TransformerConfig, TransformerLM)
-_schema.register_model(_moe_config.MoELMConfig, MoELM)
 
 __all__ = [
     "REMAT_POLICIES", "Attention", "Block", "DenseGeneral", "Embed", "GatedMLP", "Gating",
-    "LayerNorm", "LayerStack", "MoEBlock", "MoEFeedForward", "MoELM", "RMSNorm", "TransformerLM",
+    "LayerNorm", "LayerStack", "MoEFeedForward", "RMSNorm", "TransformerLM",
     "apply_layers", "apply_rope", "block_fn", "default_positions", "fan_in_init",
     "fused_attention", "make_norm", "stacked_blocks", "top2_gating", "xla_attention",
     "Conv", "ConvBlock", "ConvTranspose", "GroupNorm", "ImageClassifier", "UNet3D", "activation_axes",

@@ -63,7 +63,7 @@ def test_a_mixtral_shaped_moe_row_maps_onto_the_moe_config_and_an_expert_axis():
   assert ("expert", "expert") in exp.sharding.rules
   m = exp.model.moe
   assert (m.num_experts, m.d_ff, m.every, m.capacity_factor) == (8, 14336, 1, 1.25)
-  assert exp.model.transformer.num_kv_heads == 8 and exp.model.transformer.num_layers == 4
+  assert exp.model.num_kv_heads == 8 and exp.model.num_layers == 4
 
 
 def test_a_capacity_row_is_top2_capacity_dispatch_with_its_factor():

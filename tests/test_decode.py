@@ -182,9 +182,9 @@ def test_unscanned_layers_decode_with_a_cache_per_block():
 
 
 def test_moe_decodes_without_dropping_tokens():
-  t = ["model.transformer.num_layers=2", "model.transformer.d_model=64",
-       "model.transformer.num_heads=4", "model.transformer.d_ff=128",
-       "model.transformer.max_len=64", "model.moe.d_ff=64", "model.moe.capacity_factor=0.5",
+  t = ["model.num_layers=2", "model.d_model=64",
+       "model.num_heads=4", "model.d_ff=128",
+       "model.max_len=64", "model.moe.d_ff=64", "model.moe.capacity_factor=0.5",
        "data.seq_len=32", "train.global_batch=8", "data.source='synthetic'"]
   exp = experiment(*t, "mesh.ici=(8, 1)", name="moe.tiny")
   params = params_of(exp)

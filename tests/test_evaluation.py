@@ -22,8 +22,8 @@ EVAL_BATCHES = 2
 def small_moe():
   cfg = configs.get("moe.tiny")  # 'random' second expert, balance loss weight 1e-2
   configs.apply_overrides(cfg, [
-      "model.transformer.num_layers=2", "model.transformer.d_model=32",
-      "model.transformer.d_ff=64", "model.transformer.max_len=32", "model.moe.d_ff=64",
+      "model.num_layers=2", "model.d_model=32",
+      "model.d_ff=64", "model.max_len=32", "model.moe.d_ff=64",
       "data.seq_len=32", "train.global_batch=8", "train.steps=1", "train.eval_every=1",
       f"train.eval_batches={EVAL_BATCHES}", "train.log_every=1", "checkpoint.every=1",
       "mesh.ici=(8, 1)"])

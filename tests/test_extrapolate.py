@@ -39,8 +39,8 @@ def test_depth_unit_is_a_layer_a_pipeline_round_or_a_moe_unit():
   assert shallow.model.num_layers == 48 and shallow.model.pipeline == gpt3.model.pipeline
   assert shallow.mesh == gpt3.mesh and shallow.train == gpt3.train
   moe = build("moe.gshard_1t")
-  assert ex.depth(moe) == ex.Depth(40, 2, "model.transformer.num_layers")
-  assert ex.with_layers(moe, 6).model.transformer.num_layers == 6
+  assert ex.depth(moe) == ex.Depth(40, 2, "model.num_layers")
+  assert ex.with_layers(moe, 6).model.num_layers == 6
   assert ex.with_layers(moe, 6).model.moe == moe.model.moe
   assert "scan_layers=False" in ex.depth(build("lm.tiny", "model.num_layers=12", "model.scan_layers=False"))
   assert "already as shallow" in ex.depth(build("lm.tiny", "model.num_layers=4"))

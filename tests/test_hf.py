@@ -200,7 +200,7 @@ def test_mixtral_config_maps_onto_the_moe_lm():
   """Router keys -> MoEConfig: top-k renormalized softmax gates, dropless; the balance-loss
   coefficient times k (transformers sums its loss over the k slots); and back."""
   exp = experiment("mixtral")
-  t, m = exp.model.transformer, exp.model.moe
+  t, m = exp.model, exp.model.moe
   assert (m.num_experts, m.top_k, m.d_ff, m.every, m.score, m.renormalize, m.dispatch) == \
       (4, 2, 96, 1, "softmax", True, "dropless")
   assert m.aux_loss_weight == pytest.approx(0.02 * 2) and (t.num_kv_heads, t.rope_theta) == (2, 1e6)
@@ -214,9 +214,9 @@ def test_mixtral_config_maps_onto_the_moe_lm():
 
 
 def test_mixtral_unscanned_stack_maps_too(tmp_path):
-  """scan_layers=False: one [E, ...] leaf per layer (units/{i}/moe_block/...), same tensors."""
-  setup, params = imported("mixtral", (1, 1), "model.transformer.scan_layers=False")
-  assert params["units"][1]["moe_block"]["moe"]["wo"].shape == (4, 96, 64)
+  """scan_layers=False: one [E, ...] leaf per layer (layers/blocks/{i}/moe_block/...), same tensors."""
+  setup, params = imported("mixtral", (1, 1), "model.scan_layers=False")
+  assert params["layers"]["blocks"][1]["moe_block"]["moe"]["wo"].shape == (4, 96, 64)
   exporter.export_params(params, setup.exp.model, str(tmp_path), np.float32, 1 << 30)
   a, b = safetensors.Reader(os.path.join(FIXTURES, "mixtral")), safetensors.Reader(str(tmp_path))
   assert a.names() == b.names()
@@ -231,7 +231,7 @@ def test_mixtral_moe_layer_computes_transformers_routing():
   vs w3, expert order, transposes) while the whole model's logits wait for the layer fix."""
   from flax import nnx
   setup, params = imported("mixtral")
-  moe = setup.model(params).units.moe_block.moe
+  moe = setup.model(params).layers.blocks.moe_block.moe
   graphdef, state = nnx.split(moe)
   layer1 = nnx.merge(graphdef, jax.tree.map(lambda a: a[1], state))
   x = np.random.default_rng(0).standard_normal((2, 9, 64)).astype(np.float32)

@@ -21,7 +21,7 @@ def test_parallel_block_adds_both_branches_of_one_norm():
   pos = jnp.broadcast_to(jnp.arange(16), (2, 16))
   h = block.attn_norm(x)
   expected = x + block.attn(h, pos) + jax.nn.relu(h @ block.mlp.up.kernel[...]) @ block.mlp.down.kernel[...]
-  np.testing.assert_allclose(block(x, pos), expected, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(block(x, pos)[0], expected, rtol=1e-5, atol=1e-5)
   assert block.mlp_norm is None
 
 

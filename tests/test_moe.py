@@ -110,8 +110,8 @@ MODES = {"expert": ((8,), ("data",), 8), "expert_axis": ((2, 4), ("data", "exper
 def tiny_moe(preset, ici, axes, *more):
   cfg = configs.get("moe.tiny")
   configs.apply_overrides(cfg, [
-      "model.transformer.num_layers=2", "model.transformer.d_model=32",
-      "model.transformer.num_heads=4", "model.transformer.d_ff=64", "model.transformer.max_len=16",
+      "model.num_layers=2", "model.d_model=32",
+      "model.num_heads=4", "model.d_ff=64", "model.max_len=16",
       "model.moe.d_ff=64", "model.moe.capacity_factor=1.0", "data.seq_len=16",
       "train.global_batch=8", "data.source='synthetic'", f"sharding.preset={preset!r}",
       f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", *more])
@@ -200,8 +200,8 @@ def test_expert_weights_take_a_device_share(sharded):
 def test_moe_tiny_trains_and_checkpoints(tmp_path):
   cfg = configs.get("moe.tiny")
   configs.apply_overrides(cfg, [
-      "model.transformer.num_layers=2", "model.transformer.d_model=32",
-      "model.transformer.d_ff=64", "model.transformer.max_len=32", "model.moe.d_ff=64",
+      "model.num_layers=2", "model.d_model=32",
+      "model.d_ff=64", "model.max_len=32", "model.moe.d_ff=64",
       "data.seq_len=32", "train.global_batch=8", "train.steps=6", "train.eval_every=6",
       "train.eval_batches=2", "train.log_every=3", "checkpoint.every=6",
       "optimizer.warmup_steps=1", "optimizer.learning_rate=1e-2", "mesh.ici=(8, 1)"])
@@ -221,19 +221,18 @@ def test_gshard_1t_builds_abstractly_with_one_expert_per_core():
   setup = state_lib.create(exp, jax.sharding.AbstractMesh(
       (2048, 1), ("data", "model"), axis_types=(jax.sharding.AxisType.Auto,) * 2))
   assert state_lib.count_params(setup) == exp.model.param_count()
-  wo = setup.abstract["params"]["units"]["moe_block"]["moe"]["wo"]
+  wo = setup.abstract["params"]["layers"]["blocks"]["moe_block"]["moe"]["wo"]
   assert wo.shape == (20, 2048, 8192, 1024)
   assert wo.sharding.shard_shape(wo.shape) == (20, 1, 8192, 1024)
 
 
 def test_moe_flops_match_a_hand_count():
   """A 4-layer MoE LM (MoE FFN in layers 2 and 4), counted matmul by matmul, per token."""
-  from shardax.configs.moe import MoELMConfig
   from shardax.configs.schema import TransformerConfig
   from shardax.trainer.perf import flops
   d, heads, ff, vocab, seq, experts, expert_ff = 64, 4, 256, 256, 32, 16, 128
-  moe = MoELMConfig(TransformerConfig(num_layers=4, d_model=d, num_heads=heads, d_ff=ff, vocab_size=vocab),
-                    MoEConfig(num_experts=experts, d_ff=expert_ff, every=2))
+  moe = TransformerConfig(num_layers=4, d_model=d, num_heads=heads, d_ff=ff, vocab_size=vocab,
+                          moe=MoEConfig(num_experts=experts, d_ff=expert_ff, every=2))
   # Forward, 2 FLOPs per multiply-add:
   attention = 2 * 4 * d * d + 2 * 2 * seq * d / 2      # q, k, v, out (d x d each); causal scores
   dense_ffn = 2 * 3 * d * ff                           # gate, up, down
@@ -256,15 +255,15 @@ def test_moe_flops_agree_with_the_compiler():
   from shardax.trainer import step as step_lib
   counted = {}
   for h in (64, 128):
-    exp = tiny_moe("dp", (1,), ("data",), "model.transformer.scan_layers=False",
-                   "model.transformer.remat='none'", "model.moe.second_expert='all'", f"model.moe.d_ff={h}")
+    exp = tiny_moe("dp", (1,), ("data",), "model.scan_layers=False",
+                   "model.remat='none'", "model.moe.second_expert='all'", f"model.moe.d_ff={h}")
     setup = setup_for(exp, jax.devices()[:1])
     with jax.set_mesh(setup.mesh), use_rules(setup.rules):
       compiled = jax.jit(lambda p, b: step_lib.loss_fn(setup)(p, b)[0]).lower(
           setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
     cost = compiled.cost_analysis()
     counted[h] = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
-    m, t, s, b = exp.model.moe, exp.model.transformer, exp.data.seq_len, exp.train.global_batch
+    m, t, s, b = exp.model.moe, exp.model, exp.data.seq_len, exp.train.global_batch
     groups, c = b * s // s, m.capacity(s)
     assert m.num_experts * c == 2 * s
     formula = flops.moe_per_token(exp.model, s) * s * b / 3
@@ -280,7 +279,7 @@ def test_moe_flops_agree_with_the_compiler():
 def test_bad_moe_config_names_the_field():
   cfg = configs.get("moe.tiny")
   configs.apply_overrides(cfg, ["model.moe.every=3"])
-  with pytest.raises(configs.ConfigError, match="model.transformer.num_layers=4 .* model.moe.every=3"):
+  with pytest.raises(configs.ConfigError, match="model.num_layers=4 .* model.moe.every=3"):
     configs.build(cfg)
   cfg = configs.get("moe.tiny")
   configs.apply_overrides(cfg, ["model.moe.second_expert='top'"])

@@ -144,14 +144,14 @@ from meshtools import loss_and_grads, setup_for  # noqa: E402
 
 MODES = {"expert": ((8,), ("data",), 8), "expert_axis": ((2, 4), ("data", "expert"), 4)}
 DROPLESS = ["model.moe.dispatch='dropless'", "model.moe.top_k=2", "model.moe.num_shared_experts=1",
-            "model.moe.first_dense_layers=1", "model.transformer.num_layers=3", "model.moe.every=1"]
+            "model.moe.first_dense_layers=1", "model.num_layers=3", "model.moe.every=1"]
 
 
 def tiny_dropless(preset, ici, axes, *more):
   cfg = configs.get("moe.tiny")
   configs.apply_overrides(cfg, [
-      "model.transformer.d_model=32", "model.transformer.num_heads=4", "model.transformer.d_ff=64",
-      "model.transformer.max_len=16", "model.moe.d_ff=32", "data.seq_len=16", "train.global_batch=8",
+      "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+      "model.max_len=16", "model.moe.d_ff=32", "data.seq_len=16", "train.global_batch=8",
       "data.source='synthetic'", f"sharding.preset={preset!r}", f"mesh.ici={ici!r}",
       f"mesh.axes={axes!r}", "model.moe.expert_buffer=4.0", *DROPLESS, *more])
   return configs.build(cfg)
@@ -218,19 +218,19 @@ def test_train_step_writes_the_balance_bias_the_optimizer_leaves_alone():
   batch = jax.device_put({"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}, setup.batch_sharding)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     state = state_lib.init_fn(setup)(jax.random.key(0))
-    router0 = np.asarray(state["params"]["units"]["moe_block"]["moe"]["router"]["kernel"])
+    router0 = np.asarray(state["params"]["layers"]["blocks"]["moe_block"]["moe"]["router"]["kernel"])
     step = step_lib.train_step_fn(setup)
     biases = []
     for _ in range(2):
       state, metrics = step(state, batch)
       assert step_lib.STATE_UPDATES not in metrics
-      biases.append(np.asarray(state["params"]["units"]["moe_block"]["moe"]["balance_bias"]))
+      biases.append(np.asarray(state["params"]["layers"]["blocks"]["moe_block"]["moe"]["balance_bias"]))
   first, second = biases
   assert first.shape == (2, 8)                        # [moe layers, experts]
   assert set(np.unique(first / rate)) <= {-1, 0, 1} and np.abs(first).max() == rate
   assert set(np.unique((second - first) / rate)) <= {-1, 0, 1}
   assert not np.array_equal(second, first)
-  router = np.asarray(state["params"]["units"]["moe_block"]["moe"]["router"]["kernel"])
+  router = np.asarray(state["params"]["layers"]["blocks"]["moe_block"]["moe"]["router"]["kernel"])
   assert np.abs(router - router0).max() > 1e-3       # the router itself trains
 
 

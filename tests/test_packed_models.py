@@ -17,8 +17,9 @@ import pytest
 from flax import nnx
 
 from shardax import configs, pipeline
-from shardax.configs.moe import MoEConfig, MoELMConfig
-from shardax.layers.moe_lm import MoELM
+from shardax.configs.moe import MoEConfig
+from shardax.configs.schema import TransformerConfig
+from shardax.layers.transformer import TransformerLM
 from shardax.sharding import use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -51,18 +52,18 @@ MOE_DISPATCHES = {
 }
 
 
-def moe_config(scan_layers: bool, dispatch: str = "capacity") -> MoELMConfig:
+def moe_config(scan_layers: bool, dispatch: str = "capacity") -> TransformerConfig:
   """A tiny MoE LM whose routing depends on each token alone; no balance loss (a statistic
   of the whole group)."""
-  return MoELMConfig(transformer=dataclasses.replace(TINY, scan_layers=scan_layers),
-                     moe=MoEConfig(aux_loss_weight=0.0, **MOE_DISPATCHES[dispatch]))
+  return dataclasses.replace(TINY, scan_layers=scan_layers,
+                             moe=MoEConfig(aux_loss_weight=0.0, **MOE_DISPATCHES[dispatch]))
 
 
 @pytest.mark.parametrize("scan_layers,dispatch", [(True, "capacity"), (False, "capacity"),
                                                   (True, "dropless"), (False, "dropless")])
 def test_moe_packed_loss_is_the_token_weighted_mean_of_each_document_alone(scan_layers, dispatch):
   cfg = moe_config(scan_layers, dispatch)
-  graphdef, state = random_state(lambda: MoELM(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = random_state(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0)))
   train = jax.jit(lambda s, b: nnx.merge(graphdef, s).loss_and_metrics(b))
   evaluate = jax.jit(lambda s, b: nnx.merge(graphdef, s).eval_loss(b))
   docs = documents()

@@ -19,15 +19,15 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from shardax.layers import quantization
+from shardax.layers import quantization, transformer
 from shardax.sharding import shard
 from shardax.trainer import optimizer
 from shardax.trainer.state import Setup
 
 # A model's metrics may carry, under this key, a subtree of its params with new values
 # (state the model updates itself, not by gradient: the MoE balance biases of
-# layers/moe_lm.py). The step writes them over the optimizer's result and never logs them.
-STATE_UPDATES = "state_updates"
+# layers/transformer.py). The step writes them over the optimizer's result and never logs them.
+STATE_UPDATES = transformer.STATE_UPDATES
 
 
 def loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:

@@ -222,7 +222,6 @@ def check_exportable(model, arch: str) -> None:
     raise ConfigError(f"cannot export as {arch}: the model {'is' if moe else 'is not'} a mixture of experts")
   if moe is not None:
     bad += _moe_not_mixtral(model)
-    model = model.transformer
   if model.norm != "rms" or model.mlp != "gated" or model.activation != "silu" or model.parallel_block:
     bad.append("norm/mlp/activation/parallel_block other than rms/gated/silu/False")
   if model.scale_embedding:

@@ -10,8 +10,8 @@ Scanned stacks hold one leaf per block param with a leading `layers` dim: leaf
 `layers/blocks/attn/query/kernel` [L, ...] is the L tensors `model.layers.{i}.self_attn.
 q_proj.weight`. A Python-list stack (scan_layers=False) has one leaf per block.
 
-Mixtral (layers/moe_lm.py, every layer an MoE block): the stack is `units/moe_block/...`
-(scanned) or `units/{i}/moe_block/...`; the router kernel [embed, E] is `block_sparse_moe.
+Mixtral (layers/blocks.py, every layer an MoE block): the stack is `layers/blocks/moe_block/...`
+(scanned) or `layers/blocks/{i}/moe_block/...`; the router kernel [embed, E] is `block_sparse_moe.
 gate.weight` [E, embed]; an expert weight is stacked over experts too: `wi_gate` [E, embed, h]
 is the E tensors `block_sparse_moe.experts.{e}.w1.weight` [h, embed] (w3: wi_up, w2: wo),
 so a scanned leaf [L, E, ...] is L x E tensors, in that order.
@@ -47,7 +47,7 @@ BLOCK = {
     ("mlp", "down", "kernel"): ("mlp.down_proj.weight", 1),
     ("mlp", "down", "bias"): ("mlp.down_proj.bias", None),
 }
-# The MoE block (layers/moe_lm.py MoEBlock): attention and norms as above, then the
+# The MoE block (layers/blocks.py Block with moe=True): attention and norms as above, then the
 # router and the experts; "{e}" marks a leaf whose leading dim is the expert.
 MOE_BLOCK = {k: v for k, v in BLOCK.items() if k[0] in ("attn_norm", "attn", "mlp_norm")}
 MOE_BLOCK.update({
@@ -134,7 +134,7 @@ def leaves(params_abstract, model_cfg) -> list[tuple[tuple, Leaf]]:
     raise ConfigError(f"Hugging Face MoE weights (Mixtral) have an MoE FFN in every layer and no shared "
                       f"experts; the model has model.moe.every={moe.every}, first_dense_layers="
                       f"{moe.first_dense_layers}, num_shared_experts={moe.num_shared_experts}")
-  stack_key, table = (("units",), MOE_BLOCK) if moe is not None else (("layers", "blocks"), BLOCK)
+  stack_key, table = ("layers", "blocks"), (MOE_BLOCK if moe is not None else BLOCK)
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
     names = _names(path)

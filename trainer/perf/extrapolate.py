@@ -84,18 +84,13 @@ class Depth:
   offset: int = 0  # layers outside the repeating units (an MoE LM's first dense layers)
 
 
-def _transformer(model):
-  """The dense TransformerConfig of an LM config, or of the one inside a composite (MoE)."""
-  return getattr(model, "transformer", model)
-
-
 def depth(exp: Experiment) -> Depth | str:
   """The stack's Depth when shallow copies extrapolate to it, else the reason they do not."""
   model = exp.model
-  t = _transformer(model)
+  t = model
   if not hasattr(t, "num_layers"):
     return f"{type(model).__name__} has no layer stack to cut"
-  field = "model.num_layers" if t is model else "model.transformer.num_layers"
+  field = "model.num_layers"
   if not t.scan_layers:
     return ("model.scan_layers=False: an unrolled stack is not one loop body, so its "
             "per-layer memory need not be linear in depth")
@@ -103,7 +98,7 @@ def depth(exp: Experiment) -> Depth | str:
   if t.pipeline.stages > 1:
     unit = t.pipeline.stages * t.pipeline.circular_repeats
   offset = 0
-  if hasattr(model, "moe"):
+  if model.moe is not None:
     unit, offset = model.moe.every, model.moe.first_dense_layers
   if t.num_layers <= offset + SHALLOW_UNITS[-1] * unit:
     return (f"{field}={t.num_layers} is already as shallow as the copies "
@@ -114,8 +109,7 @@ def depth(exp: Experiment) -> Depth | str:
 def with_layers(exp: Experiment, layers: int) -> Experiment:
   """The experiment with `layers` layers and everything else unchanged."""
   model = exp.model
-  t = dataclasses.replace(_transformer(model), num_layers=layers)
-  model = t if _transformer(model) is model else dataclasses.replace(model, transformer=t)
+  model = dataclasses.replace(model, num_layers=layers)
   return dataclasses.replace(exp, model=model)
 
 

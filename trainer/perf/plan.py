@@ -85,14 +85,9 @@ def _layout(axes: Sequence[str], ici: Sequence[int], preset: str) -> list[str]:
   return [f"mesh.axes={tuple(axes)!r}", f"mesh.ici={tuple(ici)!r}", f"sharding.preset={preset}"]
 
 
-def _model_prefix(cfg) -> str:
-  """`model.` or `model.transformer.`: where remat and pipeline live in this config tree."""
-  return "model.transformer." if hasattr(cfg.model, "transformer") else "model."
-
-
 def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
   """`--set` overrides of every candidate layout for the experiment tree `cfg`."""
-  prefix = _model_prefix(cfg)
+  prefix = "model."
   out = []
   axes, sizes = (("data", "context"), grid.context_axis) if grid.context_axis else (("data", "model"), grid.model_axis)
   for preset in grid.presets:
@@ -106,7 +101,7 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
     out.append(_layout(("data", "model"), (num_devices, 1), "fsdp") + base)
   if grid.tp:
     out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp") + base)
-  if not hasattr(cfg.model, "transformer"):  # the MoE LM has no pipeline
+  if getattr(cfg.model, "moe", None) is None:  # MoE models are refused under a pipeline
     for s in grid.pipeline_stages:
       out.append(_layout(("stage", "data", "model"), (s, -1, grid.pipeline_model_axis), "pp_2d")
                  + base + [f"{prefix}pipeline.stages={s}",

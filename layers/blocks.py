@@ -1,0 +1,236 @@
+"""The decoder's layers: one Block (attention, then a dense MLP or an MoE FFN), the repeating
+unit of the stack, and how units are stacked, rematerialized and scanned.
+
+One block class serves dense and MoE models (as torchtitan's DeepSeek-V3/Llama 4 blocks and
+Hugging Face's MoE models do): the layer's index decides whether its feed-forward is the
+dense MLP or `MoEFeedForward`, so every attention, norm, parallel-block, quantization and
+remat option reaches MoE layers by construction.
+
+The stack repeats a *unit*: for a dense model one Block; for an MoE model (`cfg.moe`)
+`moe.every - 1` dense Blocks then one MoE Block (GShard's every-other-layer is every=2,
+Mixtral every=1). An MoE model's first `moe.first_dense_layers` layers (DeepSeek-V3: 3) are
+dense Blocks before the units. Every unit returns (x, stats): the MoE block's gating
+statistics (balance and z losses, load metrics, the next balance bias), empty for dense.
+
+Scanned layers: the units are created at once by `nnx.vmap` over the constructor, so every
+parameter gets a leading dim (logical name 'layers'), and they are applied by
+`jax.lax.scan`: XLA compiles one unit instead of L (compile time flat in depth), and the
+'layers' dim can be sharded like any other. The pipeline runs a stage by calling
+`apply_layers` on a slice of the stacked state.
+
+Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
+  'none'           save everything for the backward pass (fastest, most memory)
+  'full'           save only the unit's input; recompute the unit in the backward pass
+  'dots'           save matmul outputs, recompute the cheap elementwise ops
+  'dots_no_batch'  save only matmuls without batch dims (the weight projections,
+                   not the attention q.k / p.v products)
+  'offload'        as 'full', but the block input (named 'decoder_layer_input') is
+                   moved to host memory in the forward pass and back for the backward
+                   pass: device memory for saved activations drops to ~one layer's worth
+  'offload_proj'   offload the block input and the attention q/k/v and output
+                   projections ('query_proj', 'key_proj', 'value_proj', 'out_proj'):
+                   less recompute (no projection matmuls), more host traffic
+The offload policies are jax's `save_and_offload_only_these_names` over the names
+`checkpoint_name` gives in Block / Attention; the transfers are priced against the chip's
+host link by trainer/perf/stepmodel.py (`offload_seconds`).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
+
+from shardax.configs.schema import TransformerConfig
+from shardax.layers.attention import Attention, default_positions, kv_cache_spec
+from shardax.layers.mlp import GatedMLP, PlainMLP
+from shardax.layers.moe import MoEFeedForward
+from shardax.layers.norm import make_norm
+from shardax.sharding import shard
+
+RESIDUAL = ("batch", "length", "embed")
+
+LAYER_INPUT = "decoder_layer_input"
+PROJECTIONS = ("query_proj", "key_proj", "value_proj", "out_proj")   # named in layers/attention.py
+
+
+def _offload(*names: str):
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=list(names),
+      offload_src="device", offload_dst="pinned_host")
+
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots": jax.checkpoint_policies.checkpoint_dots,
+    "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+    "offload": _offload(LAYER_INPUT),
+    "offload_proj": _offload(LAYER_INPUT, *PROJECTIONS),
+}
+
+
+class Block(nnx.Module):
+  """x + attn(norm(x)), then x + ffn(norm(x)); ffn = the dense MLP, or the MoE FFN (`moe=True`,
+  attribute `moe`). A parallel block (GPT-J/PaLM) adds both branches of one norm."""
+
+  def __init__(self, cfg: TransformerConfig, *, moe: bool = False, rngs: nnx.Rngs):
+    dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
+    eps = cfg.norm_eps
+    self.attn_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt, eps=eps)
+    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
+                          rope_theta=cfg.rope_theta, implementation=cfg.attention,
+                          dtype=dt, param_dtype=pdt, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                          qk_norm=cfg.qk_norm, norm_eps=eps, rope_scaling=cfg.rope_scaling_params,
+                          rngs=rngs, options=cfg.attention_options(), quantization=cfg.quantization)
+    self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt,
+                                                              param_dtype=pdt, eps=eps)
+    if moe:
+      self.moe = MoEFeedForward(cfg.d_model, cfg.moe, activation=cfg.activation, dtype=dt,
+                                param_dtype=pdt, quantization=cfg.quantization, rngs=rngs)
+    else:
+      mlp = PlainMLP if cfg.mlp == "plain" else GatedMLP
+      self.mlp = mlp(cfg.d_model, cfg.d_ff, activation=cfg.activation, dtype=dt, param_dtype=pdt,
+                     use_bias=cfg.mlp_bias, quantization=cfg.quantization, rngs=rngs)
+
+  def ffn(self, h: jax.Array, key: jax.Array | None = None,
+          deterministic: bool = False) -> tuple[jax.Array, dict]:
+    """(ffn(h), gating stats: {} for the dense MLP)."""
+    if hasattr(self, "moe"):
+      return self.moe(h, key, deterministic)
+    return self.mlp(h), {}
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               key: jax.Array | None = None, deterministic: bool = False) -> tuple[jax.Array, dict]:
+    x = checkpoint_name(shard(x, RESIDUAL), LAYER_INPUT)  # what the offload policies move to host
+    if self.mlp_norm is None:
+      h = self.attn_norm(x)
+      y, stats = self.ffn(h, key, deterministic)
+      return shard(x + self.attn(h, positions, segment_ids) + y, RESIDUAL), stats
+    x = shard(x + self.attn(self.attn_norm(x), positions, segment_ids), RESIDUAL)
+    y, stats = self.ffn(self.mlp_norm(x), key, deterministic)
+    return shard(x + y, RESIDUAL), stats
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    """The block at decode: (x, its attention cache updated). An MoE FFN drops nothing
+    here: decoding builds the model from `TransformerConfig.for_decode`."""
+    x = shard(x, RESIDUAL)
+    h = self.attn_norm(x)
+    y, cache = self.attn.cached(h, positions, cache)
+    if self.mlp_norm is None:  # parallel block: both branches read the same norm
+      return shard(x + y + self.ffn(h)[0], RESIDUAL), cache
+    x = shard(x + y, RESIDUAL)
+    return shard(x + self.ffn(self.mlp_norm(x))[0], RESIDUAL), cache
+
+
+class Unit(nnx.Module):
+  """An MoE model's repeating unit: (moe.every - 1) dense Blocks, then one MoE Block."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
+    self.dense = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.moe.every - 1)])
+    self.moe_block = Block(cfg, moe=True, rngs=rngs)
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               key: jax.Array | None = None, deterministic: bool = False) -> tuple[jax.Array, dict]:
+    for block in self.dense:
+      x, _ = block(x, positions, segment_ids)
+    return self.moe_block(x, positions, segment_ids, key, deterministic)
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+    dense = []
+    for block, block_cache in zip(self.dense, cache["dense"]):
+      x, block_cache = block.cached(x, positions, block_cache)
+      dense.append(block_cache)
+    x, moe_cache = self.moe_block.cached(x, positions, cache["moe"])
+    return x, {"dense": dense, "moe": moe_cache}
+
+
+def make_unit(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block | Unit:
+  """The stack's repeating unit: a Block (dense model) or a Unit (MoE model)."""
+  return Block(cfg, rngs=rngs) if cfg.moe is None else Unit(cfg, rngs=rngs)
+
+
+def unit_cache_spec(cfg: TransformerConfig, batch: int, length: int):
+  """The decode cache of one unit: a Block's KV cache, or {'dense': [...], 'moe': ...}."""
+  one = kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype)
+  return one if cfg.moe is None else {"dense": [one] * (cfg.moe.every - 1), "moe": one}
+
+
+def stacked(make_one: Callable[[nnx.Rngs], nnx.Module], num: int, *, rngs: nnx.Rngs) -> nnx.Module:
+  """One module whose params have a leading dim `num`, logical name 'layers' prepended.
+
+  Each layer gets its own init key (split_rngs); nnx.vmap does not know our
+  `logical_axes` metadata, so the leading name is added here.
+  """
+  @nnx.split_rngs(splits=num)
+  @nnx.vmap(in_axes=0, out_axes=0)
+  def make(r: nnx.Rngs) -> nnx.Module:
+    return make_one(r)
+
+  module = make(rngs)
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, nnx.Variable) and hasattr(node, "logical_axes"):
+      node.set_metadata(logical_axes=("layers",) + tuple(node.logical_axes))
+  return module
+
+
+def stacked_blocks(cfg: TransformerConfig, num: int, *, rngs: nnx.Rngs) -> Block:
+  """`num` dense Blocks stacked on a leading 'layers' dim."""
+  return stacked(lambda r: Block(cfg, rngs=r), num, rngs=rngs)
+
+
+def block_fn(graphdef: nnx.GraphDef, remat: str = "none", *, prevent_cse: bool = True,
+             deterministic: bool = False):
+  """(state, x, positions, segment_ids=None, key=None) -> (x, stats) for one unit (or
+  Block), checkpointed per `remat`.
+
+  prevent_cse=False is right inside scan (the loop already stops XLA from merging
+  the recomputation into the forward pass) and saves needless barriers.
+  """
+  def apply(state: nnx.State, x: jax.Array, positions: jax.Array,
+            segment_ids: jax.Array | None = None, key: jax.Array | None = None):
+    return nnx.merge(graphdef, state)(x, positions, segment_ids, key, deterministic)
+  if remat == "none":
+    return apply
+  if remat not in REMAT_POLICIES:
+    raise ValueError(f"remat={remat!r}: use 'none' or one of {sorted(REMAT_POLICIES)}")
+  return jax.checkpoint(apply, policy=REMAT_POLICIES[remat], prevent_cse=prevent_cse)
+
+
+def scan_units(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
+               positions: jax.Array, *, remat: str = "none", segment_ids: jax.Array | None = None,
+               keys: jax.Array | None = None, deterministic: bool = False) -> tuple[jax.Array, dict]:
+  """Runs the units in `stacked_state` (leading dim = layers) over x in order:
+  (x, stats stacked on a leading layers dim). `keys`: one gating key per unit (MoE)."""
+  body = block_fn(graphdef, remat, prevent_cse=False, deterministic=deterministic)
+
+  def step(carry, xs):
+    state, key = xs
+    return body(state, carry, positions, segment_ids, key)
+
+  return jax.lax.scan(step, x, (stacked_state, keys))
+
+
+def apply_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
+                 positions: jax.Array | None = None, *, remat: str = "none",
+                 segment_ids: jax.Array | None = None) -> jax.Array:
+  """Runs the dense blocks in `stacked_state` (leading dim = layers) over x in order.
+
+  `graphdef, stacked_state = nnx.split(stacked_blocks(...))`; any slice of the
+  leading dim (`jax.tree.map(lambda a: a[i:j], stacked_state)`) is a valid stage.
+  """
+  if positions is None:
+    positions = default_positions(x.shape[0], x.shape[1])
+  return scan_units(graphdef, stacked_state, x, positions, remat=remat, segment_ids=segment_ids)[0]
+
+
+def scan_cached(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
+                positions: jax.Array, cache) -> tuple[jax.Array, object]:
+  """Decode through stacked units (leading dim = layers) with their stacked cache:
+  one compiled layer body, the cache scanned alongside the weights."""
+  def step(carry, layer):
+    state, layer_cache = layer
+    return nnx.merge(graphdef, state).cached(carry, positions, layer_cache)
+  return jax.lax.scan(step, x, (stacked_state, cache))
