@@ -6,6 +6,10 @@ The reference is computed here from the model's forward pass alone, over the sam
 validation batches the loop reads, each target token weighted by the loss mask.
 """
 
+import json
+import os
+import shutil
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -42,8 +46,8 @@ def test_loop_and_mode_eval_report_cross_entropy_with_deterministic_routing(tmp_
     token and no regularizer (what eval must report); the training objective and its
     cross entropy under random routing (what the regression reported); and the targets."""
     logits, _ = setup.model(params).forward(
-        batch["inputs"], jax.random.key(123), batch["positions"], deterministic=True,
-        segment_ids=batch["segment_ids"])
+        batch["inputs"], batch["positions"], batch["segment_ids"], key=jax.random.key(123),
+        deterministic=True)
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     mask = batch["loss_mask"].astype(jnp.float32)
     loss, metrics = step_lib.loss_fn(setup)(params, batch)
@@ -86,3 +90,30 @@ def test_dense_eval_leaves_out_the_z_loss():
   assert weight == 20 and metrics["z_loss"] > 1e-3
   assert total / weight == pytest.approx(float(metrics["ce_loss"]), rel=1e-6)
   assert abs(total / weight - float(loss)) > 1e-4
+
+
+# A checkpoint of moe.deepseek_tiny (shrunk; first dense layer, dropless, balance bias) that the
+# MoE LM of 23776dc wrote (params under units/ and first_dense/), with that run's eval loss:
+#   shardax --exp=moe.deepseek_tiny --job_dir=... <LEGACY_SETS, then model.transformer.* paths>
+LEGACY = os.path.join(os.path.dirname(__file__), "fixtures", "legacy_moe")
+LEGACY_SETS = ["model.num_layers=3", "model.d_model=32", "model.num_heads=2", "model.d_ff=64",
+               "model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.d_ff=16",
+               "train.global_batch=4", "data.seq_len=32", "model.max_len=32", "train.steps=2",
+               "checkpoint.every=2", "train.eval_every=2", "train.eval_batches=2", "mesh.num_cpu_devices=1"]
+
+
+def test_a_checkpoint_of_the_former_moe_lm_restores_onto_the_one_decoder(tmp_path):
+  """Same weights, same eval loss as the run that wrote it (seen failing before
+  trainer/legacy_layout.py: 'not in checkpoint: [params/layers/blocks/...]')."""
+  job = tmp_path / "job"
+  shutil.copytree(LEGACY, job)
+  cfg = configs.get("moe.deepseek_tiny")
+  configs.apply_overrides(cfg, LEGACY_SETS + ["mesh.num_cpu_devices=None", "mesh.ici=(4, 2)"])  # another mesh
+  exp = configs.build(cfg)
+  with open(job / "metrics.jsonl") as f:
+    want = [json.loads(line) for line in f if "eval_loss" in line][-1]
+  got = loop.evaluate(exp, str(job))
+  assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
+  _, state = loop.restore_latest(exp, str(job))
+  bias = state["params"]["layers"]["blocks"]["moe_block"]["moe"]["balance_bias"]
+  assert float(jax.numpy.abs(bias).max()) > 0       # two steps of bias balancing, restored

@@ -49,7 +49,7 @@ from absl import logging
 from etils import epath
 
 from shardax.configs.schema import CheckpointConfig, ConfigError
-from shardax.trainer import jobdir
+from shardax.trainer import jobdir, legacy_layout
 
 _policies = ocp.checkpoint_managers
 
@@ -281,10 +281,27 @@ class Checkpointer:
       stored = self._manager.item_metadata(step)["state"].tree
     except Exception:  # unreadable metadata is damage, not a mismatch  # noqa: BLE001
       return None
-    return _describe_mismatch(_leaf_shapes(stored), _leaf_shapes(abstract_state))
+    stored = _leaf_shapes(stored)
+    if legacy_layout.is_legacy(stored):
+      abstract_state = legacy_layout.to_legacy(abstract_state)
+    return _describe_mismatch(stored, _leaf_shapes(abstract_state))
 
   def _read(self, step: int, abstract_state):
-    """One read of `step`: (state, data state) as `restore` returns them."""
+    """One read of `step`: (state, data state) as `restore` returns them. A step in the
+    pre-2026-11-26 MoE layout is read in that layout and renamed (trainer/legacy_layout.py)."""
+    if self._legacy(step):
+      state, data = self._read_as(step, legacy_layout.to_legacy(abstract_state))
+      return legacy_layout.from_legacy(state), data
+    return self._read_as(step, abstract_state)
+
+  def _legacy(self, step: int) -> bool:
+    try:
+      stored = self._manager.item_metadata(step)["state"].tree
+    except Exception:  # unreadable metadata: the read below reports it  # noqa: BLE001
+      return False
+    return legacy_layout.is_legacy(_leaf_shapes(stored))
+
+  def _read_as(self, step: int, abstract_state):
     step_dir = self.directory / str(step)
     data = "data_states" if (step_dir / "data_states").exists() or not (step_dir / "data").exists() \
         else "data"
