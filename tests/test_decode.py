@@ -215,3 +215,12 @@ def test_explain_line_reports_the_cache_bytes_per_device():
   total = 2 * 2 * 8 * 64 * 4 * 8 * 4            # k+v, layers, rows, max_len slots, kv heads, d, f32
   assert f"{total:,} bytes, {total // 8:,} per device" in line, line
   assert "P(None, 'data', None, 'model', None)" in line
+
+
+def test_prompt_plus_new_tokens_past_max_len_is_refused(mha):
+  """Positions past model.max_len (64 here) decode garbage: refused, naming both numbers."""
+  gen = mha[2]
+  with pytest.raises(ValueError, match=r"prompt \(60 tokens\) \+ max_new_tokens \(5\) = 65 exceeds model.max_len=64"):
+    gen.run([np.arange(1, 61, dtype=np.int32)], decode.Sampling(max_new_tokens=5))
+  tokens, lengths = gen.padded([np.arange(1, 61, dtype=np.int32)], 4)   # 64: the last position fits
+  assert lengths[0] == 60

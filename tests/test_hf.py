@@ -8,6 +8,7 @@ saved them, with the logits and greedy tokens transformers computed. No torch he
 import dataclasses
 import json
 import os
+import shutil
 import sys
 
 import jax
@@ -19,14 +20,14 @@ from shardax import configs
 from shardax.configs.schema import ConfigError
 from shardax.sharding import make_mesh, use_rules
 from shardax.sharding import rules as rules_lib
-from shardax.trainer import decode
+from shardax.trainer import decode, loop
 from shardax.trainer import state as state_lib
 from shardax.trainer.data import packing, tokenizers
 from shardax.trainer.hf import config as hf_config
 from shardax.trainer.hf import exporter, importer, safetensors
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
-ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral")
+ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "mistral_window", "mixtral_llama3")
 PAD_TO = 32
 
 
@@ -85,6 +86,13 @@ def test_greedy_decode_matches_transformers(arch_model, request):
   gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
   result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
   assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
+  # The windowed cases' prompts outrun the sliding window (one batch, cached decode).
+  long = [ref[f"prompt_{j}"].tolist() for j in range(3) if f"prompt_{j}" in ref]
+  if long:
+    result = gen.run(long, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
+    same = sum(int((result.ids[j] == ref[f"greedy_{j}"]).sum()) for j in range(len(long)))
+    assert same == sum(ref[f"greedy_{j}"].size for j in range(len(long))), \
+        f"{arch}: {same} of {3 * ref['greedy_0'].size} greedy tokens equal transformers'"
 
 
 @pytest.mark.parametrize("arch", ["llama3", "qwen3"])
@@ -108,6 +116,10 @@ def test_import_export_round_trip_is_bit_exact(tmp_path):
   importer.run(exp, job)
   with pytest.raises(ConfigError, match="fresh --job_dir"):
     importer.run(exp, job)
+  # Export (like eval and decode) reads the params only, never the Adam moments beside them.
+  setup, state = loop.restore_latest(exp, job)
+  assert sorted(state) == ["params", "step"]
+  assert jax.tree.structure(state["params"]) == jax.tree.structure(setup.abstract["params"])
   out = str(tmp_path / "out")
   summary = exporter.run(exp, job, out, max_shard_bytes=100_000)
   assert summary["step"] == 0 and safetensors.INDEX in summary["files"] and len(summary["files"]) > 2
@@ -149,7 +161,7 @@ def test_export_of_every_architecture_is_bit_exact(arch_model, tmp_path):
   src = os.path.join(FIXTURES, arch)
   exporter.export_params(params, setup.exp.model, str(tmp_path), np.float32, 1 << 30)
   a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  tied = getattr(setup.exp.model, "transformer", setup.exp.model).tied_embedding
+  tied = setup.exp.model.tied_embedding
   assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
   for name in b.names():
     assert a.get(name).tobytes() == b.get(name).tobytes(), name
@@ -184,7 +196,7 @@ def _write_config(d, base="llama", **changes):
     ({"some_new_scaling": 2.0}, "some_new_scaling"),
     ({"num_local_experts": 8}, "num_local_experts"),   # a router key in a dense model's config
     ({"base": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
-    ({"base": "mixtral", "attention_bias": True}, "attention_bias"),
+    ({"base": "mixtral", "mlp_bias": True}, "mlp_bias"),
     ({"architectures": ["GPT2LMHeadModel"]}, "exactly one of"),
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn' is not implemented"),
     ({"hidden_act": "gelu"}, "hidden_act"),
@@ -255,9 +267,9 @@ def test_mixtral_moe_layer_computes_transformers_routing():
 
 
 def test_export_keeps_the_source_length_and_window(tmp_path):
-  """The experiment caps model.max_len (4096, or the sliding window) for training; the
-  exported config.json still declares the source's length and window, and a context
-  extended past the source's length is written as trained."""
+  """The experiment caps model.max_len at 4096 for training; the exported config.json still
+  declares the source's length, and a context extended past it is written as trained. The
+  sliding window is model.attention_window, whatever the length."""
   d = _write_config(str(tmp_path / "llama31"), max_position_embeddings=131072)
   model = configs.build(configs.get(f"hf:{d}")).model
   assert model.max_len == 4096
@@ -265,9 +277,58 @@ def test_export_keeps_the_source_length_and_window(tmp_path):
   d = _write_config(str(tmp_path / "mistral"), "mistral", max_position_embeddings=32768, sliding_window=4096)
   model = configs.build(configs.get(f"hf:{d}")).model
   out = hf_config.to_hf(model, "mistral", hf_config.read(d))
-  assert model.max_len == 4096 and (out["max_position_embeddings"], out["sliding_window"]) == (32768, 4096)
+  assert (model.max_len, model.attention_window) == (4096, 4096)
+  assert (out["max_position_embeddings"], out["sliding_window"]) == (32768, 4096)
   longer = dataclasses.replace(model, max_len=65536)
-  assert hf_config.to_hf(longer, "mistral", hf_config.read(d))["max_position_embeddings"] == 65536
+  out = hf_config.to_hf(longer, "mistral", hf_config.read(d))
+  assert (out["max_position_embeddings"], out["sliding_window"]) == (65536, 4096)
+
+
+def test_sliding_window_is_the_attention_window_not_a_length_cap():
+  """Mistral's sliding_window 6 with max_position_embeddings 512: the model attends within 6
+  tokens at any length up to 512 (the greedy test decodes 32 + 48 tokens with it), raising
+  max_len keeps the window, and export declares the model's window."""
+  model = experiment("mistral_window").model
+  assert (model.max_len, model.attention_window) == (512, 6)
+  src = hf_config.read(os.path.join(FIXTURES, "mistral_window"))
+  assert hf_config.to_hf(model, "mistral", src)["sliding_window"] == 6
+  model = experiment("mistral_window", "model.max_len=1024", "model.attention_window=16").model
+  out = hf_config.to_hf(model, "mistral", src)
+  assert (out["max_position_embeddings"], out["sliding_window"]) == (1024, 16)
+  moe = experiment("mixtral_llama3").model.transformer
+  assert (moe.max_len, moe.attention_window, moe.rope_scaling) == (512, 8, "llama3")
+  with pytest.raises(ConfigError, match="attention_window=6"):   # Llama has no sliding_window
+    hf_config.check_exportable(experiment("llama", "model.attention_window=6").model, "llama")
+
+
+def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
+  """A Mixtral config.json with attention_bias=true (q/k/v/o biases; transformers' own
+  MixtralAttention has none, so the biases are written here) and llama3 rope imports, its
+  bias tensors go into the attention's bias params (export reads them back from the
+  restored params bit for bit) and export declares both."""
+  src = os.path.join(FIXTURES, "mixtral_llama3")
+  d = _write_config(str(tmp_path / "m"), "mixtral_llama3", attention_bias=True)
+  shutil.copy(os.path.join(src, "tokenizer.json"), d)
+  reader, rng = safetensors.Reader(src), np.random.default_rng(0)
+  tensors = {n: reader.get(n) for n in reader.names()}
+  for i in range(2):
+    for proj, size in (("q", 64), ("k", 32), ("v", 32), ("o", 64)):
+      tensors[f"model.layers.{i}.self_attn.{proj}_proj.bias"] = rng.standard_normal(size).astype(np.float32)
+  safetensors.write(os.path.join(d, "model.safetensors"),
+                    [(n, t.shape, t.dtype) for n, t in tensors.items()], tensors.__getitem__)
+  exp = configs.build(configs.get(f"hf:{d}"))
+  t = exp.model.transformer
+  assert (t.qkv_bias, t.out_bias, t.rope_scaling) == (True, True, "llama3")
+  job, out = str(tmp_path / "job"), str(tmp_path / "out")
+  importer.run(exp, job)
+  exporter.run(exp, job, out)
+  b = safetensors.Reader(out)
+  assert sorted(b.names()) == sorted(tensors)
+  for name in b.names():
+    assert b.get(name).tobytes() == tensors[name].tobytes(), name
+  out_cfg = hf_config.read(out)
+  assert out_cfg["attention_bias"] is True and out_cfg["rope_parameters"]["rope_type"] == "llama3"
+  assert hf_config.model_fields(out_cfg) == hf_config.model_fields(hf_config.read(d))
 
 
 def test_config_reads_transformers_4_rope_spelling(tmp_path):

@@ -166,11 +166,12 @@ def _leaf_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
           for path, leaf in flat}
 
 
-def _describe_mismatch(stored: dict, wanted: dict) -> str | None:
-  """A short human-readable difference between two `_leaf_shapes` maps, or None."""
+def _describe_mismatch(stored: dict, wanted: dict, partial: bool = False) -> str | None:
+  """A short human-readable difference between two `_leaf_shapes` maps, or None (`partial`:
+  `wanted` is a subtree of what was stored, so leaves only in the checkpoint are fine)."""
   fmt = lambda p: "/".join(p)  # noqa: E731
   missing = [fmt(p) for p in wanted if p not in stored]
-  extra = [fmt(p) for p in stored if p not in wanted]
+  extra = [] if partial else [fmt(p) for p in stored if p not in wanted]
   shapes = [f"{fmt(p)}: checkpoint {stored[p]} vs requested {wanted[p]}"
             for p in wanted if p in stored and stored[p] != wanted[p]]
   parts = [f"{label} {items[:3]}{' ...' if len(items) > 3 else ''}"
@@ -275,12 +276,13 @@ class Checkpointer:
                    " (async)" if self.cfg.async_save else "")
     return saved
 
-  def _mismatch(self, step: int, abstract_state) -> str | None:
+  def _mismatch(self, step: int, abstract_state, partial: bool = False) -> str | None:
     """Why `abstract_state` cannot be the tree saved at `step` (None: it can, or unknown)."""
     try:
       stored = self._manager.item_metadata(step)["state"].tree
     except Exception:  # unreadable metadata is damage, not a mismatch  # noqa: BLE001
       return None
+<<<<<<< HEAD
     stored = _leaf_shapes(stored)
     if legacy_layout.is_legacy(stored):
       abstract_state = legacy_layout.to_legacy(abstract_state)
@@ -302,7 +304,21 @@ class Checkpointer:
     return legacy_layout.is_legacy(_leaf_shapes(stored))
 
   def _read_as(self, step: int, abstract_state):
+=======
+    return _describe_mismatch(_leaf_shapes(stored), _leaf_shapes(abstract_state), partial)
+
+  def _read(self, step: int, abstract_state, partial: bool = False):
+    """One read of `step`: (state, data state) as `restore` returns them."""
+>>>>>>> h-hf
     step_dir = self.directory / str(step)
+    if partial:   # orbax's partial restore: the leaves not asked for are never read
+      handler = ocp.PyTreeCheckpointHandler()
+      try:
+        return handler.restore(step_dir / "state", args=ocp.args.PyTreeRestore(
+            item=abstract_state, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_state),
+            partial_restore=True)), None
+      finally:
+        handler.close()
     data = "data_states" if (step_dir / "data_states").exists() or not (step_dir / "data").exists() \
         else "data"
     args = {"state": ocp.args.StandardRestore(abstract_state),
@@ -317,16 +333,16 @@ class Checkpointer:
     missing = [os.fspath(p.relative_to(step_dir)) for p in need if not p.exists()]
     return f"missing {missing}" if missing else None
 
-  def _attempt(self, step: int, abstract_state) -> tuple[str, Any]:
+  def _attempt(self, step: int, abstract_state, partial: bool = False) -> tuple[str, Any]:
     """Reads `step` with retries: ("ok", (state, data)), ("damaged", why),
     ("mismatch", why) or ("unreadable", why)."""
     last = last_kind = None
     for attempt in range(RETRIES):
       try:
-        return "ok", self._read(step, abstract_state)
+        return "ok", self._read(step, abstract_state, partial)
       except Exception as e:  # noqa: BLE001 - classified below
         text = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
-        if mismatch := self._mismatch(step, abstract_state):
+        if mismatch := self._mismatch(step, abstract_state, partial):
           return "mismatch", f"state does not match the checkpoint: {mismatch}"
         if missing := self._missing_files(step):
           return "damaged", missing
@@ -357,8 +373,12 @@ class Checkpointer:
     self._manager.reload()
     return target
 
-  def restore(self, abstract_state, step: int | None = None) -> tuple[Any, Any]:
+  def restore(self, abstract_state, step: int | None = None, partial: bool = False) -> tuple[Any, Any]:
     """Returns (state, data state) from `step`, or from the newest step that restores.
+
+    `partial=True`: `abstract_state` is a subtree of the saved state (e.g. {"step", "params"}:
+    eval, decode and export need no optimizer moments); only its leaves are read, and the
+    data state is None.
 
     `abstract_state` has jax.ShapeDtypeStruct leaves whose `sharding` says where each
     array goes; any mesh works, resharding happens on read. The data state is this
@@ -382,7 +402,7 @@ class Checkpointer:
     codes = ("ok", "damaged", "unreadable", "mismatch")
     damaged = []
     for s in steps:
-      outcome, value = self._attempt(s, abstract_state)
+      outcome, value = self._attempt(s, abstract_state, partial)
       everyone = _allgather([s, codes.index(outcome)])
       if len(set(everyone[:, 0].tolist())) > 1:
         raise CheckpointError("the processes restore different checkpoint steps: " + ", ".join(

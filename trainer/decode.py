@@ -32,7 +32,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 from flax import nnx
 from jax.sharding import NamedSharding
 
@@ -312,10 +311,13 @@ class Generator:
     rows = -(-len(ids) // mult) * mult
     prompt_len = -(-max(p.size for p in ids) // 8) * 8
     width = prompt_len + max_new
-    max_len = getattr(self.model_cfg, "max_len", width)
-    if max(p.size for p in ids) + max_new > max_len:
-      logging.warning("decode: prompt (%d tokens) + max_new_tokens (%d) exceeds model.max_len=%d, "
-                      "the length the model was trained on", max(p.size for p in ids), max_new, max_len)
+    max_len = getattr(self.model_cfg, "max_len", None)
+    longest = max(p.size for p in ids)
+    if max_len is not None and longest + max_new > max_len:   # positions past it: garbage
+      raise ValueError(f"decode: the longest prompt ({longest} tokens) + max_new_tokens ({max_new}) = "
+                       f"{longest + max_new} exceeds model.max_len={max_len}; shorten the prompt, lower "
+                       f"--max_new_tokens, or raise --set model.max_len (up to the length the model "
+                       f"was trained for)")
     tokens = np.full((rows, width), PAD_ID, np.int32)
     lengths = np.ones((rows,), np.int32)
     for i, p in enumerate(ids):

@@ -126,7 +126,9 @@ def restore_or_init(setup, checkpointer, data_iter=None):
 
 
 def restore_latest(exp: Experiment, job_dir: str):
-  """(setup, state) of the latest checkpoint in `job_dir`, on the experiment's mesh."""
+  """(setup, {"step", "params"}) of the latest checkpoint in `job_dir`, on the experiment's
+  mesh. Only the params are read (eval, decode and export need no optimizer moments, which
+  hold twice the params' bytes under Adam): orbax's partial restore skips the rest."""
   mesh = make_mesh(exp.mesh)
   setup = state_lib.create(exp, mesh)
   checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
@@ -135,7 +137,8 @@ def restore_latest(exp: Experiment, job_dir: str):
       how = "import or train first (--mode=import / --mode=train)" if exp.name.startswith("hf:") \
           else "train first (--mode=train)"
       raise FileNotFoundError(f"no checkpoint in {job_dir}/checkpoints; {how}")
-    state, _ = checkpointer.restore(setup.abstract)
+    wanted = {k: setup.abstract[k] for k in ("step", "params")}
+    state, _ = checkpointer.restore(wanted, partial=True)
   finally:
     checkpointer.close()
   return setup, state

@@ -111,9 +111,9 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   if types != {"full_attention"}:
     raise ConfigError(f"config.json layer_types={sorted(types)}: only full attention is implemented")
   max_len = int(hf.get("max_position_embeddings", 2048))
+  # Mistral/Mixtral's sliding window: every attention path (training kernels and the decode
+  # cache) masks keys outside it. Qwen2's sliding_window is unused without use_sliding_window.
   window = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
-  if window is not None:  # equal to full attention up to the window: cap the length there
-    max_len = min(max_len, int(window))
   heads = int(hf["num_attention_heads"])
   d_model = int(hf["hidden_size"])
   head_dim = hf.get("head_dim")
@@ -126,26 +126,17 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
     qkv_bias = out_bias = attention_bias
   eps = float(hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)))
   rope = _rope(hf, defaults.get("rope_theta", 10000.0))
-  if arch in MOE:
-    _check_moe_attention(hf, eps, rope)
+  if arch in MOE and hf.get("mlp_bias"):
+    raise ConfigError("config.json mlp_bias=true: shardax's MoE experts (and Mixtral's) have no biases")
   return dict(
       vocab_size=int(hf["vocab_size"]), num_layers=int(hf["num_hidden_layers"]), d_model=d_model,
       num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=int(head_dim) if head_dim else None, d_ff=int(hf["intermediate_size"]),
-      max_len=max_len, norm="rms",
+      max_len=max_len, attention_window=None if window is None else int(window), norm="rms",
       tied_embedding=bool(hf.get("tie_word_embeddings", arch not in ("llama", "mistral", "mixtral"))),
       activation="silu", mlp="gated", parallel_block=False, norm_eps=eps,
       scale_embedding=False, qkv_bias=qkv_bias, out_bias=out_bias,
       mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=arch == "qwen3", **rope)
-
-
-def _check_moe_attention(hf: dict[str, Any], eps: float, rope: dict[str, Any]) -> None:
-  """What the importer maps for layers/moe_lm.py's MoEBlock: no attention or MLP biases and
-  plain RoPE (its norms take rms_norm_eps). Anything else would load as a different model."""
-  if hf.get("attention_bias") or hf.get("mlp_bias"):
-    raise ConfigError("config.json attention_bias/mlp_bias=true: shardax's MoE block has no biases")
-  if "rope_scaling" in rope:
-    raise ConfigError("config.json rope scaling: shardax's MoE block implements plain RoPE only")
 
 
 def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
@@ -175,14 +166,14 @@ def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
 def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
   """config.json for our model config (`arch` as `architecture` names it).
 
-  Keys of the imported `source` config that carry no math (ids, ...) are kept, and so are
-  its `max_position_embeddings` and `sliding_window`: the experiment caps model.max_len
-  (at 4096, or at the window) for what it trains on, which must not shrink what the
-  exported model declares (a Llama 3.1 would go out at 4096 instead of 131072). A
-  model.max_len above the source's (a context extended by training) is written instead."""
+  Keys of the imported `source` config that carry no math (ids, ...) are kept, and so is
+  its `max_position_embeddings`: the experiment caps model.max_len at 4096 for what it
+  trains on, which must not shrink what the exported model declares (a Llama 3.1 would go
+  out at 4096 instead of 131072). A model.max_len above the source's (a context extended by
+  training) is written instead. `sliding_window` is the model's attention_window."""
   cls = {v: k for k, v in ARCHITECTURES.items()}[arch]
   source = source or {}
-  t = getattr(model, "transformer", model)   # a MoELMConfig's attention and norms
+  t = model
   out = {k: v for k, v in source.items() if k in METADATA}
   rope = {"rope_type": "default", "rope_theta": t.rope_theta}
   if t.rope_scaling == "llama3":
@@ -200,12 +191,12 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
     out["rope_scaling"] = rope
   if t.head_dim is not None:   # else transformers derives it as hidden_size // heads, as we do
     out["head_dim"] = t.head_dim
-  if arch in ("llama", "qwen3"):
+  if arch in ("llama", "qwen3") or (arch == "mixtral" and t.qkv_bias):
     out["attention_bias"] = t.qkv_bias
   if arch == "llama":
     out["mlp_bias"] = t.mlp_bias
   if arch in ("mistral", "mixtral"):
-    out["sliding_window"] = source.get("sliding_window")
+    out["sliding_window"] = t.attention_window
   if arch in MOE:
     m = model.moe
     out.update(intermediate_size=m.d_ff, num_local_experts=m.num_experts, num_experts_per_tok=m.top_k,
@@ -226,17 +217,17 @@ def check_exportable(model, arch: str) -> None:
     bad.append("norm/mlp/activation/parallel_block other than rms/gated/silu/False")
   if model.scale_embedding:
     bad.append("scale_embedding=True")
-  want = {"llama": (model.qkv_bias, model.qkv_bias), "qwen2": (True, False)}.get(arch, (False, False))
-  if (model.qkv_bias, model.out_bias) != want and arch != "llama":
-    bad.append(f"qkv_bias={model.qkv_bias}, out_bias={model.out_bias}")
-  if arch == "llama" and model.qkv_bias != model.out_bias:
-    bad.append("Llama's attention_bias sets q/k/v and o biases together")
+  together = arch in ("llama", "mixtral")   # one attention_bias key: q/k/v and o biases alike
+  want = {"qwen2": (True, False)}.get(arch, (model.qkv_bias,) * 2 if together else (False, False))
+  if (model.qkv_bias, model.out_bias) != want:
+    bad.append(f"qkv_bias={model.qkv_bias}, out_bias={model.out_bias}"
+               + (f" ({arch}'s attention_bias sets q/k/v and o biases together)" if together else ""))
   if model.mlp_bias and arch != "llama":
     bad.append("mlp_bias")
   if model.qk_norm != (arch == "qwen3"):
     bad.append(f"qk_norm={model.qk_norm}")
-  if model.rope_scaling != "none" and arch != "llama":
-    bad.append("rope_scaling")
+  if model.attention_window is not None and arch not in ("mistral", "mixtral"):
+    bad.append(f"attention_window={model.attention_window} ({arch} has no sliding_window)")
   if bad:
     raise ConfigError(f"cannot export as {arch}: the model has {', '.join(bad)}")
 

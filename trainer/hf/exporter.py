@@ -69,7 +69,7 @@ def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 <<
   src_cfg = hf_config.read(source)
   arch = hf_config.architecture(src_cfg)
   hf_config.check_exportable(exp.model, arch)
-  dtype_name = src_cfg.get("dtype") or src_cfg.get("torch_dtype") or getattr(exp.model, "transformer", exp.model).param_dtype
+  dtype_name = src_cfg.get("dtype") or src_cfg.get("torch_dtype") or exp.model.param_dtype
   if dtype_name not in DTYPES:
     raise ConfigError(f"config.json dtype={dtype_name!r}: export writes one of {sorted(DTYPES)}")
   if os.path.abspath(out_dir) == os.path.abspath(source):

@@ -82,7 +82,7 @@ def import_params(setup, source: str):
   abstract = setup.abstract["params"]
   plan = weights.leaves(abstract, setup.exp.model)
   model = setup.exp.model
-  weights.check_names(plan, reader.names(), getattr(model, "transformer", model).tied_embedding)
+  weights.check_names(plan, reader.names(), model.tied_embedding)
   flat, treedef = jax.tree_util.tree_flatten(abstract)
   out = [put_leaf(leaf, reader, a.shape, a.dtype, a.sharding) for (_, leaf), a in zip(plan, flat)]
   return jax.tree_util.tree_unflatten(treedef, out)

@@ -125,7 +125,7 @@ def _names(path) -> tuple[str, ...]:
 def leaves(params_abstract, model_cfg) -> list[tuple[tuple, Leaf]]:
   """(tree path, Leaf) for every leaf of our params (abstract or real), in tree order."""
   import jax
-  t = getattr(model_cfg, "transformer", model_cfg)
+  t = model_cfg
   if t.pipeline.stages > 1:
     raise ConfigError("Hugging Face import/export of a pipelined stack (model.pipeline.stages > 1) is not "
                       "supported yet; import with stages=1")

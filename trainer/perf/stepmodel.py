@@ -188,7 +188,7 @@ def _overlaps(c) -> bool:
 
 
 def _bubble_fraction(exp) -> float:
-  p = getattr(getattr(exp.model, "transformer", exp.model), "pipeline", None)
+  p = getattr(exp.model, "pipeline", None)
   if p is None or p.stages <= 1:
     return 0.0
   return (p.stages - 1) / (p.microbatches * p.circular_repeats + p.stages - 1)
@@ -245,7 +245,7 @@ def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
   layer runs the forward once more. Priced at the chip family's attention efficiency (TPU:
   the matmul rate; a GPU, for a TPU program standing in for a GPU one: the measured cuDNN
   flash rate)."""
-  t = getattr(exp.model, "transformer", exp.model)
+  t = exp.model
   seq = exp.data.seq_len
   forward = 4 * t.num_layers * seq * t.num_heads * t.dim_per_head / 2   # per token
   per_token = forward * (3.5 + (1.0 if t.remat != "none" else 0.0))
