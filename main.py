@@ -98,7 +98,25 @@ def _hf_import_if_new(exp, job_dir: str) -> None:
   importer.run(exp, job_dir)
 
 
+# Modes that write checkpoints, metrics or imported weights hold the job dir's lease from
+# their first write (trainer/jobdir.py Lease); the others only read it or add a report
+# beside it (eval, decode, explain, dry_run, plan, export), so they may run next to a job.
+LEASED_MODES = ("train", "import", "benchmark")
+
+
 def run_mode(mode: str, exp, job_dir: str) -> None:
+  if mode not in LEASED_MODES:
+    return _run(mode, exp, job_dir)
+  from shardax.trainer import distributed
+  lease = distributed.lease(job_dir)   # before data preparation, import or restore: a second
+  lease.acquire()                      # job on this job dir stops here, naming the holder
+  try:
+    _run(mode, exp, job_dir)
+  finally:
+    lease.release()
+
+
+def _run(mode: str, exp, job_dir: str) -> None:
   if mode == "import":
     from shardax.trainer.hf import importer
     write_config(exp, job_dir)
@@ -112,13 +130,8 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     return
   if mode == "train":
     _hf_import_if_new(exp, job_dir)
-    from shardax.trainer import distributed, loop
-    lease = distributed.lease(job_dir)   # one live job per job dir: checked before anything
-    lease.check()                        # is read or written, taken once the config fits
-    try:
-      summary = loop.train(exp, job_dir, on_ready=lambda: (lease.take(), write_config(exp, job_dir)))
-    finally:
-      lease.release()
+    from shardax.trainer import loop
+    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
     evals = summary["eval_losses"]
     if summary["start_step"] == summary["final_step"]:
       print(f"nothing to do: {job_dir} is already at step {summary['final_step']} "
