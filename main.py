@@ -207,14 +207,16 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides go in --set PATH=VALUE")
   logs.setup(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   from shardax import configs
-  if FLAGS.mode == "list":
-    for name, desc in configs.names().items():
-      print(f"{name:<28} {desc}")
-    return
+  from shardax.configs import registry
   from shardax.trainer.checkpoint import CheckpointError
   from shardax.trainer.distributed import LaunchError
   from shardax.trainer.jobdir import LeaseError
   try:
+    registry.check_package()   # a folder named shardax/ here would hide every experiment
+    if FLAGS.mode == "list":
+      for name, desc in configs.names().items():
+        print(f"{name:<28} {desc}")
+      return
     if not FLAGS.exp:
       raise UserError("--exp is required (shardax --mode=list shows the experiments)")
     if not FLAGS.job_dir:
@@ -230,7 +232,6 @@ def main(argv) -> None:
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
                                     single_process=FLAGS.single_process)
-    from shardax.configs import registry
     distributed.agree_at_start(registry.to_json(exp))
     logging.info(line := platform.describe(PLATFORM, joined))
     print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
