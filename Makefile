@@ -3,7 +3,7 @@
 #   make test   set up .venv and run the test suite (what CI runs)
 PYTHON ?= python3
 VENV ?= .venv
-JOB_DIR ?= /tmp/shardax/lm.tiny
+JOB_DIR ?= /tmp/shardax-runs/lm.tiny
 EXP ?= lm.tiny
 export TF_CPP_MIN_LOG_LEVEL ?= 3
 # One tested set per Python (pyproject gives each its jax line): constraints.txt for 3.11

@@ -98,7 +98,25 @@ def _hf_import_if_new(exp, job_dir: str) -> None:
   importer.run(exp, job_dir)
 
 
+# Modes that write checkpoints, metrics or imported weights hold the job dir's lease from
+# their first write (trainer/jobdir.py Lease); the others only read it or add a report
+# beside it (eval, decode, explain, dry_run, plan, export), so they may run next to a job.
+LEASED_MODES = ("train", "import", "benchmark")
+
+
 def run_mode(mode: str, exp, job_dir: str) -> None:
+  if mode not in LEASED_MODES:
+    return _run(mode, exp, job_dir)
+  from shardax.trainer import distributed
+  lease = distributed.lease(job_dir)   # before data preparation, import or restore: a second
+  lease.acquire()                      # job on this job dir stops here, naming the holder
+  try:
+    _run(mode, exp, job_dir)
+  finally:
+    lease.release()
+
+
+def _run(mode: str, exp, job_dir: str) -> None:
   if mode == "import":
     from shardax.trainer.hf import importer
     write_config(exp, job_dir)
@@ -112,13 +130,8 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
     return
   if mode == "train":
     _hf_import_if_new(exp, job_dir)
-    from shardax.trainer import distributed, loop
-    lease = distributed.lease(job_dir)   # one live job per job dir: checked before anything
-    lease.check()                        # is read or written, taken once the config fits
-    try:
-      summary = loop.train(exp, job_dir, on_ready=lambda: (lease.take(), write_config(exp, job_dir)))
-    finally:
-      lease.release()
+    from shardax.trainer import loop
+    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
     evals = summary["eval_losses"]
     if summary["start_step"] == summary["final_step"]:
       print(f"nothing to do: {job_dir} is already at step {summary['final_step']} "
@@ -194,14 +207,16 @@ def main(argv) -> None:
     raise app.UsageError(f"unexpected arguments {argv[1:]}; overrides go in --set PATH=VALUE")
   logs.setup(FLAGS.verbosity if FLAGS["verbosity"].present else None)
   from shardax import configs
-  if FLAGS.mode == "list":
-    for name, desc in configs.names().items():
-      print(f"{name:<28} {desc}")
-    return
+  from shardax.configs import registry
   from shardax.trainer.checkpoint import CheckpointError
   from shardax.trainer.distributed import LaunchError
   from shardax.trainer.jobdir import LeaseError
   try:
+    registry.check_package()   # a folder named shardax/ here would hide every experiment
+    if FLAGS.mode == "list":
+      for name, desc in configs.names().items():
+        print(f"{name:<28} {desc}")
+      return
     if not FLAGS.exp:
       raise UserError("--exp is required (shardax --mode=list shows the experiments)")
     if not FLAGS.job_dir:
@@ -217,7 +232,6 @@ def main(argv) -> None:
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
                                     single_process=FLAGS.single_process)
-    from shardax.configs import registry
     distributed.agree_at_start(registry.to_json(exp))
     logging.info(line := platform.describe(PLATFORM, joined))
     print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too

@@ -75,6 +75,7 @@ def get(name: str) -> fdl.Config:
     close = difflib.get_close_matches(name, list(_REGISTRY), n=3, cutoff=0.4)
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     if not _REGISTRY:
+      check_package()
       hint = "; no experiment is registered: import shardax.experiments (importing shardax does)"
     raise ConfigError(f"unknown experiment {name!r}{hint} (shardax --mode=list shows them all)")
   fn, desc = _REGISTRY[name]
@@ -87,6 +88,25 @@ def get(name: str) -> fdl.Config:
 
 
 MOVED = "model.transformer."   # the MoE LM's old config section (before 2026-11-26)
+
+
+def check_package() -> None:
+  """Raise ConfigError when `shardax` was imported from a folder without the package's files.
+
+  An editable install (`pip install -e .`, what `make setup` does) finds shardax through a
+  finder Python consults after sys.path. `python -m shardax.main` puts the working directory
+  first on sys.path, so a folder there named `shardax` (say /tmp/shardax, holding job dirs)
+  is imported as `shardax`, a namespace package, while the submodules still come from the
+  install: shardax/__init__.py, which registers the experiments, never runs.
+  """
+  import sys
+  package = sys.modules.get("shardax")
+  if package is None or getattr(package, "__file__", None) is not None:
+    return
+  folders = ", ".join(str(p) for p in getattr(package, "__path__", [])) or "a folder"
+  raise ConfigError(f"'shardax' was imported from {folders}, a folder named like the package "
+                    f"without its files (it hides the installed shardax, so no experiment is "
+                    f"registered): run from another directory, or rename that folder")
 
 
 def parse_value(text: str) -> Any:

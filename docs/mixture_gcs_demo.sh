@@ -23,8 +23,8 @@ for f in sorted([p for d in ("json", "email", "asyncio", "logging", "http", "con
   fs.put(f, "shardax-demo/code/" + f[len(lib) + 1:].replace("/", "_"))
 print("uploaded", len(fs.ls("shardax-demo/docstrings")), "+", len(fs.ls("shardax-demo/code")), "files")
 PY
-rm -rf /tmp/shardax/mixture
-time JAX_PLATFORMS=cpu shardax --exp=lm.tiny --job_dir=/tmp/shardax/mixture \
+rm -rf /tmp/shardax-runs/mixture
+time JAX_PLATFORMS=cpu shardax --exp=lm.tiny --job_dir=/tmp/shardax-runs/mixture \
   --set data.mixture="(('files:gs://shardax-demo/docstrings/*.jsonl', 0.7), ('files:gs://shardax-demo/code/*.py', 0.3))" \
   --set data.data_dir="'gs://shardax-demo/data'" \
   --set data.validation_fraction=0.1 --set train.steps=40 --set train.eval_every=20 --set train.eval_batches=None

@@ -160,6 +160,6 @@ def any_process(flag: bool) -> bool:
 
 
 def lease(job_dir):
-  """The job dir's lease for this job (trainer/jobdir.py Lease): process 0 holds it, all check it."""
+  """The job dir's lease for this job (trainer/jobdir.py Lease): process 0 takes it, all refuse with it."""
   from shardax.trainer import jobdir
   return jobdir.Lease(job_dir, primary=is_primary(), any_process=any_process)

@@ -178,15 +178,76 @@ def live_holder(lease: dict | None, now: float | None = None) -> str | None:
           f"last heartbeat {age:.0f}s ago")
 
 
-class Lease:
-  """A lease file in the job dir, taken by process 0 and heartbeat by a daemon thread.
+def _gcs(file):
+  """(gcsfs file system, bucket/key) for a gs:// file when gcsfs is installed, else None."""
+  if not os.fspath(file).startswith("gs://"):
+    return None
+  try:
+    import fsspec
+    return fsspec.core.url_to_fs(os.fspath(file))
+  except ImportError:
+    return None
 
-  Every process reads the lease before process 0 takes it; if any sees a live holder
-  (another job), all refuse (`any_process` combines their findings: an all-gather in a
-  multi-process job). Released (the file removed) on exit; a killed job's lease expires
-  after `stale_s`, or at once on the same host. Works on gs:// job dirs (epath).
-  Two jobs starting in the same second can both pass the check: the loser sees the
-  winner's id on its next heartbeat and logs an error (object stores have no lock).
+
+def create_exclusive(file, text: str) -> bool:
+  """Write `file` with `text` only if it does not exist, atomically: True if this call made it.
+
+  Local: a complete temporary file hard-linked into place (the link fails if the name
+  exists, and no reader ever sees a half-written file). gs://: an upload with
+  ifGenerationMatch=0 (gcsfs). Elsewhere (s3://, gs:// without gcsfs) only best effort:
+  look, then write.
+  """
+  gcs = _gcs(file)
+  if gcs is not None:
+    fs, key = gcs
+    try:
+      fs.pipe_file(key, text.encode(), mode="create")
+    except FileExistsError:
+      return False
+    finally:
+      fs.invalidate_cache(key)
+    return True
+  if is_remote(file):
+    if path(file).exists():
+      return False
+    write_text(file, text)
+    return True
+  tmp = f"{os.fspath(file)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  try:
+    os.link(tmp, os.fspath(file))
+    return True
+  except FileExistsError:
+    return False
+  finally:
+    os.unlink(tmp)
+
+
+def _replace(file, text: str) -> None:
+  """Rewrite `file` whole: readers see the old or the new content, never a part."""
+  if is_remote(file):
+    write_text(file, text)   # an object upload is atomic
+    return
+  tmp = f"{os.fspath(file)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  os.replace(tmp, os.fspath(file))
+
+
+class Lease:
+  """A lease file in the job dir, taken atomically by process 0 and heartbeat by a thread.
+
+  `acquire` comes first, before the job prepares data, imports or restores anything: process
+  0 creates the lease only if none exists (`create_exclusive`), so of two jobs started
+  together exactly one wins; a lease whose holder is dead (heartbeat older than `stale_s`,
+  or its process gone from this host) is rewritten by the one job that creates its
+  takeover marker (`_claim`).
+  The other processes of the job learn the outcome from process 0 (`any_process`: an
+  all-gather in a multi-process job) and refuse with it. Released (the file removed) on
+  exit. A holder that finds its lease replaced (it was silent too long) logs an error and
+  stops rewriting it. Without gcsfs (gs:// through TensorFlow) or on s3:// the create is
+  read-then-write: two jobs racing there can both win.
   """
 
   def __init__(self, job_dir, primary: bool = True, any_process=lambda flag: flag,
@@ -201,6 +262,8 @@ class Lease:
                    "start": time.time(), "heartbeat": time.time(), "stale_s": stale_s}
     self._stop = threading.Event()
     self._thread = None
+    self._made_dir = False
+    self._marker = None   # the takeover marker this lease made, if it replaced a dead job's
 
   def read(self) -> dict | None:
     try:
@@ -208,52 +271,116 @@ class Lease:
     except (FileNotFoundError, ValueError):
       return None
 
-  def _write(self) -> None:
+  def _text(self) -> str:
     self.record["heartbeat"] = time.time()
-    write_text(self.file, json.dumps(self.record))
+    return json.dumps(self.record)
+
+  def _refusal(self, holder: str | None) -> LeaseError:
+    return LeaseError(f"job dir {self.file.parent} is in use by another live job: "
+                      f"{holder or 'seen by another process of this job'}. Stop that job or use "
+                      f"another --job_dir (a lease silent for {self.stale_s:.0f}s is taken over)")
 
   def check(self) -> None:
     """Every process: refuse (LeaseError) when any sees another live job's lease. Writes nothing."""
     holder = live_holder(self.read())
     if self.any_process(holder is not None):
-      raise LeaseError(f"job dir {self.file.parent} is in use by another live job: "
-                       f"{holder or 'seen by another process of this job'}. Stop that job or use "
-                       f"another --job_dir (a lease silent for {self.stale_s:.0f}s is taken over)")
+      raise self._refusal(holder)
 
-  def take(self) -> None:
-    """Process 0 writes the lease and starts its heartbeat (after `check`, once the run
-    is known to fit the job dir: a refused config leaves the job dir untouched)."""
-    if self.primary and self._thread is None:
-      import threading
-      self._write()
-      self._thread = threading.Thread(target=self._beat, name="shardax-lease", daemon=True)
-      self._thread.start()
+  def _claim(self, timeout_s: float = 30.0) -> str | None:
+    """Process 0: create the lease, or name the live job holding it (None: taken).
+
+    A dead job's lease is taken over through a marker named after its exact content,
+    created exclusively: of several jobs judging the same lease dead, one makes the marker
+    and rewrites the lease; the others look again and find the new holder alive.
+    """
+    import hashlib
+    parent, made = self.file.parent, False
+    if not is_remote(parent):   # (an object store has no directories)
+      try:
+        parent.mkdir(parents=True)
+        made = True   # this job made the job dir: release removes it if the job left it empty
+      except FileExistsError:
+        pass
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+      if create_exclusive(self.file, self._text()):
+        self._made_dir = made
+        return None
+      try:
+        text = self.file.read_text()
+      except FileNotFoundError:   # released meanwhile: try to create it again
+        continue
+      try:
+        holder = live_holder(json.loads(text))
+      except ValueError:   # not a lease (damaged): as good as dead
+        holder = None
+      if holder is not None:
+        return holder
+      marker = self.file.parent / f"{LEASE_FILE}.takeover-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
+      if create_exclusive(marker, self._text()):
+        _replace(self.file, self._text())
+        self._marker = marker
+        return None
+      self._clear_if_stale(marker)
+      time.sleep(0.05)   # another job is taking it over: its lease appears in a moment
+    return "a job that keeps taking over the dead job's lease (a takeover marker stays live)"
+
+  def _clear_if_stale(self, marker) -> None:
+    """A takeover marker whose job died before rewriting the lease blocks no one forever."""
+    try:
+      if live_holder(json.loads(marker.read_text())) is None:
+        marker.unlink(missing_ok=True)
+    except (FileNotFoundError, ValueError):
+      pass
 
   def acquire(self) -> "Lease":
-    self.check()
-    self.take()
+    """Every process: take the lease (process 0, atomically) or refuse (LeaseError) naming
+    the holder; then start the heartbeat. Call before the job writes anything."""
+    if self._thread is not None:
+      return self
+    holder = self._claim() if self.primary else None
+    if self.any_process(holder is not None):
+      if holder is None and not self.primary:
+        holder = live_holder(self.read())
+      raise self._refusal(holder)
+    if self.primary:
+      import threading
+      self._thread = threading.Thread(target=self._beat, name="shardax-lease", daemon=True)
+      self._thread.start()
     return self
 
   def _beat(self) -> None:
     from absl import logging
     while not self._stop.wait(self.heartbeat_s):
-      current = self.read()
-      if current and current.get("id") != self.record["id"]:
-        logging.error("job dir lease %s was taken by another job (%s); two jobs are writing "
-                      "this job dir", self.file, live_holder(current) or current.get("host"))
       try:
-        self._write()
+        current = self.read()
+        if not current or current.get("id") != self.record["id"]:
+          logging.error("job dir lease %s was taken by another job (%s) after this one was "
+                        "silent for over %.0fs; two jobs are writing this job dir", self.file,
+                        live_holder(current) or (current or {}).get("host"), self.stale_s)
+          return   # never overwrite the new holder's lease
+        _replace(self.file, self._text())
       except OSError as e:   # a storage hiccup: the next beat tries again
         logging.warning("lease heartbeat to %s failed: %s", self.file, e)
 
   def release(self) -> None:
+    """Stop the heartbeat and remove the lease if it is still ours; a job dir this lease
+    created and nothing else filled (the job failed before writing) is removed too."""
     self._stop.set()
-    if self._thread is not None:
-      self._thread.join(timeout=5)
-      self._thread = None
-      current = self.read()
-      if current and current.get("id") == self.record["id"]:
-        self.file.unlink(missing_ok=True)
+    if self._thread is None:
+      return
+    self._thread.join(timeout=5)
+    self._thread = None
+    current = self.read()
+    if current and current.get("id") == self.record["id"]:
+      self.file.unlink(missing_ok=True)
+    if self._marker is not None:
+      self._marker.unlink(missing_ok=True)
+    if self._made_dir:
+      try:
+        os.rmdir(os.fspath(self.file.parent))
+      except OSError:   # not empty: the job wrote something
+        pass
 
   def __enter__(self) -> "Lease":
     return self.acquire()
