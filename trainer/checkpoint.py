@@ -282,19 +282,18 @@ class Checkpointer:
       stored = self._manager.item_metadata(step)["state"].tree
     except Exception:  # unreadable metadata is damage, not a mismatch  # noqa: BLE001
       return None
-<<<<<<< HEAD
     stored = _leaf_shapes(stored)
     if legacy_layout.is_legacy(stored):
       abstract_state = legacy_layout.to_legacy(abstract_state)
-    return _describe_mismatch(stored, _leaf_shapes(abstract_state))
+    return _describe_mismatch(stored, _leaf_shapes(abstract_state), partial)
 
-  def _read(self, step: int, abstract_state):
+  def _read(self, step: int, abstract_state, partial: bool = False):
     """One read of `step`: (state, data state) as `restore` returns them. A step in the
     pre-2026-11-26 MoE layout is read in that layout and renamed (trainer/legacy_layout.py)."""
     if self._legacy(step):
-      state, data = self._read_as(step, legacy_layout.to_legacy(abstract_state))
+      state, data = self._read_as(step, legacy_layout.to_legacy(abstract_state), partial)
       return legacy_layout.from_legacy(state), data
-    return self._read_as(step, abstract_state)
+    return self._read_as(step, abstract_state, partial)
 
   def _legacy(self, step: int) -> bool:
     try:
@@ -303,13 +302,7 @@ class Checkpointer:
       return False
     return legacy_layout.is_legacy(_leaf_shapes(stored))
 
-  def _read_as(self, step: int, abstract_state):
-=======
-    return _describe_mismatch(_leaf_shapes(stored), _leaf_shapes(abstract_state), partial)
-
-  def _read(self, step: int, abstract_state, partial: bool = False):
-    """One read of `step`: (state, data state) as `restore` returns them."""
->>>>>>> h-hf
+  def _read_as(self, step: int, abstract_state, partial: bool = False):
     step_dir = self.directory / str(step)
     if partial:   # orbax's partial restore: the leaves not asked for are never read
       handler = ocp.PyTreeCheckpointHandler()
