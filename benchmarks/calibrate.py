@@ -82,18 +82,8 @@ def predict_row(row: dict, entry: dict):
   chip = chips.lookup(kind, exp.mesh.network)
   pr = stepmodel.from_costs(deep, mesh, exp, chip)
   if entry.get("attention") == "flash":   # a Pallas call is 0 FLOPs in XLA's costs: add the kernel's time
-    return with_kernel_seconds(pr, stepmodel.flash_kernel_seconds(exp, int(mesh.size), chip))
+    return stepmodel.with_flash_kernel(pr, exp, mesh, chip)
   return pr
-
-
-def with_kernel_seconds(pr, seconds: float):
-  """`pr` with a kernel's time added to its step and the ratios rescaled (as the dry run does)."""
-  import dataclasses
-  step = pr.step_seconds
-  scale = step / (step + seconds) if step + seconds else 0.0
-  return dataclasses.replace(pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hfu=pr.hfu * scale,
-                             tokens_per_second_per_device=pr.tokens_per_second_per_device * scale,
-                             breakdown={**pr.breakdown, "flash_kernel_seconds": seconds})
 
 
 def ratio(predicted: float, published: float) -> str:

@@ -50,10 +50,11 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa: F401  (re-exported)
 from shardax.layers import context_parallel, flash
-from shardax.layers.attention_choice import resolve, target_platform  # noqa: F401  (re-exported)
+from shardax.layers.attention_choice import resolve  # noqa: F401  (re-exported)
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import RMSNorm
 from shardax.sharding import shard
+from shardax.sharding.target import target_platform
 
 
 def llama3_inv_freq(inv_freq: np.ndarray, scaling: tuple[float, float, float, int]) -> np.ndarray:
@@ -153,10 +154,10 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
 
 def _fused_impl(q: jax.Array) -> str | None:
-  """'cudnn' on a GPU for 16-bit inputs with a head dim of at most 128 in multiples of 8
-  (cuDNN's flash-attention limits); None (XLA) elsewhere."""
+  """'cudnn' compiling for a GPU (sharding/target.py), for 16-bit inputs with a head dim of at
+  most 128 in multiples of 8 (cuDNN's flash-attention limits); None (XLA) elsewhere."""
   d = q.shape[-1]
-  if jax.default_backend() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d <= 128 and d % 8 == 0:
+  if target_platform() == "gpu" and q.dtype in (jnp.bfloat16, jnp.float16) and d <= 128 and d % 8 == 0:
     return "cudnn"
   return None
 

@@ -4,18 +4,9 @@ imports the other for it."""
 
 from __future__ import annotations
 
-import jax
-
 from shardax.configs.attention import AttentionOptions
 from shardax.layers import flash
-
-
-def target_platform() -> str:
-  """The platform the step is being compiled for: the current mesh's devices (a TPU
-  topology in a dry run says 'tpu' on this CPU), else jax's default backend."""
-  mesh = jax.sharding.get_abstract_mesh()
-  device = None if mesh.empty else getattr(mesh, "abstract_device", None)
-  return getattr(device, "platform", None) or jax.default_backend()
+from shardax.sharding.target import target_platform
 
 
 def resolve(options: AttentionOptions, q_len: int, kv_len: int) -> str:

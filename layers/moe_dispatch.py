@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from shardax.layers import quantization as quant
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.annotate import current_mesh_shape
+from shardax.sharding.target import target_platform
 
 EXCHANGES = ("auto", "ragged", "padded")
 IMPLS = ("auto", "ragged_dot", "tiled")
@@ -195,19 +196,13 @@ def mesh_axes(logical: tuple, shape: tuple | None = None) -> tuple[tuple[str, ..
   return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
 
 
-def _on_cpu() -> bool:
-  """Whether the program is for CPUs (the mesh in force, else the default backend)."""
-  device = getattr(jax.sharding.get_abstract_mesh(), "abstract_device", None)
-  return (getattr(device, "platform", None) or jax.devices()[0].platform) == "cpu"
-
-
 def resolve_exchange(exchange: str) -> str:
   """'auto': ragged_all_to_all where the backend runs it (TPU, GPU), else padded blocks."""
   if exchange not in EXCHANGES:
     raise ValueError(f"exchange={exchange!r}: use one of {EXCHANGES}")
   if exchange != "auto":
     return exchange
-  return "padded" if _on_cpu() else "ragged"
+  return "padded" if target_platform() == "cpu" else "ragged"
 
 
 def resolve_impl(impl: str) -> str:
@@ -216,7 +211,7 @@ def resolve_impl(impl: str) -> str:
     raise ValueError(f"grouped matmul {impl!r}: use one of {IMPLS}")
   if impl != "auto":
     return impl
-  return "tiled" if _on_cpu() else "ragged_dot"
+  return "tiled" if target_platform() == "cpu" else "ragged_dot"
 
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,

@@ -19,6 +19,7 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
+from shardax.sharding import hlo_text as hlo_text_lib
 from shardax.sharding import replica_groups
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -37,7 +38,6 @@ _PARTITIONS = re.compile(r"num_partitions=(\d+)")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
 _SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
-_COMPUTATION = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -145,17 +145,6 @@ class Collective:
   span: int = 0       # for those: the slices in its group
 
 
-def _blocks(hlo_text: str) -> dict[str, list[str]]:
-  """Computation name -> its instruction lines."""
-  blocks, current = {}, None
-  for line in hlo_text.splitlines():
-    if c := _COMPUTATION.match(line):
-      current = blocks.setdefault(c.group(1), [])
-    elif current is not None:
-      current.append(line)
-  return blocks
-
-
 def trip_counts(hlo_text: str) -> dict[str, int]:
   """Loop body -> how many times it runs per execution of its `while`.
 
@@ -164,7 +153,7 @@ def trip_counts(hlo_text: str) -> dict[str, int]:
   time (1 for a jax scan; 2 for the TPU compiler's bidirectional windowed einsum loops),
   so the trip count is ceil(N / c) from i = 0.
   """
-  blocks, trips = _blocks(hlo_text), {}
+  blocks, trips = hlo_text_lib.split(hlo_text).blocks, {}
   for line in hlo_text.splitlines():
     if " while(" not in line or not (body := re.search(r"body=%?([\w.\-]+)", line)):
       continue
@@ -232,12 +221,9 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   result_bytes_text: dict[str, str] = {}
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
   loop_trips = trip_counts(hlo_text)
-  parsed, comp, entry = [], "", ""
-  for line in hlo_text.splitlines():
-    if c := _COMPUTATION.match(line):
-      comp = c.group(1)
-      entry = comp if line.startswith("ENTRY") else entry
-      continue
+  parsed, comps = [], hlo_text_lib.split(hlo_text)
+  entry = comps.entry
+  for comp, line in comps.lines():
     m = _INSTR.match(line)
     if not m:
       continue

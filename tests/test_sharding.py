@@ -116,3 +116,26 @@ def test_parser_handles_async_and_tuple_forms():
   assert cs["all-reduce"].bytes == 52 and cs["all-reduce"].group_size == 2
   assert cs["reduce-scatter"].bytes == 256 and cs["reduce-scatter"].source == "m.py:7"
   assert len(report.collectives(hlo)) == 3
+
+
+def test_collectives_after_a_sparsecore_computation_keep_their_loop_counts():
+  """v6e programs close SparseCore computations with `}, execution_thread="sparsecore"`
+  (sharding/hlo_text.py); read as still open, the loop and the entry after one were taken
+  into it and the all-reduce ran once instead of 4 times per step."""
+  hlo = "\n".join([
+      "HloModule m, num_partitions=8", "",
+      "%sc_body (p: f32[4]) -> f32[4] {", "  %p = f32[4]{0} parameter(0)",
+      "  ROOT %n = f32[4]{0} negate(%p)", '}, execution_thread="sparsecore"', "",
+      "%body (b: (s32[], f32[8])) -> (s32[], f32[8]) {", "  %b = (s32[], f32[8]{0}) parameter(0)",
+      "  %x = f32[8]{0} get-tuple-element(%b), index=1",
+      "  %r = f32[8]{0} all-reduce(%x), replica_groups=[1,8]<=[8], to_apply=%add",
+      "  ROOT %t = (s32[], f32[8]{0}) tuple(%i, %r)", "}", "",
+      "%cond (c: (s32[], f32[8])) -> pred[] {", "  %c = (s32[], f32[8]{0}) parameter(0)",
+      "  ROOT %lt = pred[] constant(true)", "}", "",
+      "ENTRY %main (a: f32[8]) -> f32[8] {", "  %a = f32[8]{0} parameter(0)",
+      '  %w = (s32[], f32[8]{0}) while(%s), condition=%cond, body=%body, '
+      'backend_config={"known_trip_count":{"n":"4"}}',
+      "  ROOT %o = f32[8]{0} get-tuple-element(%w), index=1", "}", ""])
+  (c,) = report.collectives(hlo)
+  assert (c.kind, c.computation, c.executions, c.bytes) == ("all-reduce", "body", 4, 32)
+  assert report.trip_counts(hlo) == {"body": 4}

@@ -43,13 +43,12 @@ import time
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
 
 from shardax.configs.schema import CheckpointConfig, ConfigError
-from shardax.trainer import jobdir, legacy_layout
+from shardax.trainer import distributed, jobdir, legacy_layout
 
 _policies = ocp.checkpoint_managers
 
@@ -140,14 +139,6 @@ def _chain_text(e: BaseException) -> str:
     parts.append(f"{type(e).__name__}: {e}")
     e = e.__cause__ or e.__context__
   return " <- ".join(parts)
-
-
-def _allgather(values: list[int]) -> np.ndarray:
-  """[process, len(values)]: every process's values (a tiny all-gather; one process: as is)."""
-  if jax.process_count() == 1:
-    return np.asarray([values])
-  from jax.experimental import multihost_utils
-  return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int64)))
 
 
 def _leaf_shapes(tree) -> dict[tuple[str, ...], tuple[int, ...]]:
@@ -381,7 +372,7 @@ class Checkpointer:
     FileNotFoundError when there is none.
     """
     steps = sorted(self._manager.all_steps(), reverse=True)
-    seen = _allgather([steps[0] if steps else -1])[:, 0]
+    seen = distributed.allgather([steps[0] if steps else -1])[:, 0]
     if len(set(seen.tolist())) > 1:
       raise CheckpointError(f"the processes see different newest checkpoints in {self.directory}: " +
                             ", ".join(f"process {i}: step {s}" for i, s in enumerate(seen.tolist())) +
@@ -396,7 +387,7 @@ class Checkpointer:
     damaged = []
     for s in steps:
       outcome, value = self._attempt(s, abstract_state, partial)
-      everyone = _allgather([s, codes.index(outcome)])
+      everyone = distributed.allgather([s, codes.index(outcome)])
       if len(set(everyone[:, 0].tolist())) > 1:
         raise CheckpointError("the processes restore different checkpoint steps: " + ", ".join(
             f"process {i}: step {x}" for i, x in enumerate(everyone[:, 0].tolist())))

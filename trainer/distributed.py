@@ -124,13 +124,10 @@ def agree_at_start(config_text: str) -> None:
   if jax.process_count() == 1:
     mesh_lib.set_node_ids(None)
     return
-  import numpy as np
-  from jax.experimental import multihost_utils
   raw = hashlib.sha256(config_text.encode()).digest()
   digest = [int.from_bytes(raw[k:k + 4], "big") >> 1 for k in (0, 4)]   # int32-safe (x64 is off)
   node = mesh_lib.node_id()
-  rows = np.asarray(multihost_utils.process_allgather(
-      np.asarray([*digest, -1 if node is None else node], np.int32)))
+  rows = allgather([*digest, -1 if node is None else node])
   hashes = [f"{int(a):08x}{int(b):08x}" for a, b in rows[:, :2]]
   if len(set(hashes)) > 1:
     raise LaunchError("the processes hold different configs (hash of the resolved config): " +
@@ -149,14 +146,20 @@ def is_primary() -> bool:
   return jax.process_index() == 0
 
 
-def any_process(flag: bool) -> bool:
-  """Whether `flag` holds on any process of the job (a tiny all-gather; one process: flag)."""
+def allgather(values):
+  """[process, len(values)]: every process's small integers (a tiny all-gather; one process:
+  its own, as one row). int32: x64 is off, so wider values would be cut anyway."""
   import jax
-  if jax.process_count() == 1:
-    return bool(flag)
   import numpy as np
+  if jax.process_count() == 1:
+    return np.asarray([values], np.int32)
   from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
+  return np.asarray(multihost_utils.process_allgather(np.asarray(values, np.int32)))
+
+
+def any_process(flag: bool) -> bool:
+  """Whether `flag` holds on any process of the job."""
+  return bool(allgather([int(bool(flag))]).any())
 
 
 def lease(job_dir):

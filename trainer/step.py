@@ -21,6 +21,7 @@ import optax
 
 from shardax.layers import quantization, transformer
 from shardax.sharding import shard
+from shardax.sharding.target import target_platform
 from shardax.trainer import optimizer
 from shardax.trainer.state import Setup
 
@@ -75,7 +76,7 @@ def train_step_fn(setup: Setup) -> Callable:
   # a branch than an unrolled one's (loop-aware costs of the twins 12.6% apart,
   # tests/test_costs.py), and the dry run's depth extrapolation rests on them agreeing; on
   # an H100 XLA fuses the select into the update (1.000 against an unguarded hand-written step).
-  guard_by_branch = setup.mesh.devices.flat[0].platform == "cpu"
+  guard_by_branch = target_platform(setup.mesh) == "cpu"
 
   def step(state, batch):
     loss, grads, model_metrics = grads_and_loss(setup, state["params"], batch)

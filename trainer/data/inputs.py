@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import IMAGE_SOURCES, DataConfig
+from shardax.trainer import distributed
 from shardax.trainer.data import images, packing, preparation, streaming
 from shardax.trainer.data.rows import ProcessRows, process_rows
 from shardax.trainer.data.sources import SPLITS, MissingDatasetError  # noqa: F401
@@ -247,14 +248,6 @@ class Batches(grain.DatasetIterator):
     return f"Batches({self.cfg.source}, {self.split}, B={self.global_batch}, seed={self.seed})"
 
 
-def _any_process(flag: bool, simulated: bool) -> bool:
-  """Whether `flag` holds on any process (a tiny all-gather across hosts)."""
-  if simulated or jax.process_count() == 1:
-    return flag
-  from jax.experimental import multihost_utils
-  return bool(np.any(multihost_utils.process_allgather(np.int32(flag))))
-
-
 def iter_eval_batches(cfg: DataConfig, global_batch: int, n: int | None = None,
                       sharding: jax.sharding.Sharding | None = None,
                       **kwargs) -> Iterator[dict[str, jax.Array]]:
@@ -271,7 +264,8 @@ def iter_eval_batches(cfg: DataConfig, global_batch: int, n: int | None = None,
     count = 0
     while n is None or count < n:
       local = next(it.grain_iterator, None)
-      if not _any_process(local is not None, simulated):
+      here = local is not None   # a simulated process (process_index given) is alone in this one
+      if not (here if simulated else distributed.any_process(here)):
         return
       yield it.to_global(it.padding() if local is None else local)
       count += 1

@@ -31,10 +31,10 @@ import re
 
 import jax
 
+from shardax.sharding import hlo_text as hlo_text_lib
 from shardax.sharding import report
 from shardax.trainer.perf import ops
 
-_HEADER = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
 _WHILE = re.compile(r"=\s.*?\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
@@ -107,23 +107,8 @@ class _Module:
 
 
 def _split(hlo_text: str) -> _Module:
-  lines = hlo_text.splitlines()
-  blocks: dict[str, list[str]] = {}
-  prefix, current, entry = [], None, ""
-  for line in lines:
-    if current is None:
-      if h := _HEADER.match(line):
-        current = h.group(2)
-        entry = current if h.group(1) else entry
-        blocks[current] = [line]
-      elif not blocks and not line.startswith("HloModule"):
-        prefix.append(line)
-      continue
-    blocks[current].append(line)
-    # A computation ends on a bare "}" (custom-call configs may start lines with "}}"), or on
-    # "}, execution_thread=..." (the SparseCore sections of v6e programs).
-    if line.rstrip() == "}" or line.startswith("}, execution_thread="):
-      current = None
+  comps = hlo_text_lib.split(hlo_text)
+  blocks = comps.blocks
   trips = report.trip_counts(hlo_text)
   callees, whiles = {}, {}
   for name, body in blocks.items():
@@ -142,7 +127,7 @@ def _split(hlo_text: str) -> _Module:
         state = line.split(" while(", 1)[0].split("=", 1)[1]
         leading = [int(dims.split(",")[0]) for dims in _STATE_ARRAY.findall(state)]
         stacked[w.group(2)] = sum(d == trips.get(w.group(2), 1) for d in leading)
-  return _Module("\n".join(prefix), blocks, entry, callees, whiles, stacked)
+  return _Module(comps.prefix, blocks, comps.entry, callees, whiles, stacked)
 
 
 def _reachable(mod: _Module, root: str) -> list[str]:

@@ -138,6 +138,8 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   if costs_out is not None:
     costs_out.append(cost)
   predicted = stepmodel.from_costs(cost, mesh, exp, chip) if chip else None
+  if predicted and "tpu_custom_call" in hlo and "splash" in hlo:
+    predicted = stepmodel.with_flash_kernel(predicted, exp, mesh, chip)
   out.update(bytes_per_device=mem, fits=fits, flops_per_device=cost.flops,
              flops_loop_bodies_once=cost.flops_loop_bodies_once,
              bytes_accessed_per_device=cost.bytes_accessed,
@@ -145,8 +147,6 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              collectives=report.collective_summary(hlo),
              predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm))
-  if out["predicted"] and "tpu_custom_call" in hlo and "splash" in hlo:
-    _add_kernel_time(out["predicted"], stepmodel.flash_kernel_seconds(exp, int(mesh.size), chip))
   if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)
@@ -181,15 +181,6 @@ def usable_hbm_bytes(mesh, chip) -> int | None:
     except Exception as e:  # the expected refusal; anything else: no figure
       _USABLE_HBM[kind] = _parse_oom(str(e))[1] if "RESOURCE_EXHAUSTED" in str(e) else None
   return _USABLE_HBM[kind]
-
-
-def _add_kernel_time(p: dict, seconds: float) -> None:
-  """The flash kernel's time (0 FLOPs in XLA's costs) added to the prediction, ratios rescaled."""
-  step = p["step_seconds"]
-  scale = step / (step + seconds) if step + seconds else 0.0
-  p.update(step_seconds=step + seconds, mfu=p["mfu"] * scale, hfu=p["hfu"] * scale,
-           tokens_per_second_per_device=p["tokens_per_second_per_device"] * scale)
-  p["breakdown"]["flash_kernel_seconds"] = seconds
 
 
 def host_temp_bytes(compiled) -> int:

@@ -210,11 +210,12 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
   if chip is not None:
     mesh = make_mesh(exp.mesh)
-    out["predicted"] = dry_run_lib._brief(stepmodel.from_costs(deep, mesh, exp, chip).as_dict())
+    predicted = stepmodel.from_costs(deep, mesh, exp, chip)
     if "flash_kernel_seconds" in ((b.get("predicted") or {}).get("breakdown") or {}):
       # the shallow copy ran the Pallas flash kernel (0 FLOPs in XLA's costs): the full
       # depth's kernel time, as the full compile's dry run adds it
-      dry_run_lib._add_kernel_time(out["predicted"], stepmodel.flash_kernel_seconds(exp, int(mesh.size), chip))
+      predicted = stepmodel.with_flash_kernel(predicted, exp, mesh, chip)
+    out["predicted"] = dry_run_lib._brief(predicted.as_dict())
   return out
 
 

@@ -251,3 +251,15 @@ def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
   per_token = forward * (3.5 + (1.0 if t.remat != "none" else 0.0))
   tokens = seq * exp.train.global_batch
   return ops.seconds("attention", "bf16", per_token * tokens / num_devices, chip)
+
+
+def with_flash_kernel(pr: Prediction, exp, mesh, chip: chips_lib.Chip) -> Prediction:
+  """`pr` for a program that runs the Pallas flash kernel, which its costs price at 0 FLOPs:
+  the kernel's time (flash_kernel_seconds) added to the step, the ratios rescaled to match.
+  The one place a prediction gets it (the dry run, its depth extrapolation, the calibration)."""
+  seconds = flash_kernel_seconds(exp, int(mesh.size), chip)
+  step = pr.step_seconds
+  scale = step / (step + seconds) if step + seconds else 0.0
+  return dataclasses.replace(pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hfu=pr.hfu * scale,
+                             tokens_per_second_per_device=pr.tokens_per_second_per_device * scale,
+                             breakdown={**pr.breakdown, "flash_kernel_seconds": seconds})
