@@ -34,8 +34,14 @@ The amax history of `fp8_delayed` is an `AmaxHistory` param (so it is sharded,
 checkpointed and restored with the model) that no gradient reaches: the dot's VJP
 returns the *next* history as its cotangent (`record_amax`) and the train step writes
 that over the param (`take_histories`, trainer/step.py), the Flax fp8 recipe's trick,
-which works through scanned, pipelined and rematerialized layers because gradients
-already do. Under gradient accumulation the microbatches' next histories are averaged.
+which reaches through scanned and rematerialized layers because gradients already do.
+Where one step uses a weight more than once, autodiff would sum the uses' next
+histories (a newest entry that is a sum of amaxes, growing step by step); the two
+places that reuse weights combine them by max instead, so each history's new entry is
+the largest amax over every use in the step: the pipeline loop, which runs a stage's
+weights in every iteration (pipeline/statistics.py, by `AmaxHistory.combine_uses`;
+bubble iterations excluded), and gradient accumulation (`accumulate`, over the
+microbatches). Each scanned layer has its own history, as it has its own weights.
 """
 
 from __future__ import annotations
@@ -64,6 +70,7 @@ HISTORY = "amax_history"   # the attribute (and params key) of a layer's AmaxHis
 class AmaxHistory(nnx.Param):
   """[2, H] float32: row 0 the lhs (activation), row 1 the rhs (weight) per-tensor amax
   of the last H steps, newest first. Written by the train step, never by the optimizer."""
+  combine_uses = "max"   # a reused history's uses: max of their next values (pipeline/statistics.py)
 
 
 def check(mode: str) -> str:
@@ -167,6 +174,23 @@ def _tap_bwd(res, g):
 
 
 _tap.defvjp(_tap_fwd, _tap_bwd)
+
+
+def is_history(path) -> bool:
+  """Whether a `jax.tree_util` key path ends at an AmaxHistory leaf of a params dict."""
+  return bool(path) and getattr(path[-1], "key", None) == HISTORY
+
+
+def accumulate(total, grads):
+  """Gradient accumulation's running sum of `grads`, except each history's next value,
+  which is the max over the microbatches (the largest amax any of them saw)."""
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a, b: jnp.maximum(a, b) if is_history(p) else a + b, total, grads)
+
+
+def mean_grads(total, count: int):
+  """`accumulate`'s result over `count` microbatches as their mean; histories as they are."""
+  return jax.tree_util.tree_map_with_path(lambda p, g: g if is_history(p) else g / count, total)
 
 
 def take_histories(grads: dict) -> tuple[dict, dict]:

@@ -35,7 +35,9 @@ intermediate of every iteration, the memory pipelining is meant to spread out.
 The price is one more forward of each stage in the backward pass (4 -> 5
 forward-equivalents per step with model.remat='full', 3 -> 4 without).
 Bubble iterations compute on stale or zero buffers; their outputs are never
-read as results and so add exactly zero to results and gradients.
+read as results and so add exactly zero to results and gradients. Running statistics
+among the weights (the fp8 amax histories) get one copy per iteration whose uses
+combine by max over the real work items, not by sum (statistics.py).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import jax
 import jax.numpy as jnp
 from absl import logging
 
+from shardax.pipeline import statistics
 from shardax.pipeline.circular import Queue
 from shardax.pipeline.schedule import PipelineError, Schedule
 from shardax.pipeline.stages import from_stages
@@ -147,24 +150,34 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
 
   all_stages = jax.vmap(one_stage, spmd_axis_name=mesh_axes_of("stage"))
 
+  # Running statistics: one copy per iteration, combined by max over real work (statistics.py).
+  leaves, treedef = jax.tree.flatten(weights)
+  is_stat = statistics.marked(weights)
+  stats = [a for a, s in zip(leaves, is_stat) if s]
+  stats = statistics.fan_out(stats, statistics.busy(S, M, R, schedule.iterations)) if stats else []
+
+  def weights_at(stats_t):
+    it = iter(stats_t)
+    return jax.tree.unflatten(treedef, [next(it) if s else a for a, s in zip(leaves, is_stat)])
+
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def compute(w, buffer, t):  # saved for the backward pass: `buffer` alone (w is loop-invariant)
     k = t - stage_ids  # the work item of each stage; outside [0, M*R) = bubble
     return shard(all_stages(w, buffer, tuple(a[k % M] for a in side), k), state_axes)
 
-  def iteration(carry, t):
-    out, waiting = carry
+  def iteration(carry, per_iteration):
+    (out, waiting), (t, stats_t) = carry, per_iteration
     into_stage = jnp.roll(out, 1, axis=0)  # the collective-permute: stage s-1's output -> stage s
     enter = jax.lax.dynamic_index_in_dim(xs_per_stage, t % M, 1, keepdims=False)
     if R > 1:  # repeat r > 0: microbatch t % M comes back from the last stage, M - S + 1 iterations on
       due, waiting = queue.step(waiting, out, into_stage)
       enter = jnp.where(t < M, enter, due)
     buffer = shard(jnp.where(first, enter, into_stage), state_axes)
-    out = compute(weights, buffer, t)
+    out = compute(weights_at(stats_t), buffer, t)
     return (out, waiting), out
 
   out = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
-  _, outs = jax.lax.scan(iteration, (out, queue.init(xs)), jnp.arange(schedule.iterations))
+  _, outs = jax.lax.scan(iteration, (out, queue.init(xs)), (jnp.arange(schedule.iterations), stats))
   # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + S - 1: the last M.
   outs = shard(outs, (None,) + state_axes)[schedule.iterations - M:, S - 1]
   return merge_microbatches(shard(outs, (None,) + tuple(x_axes)), x_axes)

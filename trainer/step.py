@@ -56,14 +56,16 @@ def grads_and_loss(setup: Setup, params, batch: dict):
 
   def body(acc, mb):
     (l, metrics), g = grad_fn(params, mb)
-    return jax.tree.map(jnp.add, acc, (l, g, metrics)), None
+    total, grads, summed = acc
+    # fp8 amax histories: their next values combine by max, not sum (layers/quantization.py).
+    return (total + l, quantization.accumulate(grads, g), jax.tree.map(jnp.add, summed, metrics)), None
 
   shapes = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], _microbatches(batch, m)))
   (_, metrics_shape), _ = shapes
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
   (total, grads, metrics), _ = jax.lax.scan(body, zeros, _microbatches(batch, m))
-  return total / m, jax.tree.map(lambda g: g / m, grads), jax.tree.map(lambda x: x / m, metrics)
+  return total / m, quantization.mean_grads(grads, m), jax.tree.map(lambda x: x / m, metrics)
 
 
 def train_step_fn(setup: Setup) -> Callable:
