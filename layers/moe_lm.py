@@ -288,11 +288,12 @@ class MoELM(nnx.Module):
     depends on a random draw (the 'random'/'sampling' second expert is a training-time
     choice, as in GShard). Packed batches as in `loss_and_metrics`: the mean is over
     unmasked targets and `loss_weight` is their count."""
-    logits, _ = self.forward(batch["inputs"], jax.random.key(self.cfg.moe.seed),
-                             batch.get("positions"), deterministic=True,
-                             segment_ids=batch.get("segment_ids"))
+    logits, stats = self.forward(batch["inputs"], jax.random.key(self.cfg.moe.seed),
+                                 batch.get("positions"), deterministic=True,
+                                 segment_ids=batch.get("segment_ids"))
     ce, weight = masked_cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
-    return ce, {"loss_weight": weight}
+    overflow = stats.get("expert_buffer_overflow", jnp.float32(0))   # the loop raises on it
+    return ce, {"loss_weight": weight, "moe/expert_buffer_overflow": overflow}
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array,
