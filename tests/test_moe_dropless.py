@@ -285,7 +285,7 @@ def test_default_expert_buffer_holds_the_worst_routing(reference_run):
   first choice to shard 0 and of the second to shard 1: 4 fair shares (2T / (2T/8)) per
   destination on 8 expert shards. At the default the step equals one device (nothing
   dropped, count 0); at 2.0 (the old default) the same step overflows. Seen failing with
-  the bound replaced by 2.0 (loss nan, overflow 4096 copies)."""
+  the bound replaced by 2.0 (`assert 128.0 == 0`: 128 copies per MoE layer overflowed)."""
   params, batch, *_ = reference_run
   params = jax.tree_util.tree_map_with_path(
       lambda p, v: np.zeros_like(v) if "router" in jax.tree_util.keystr(p) else v, params)
