@@ -60,6 +60,12 @@ class MoEConfig:
   expert_buffer:    dropless under expert parallelism: each device's buffer of token copies
                     sent to one expert shard holds expert_buffer x its fair share (k x its
                     tokens / shards); more is an error (raise it), never a silent drop.
+                    None (default): the no-overflow bound n x min(k, E/n) / k for the n
+                    expert shards of the mesh in force (a device sends one shard at most
+                    min(k, E/n) copies of each token), so no routing can overflow: 4 for
+                    Mixtral's top-2 of 8 on 8 shards, 32 for DeepSeek-V3's top-8 of 256
+                    on 128 (the dry run's memory shows what that costs). A smaller value
+                    saves memory and bets on balance (layers/moe_dispatch.py).
   expert_exchange:  how dropless tokens travel under expert parallelism: 'ragged'
                     (jax.lax.ragged_all_to_all: TPU, GPU), 'padded' (all_to_all of fixed
                     blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
@@ -85,7 +91,7 @@ class MoEConfig:
   dispatch: str = "capacity"
   num_shared_experts: int = 0
   first_dense_layers: int = 0
-  expert_buffer: float = 2.0
+  expert_buffer: float | None = None
   expert_exchange: str = "auto"
   grouped_matmul: str = "auto"
 
@@ -108,7 +114,8 @@ class MoEConfig:
     _require(self.bias_update_rate >= 0, f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
     _require(self.num_shared_experts >= 0 and self.first_dense_layers >= 0,
              "model.moe.num_shared_experts and model.moe.first_dense_layers must be >= 0")
-    _require(self.expert_buffer > 0, f"model.moe.expert_buffer={self.expert_buffer} must be > 0")
+    _require(self.expert_buffer is None or self.expert_buffer > 0,
+             f"model.moe.expert_buffer={self.expert_buffer} must be > 0, or None for the no-overflow bound")
     _require(self.expert_exchange in ("auto", "ragged", "padded"),
              f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
     _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled"),

@@ -129,11 +129,6 @@ def mixtral_tiny():
   m.renormalize = True
   m.dispatch = "dropless"
   m.aux_loss_weight = 1e-2
-  # An expert-parallel buffer that cannot overflow on up to 8 devices: a device sends one
-  # shard at most min(k, E/n) x T copies, n x min(k, E/n) / k fair shares (here <= 4). At
-  # init the router sends every copy of a byte to the same experts, which overflowed the
-  # default 2.0 at step 1 on 8 simulated devices; on one device there is no buffer.
-  m.expert_buffer = 4.0
   return cfg
 
 
@@ -164,7 +159,6 @@ def deepseek_tiny():
   m.bias_update_rate = 1e-3
   m.aux_loss_weight = 1e-4
   m.dispatch = "dropless"
-  m.expert_buffer = 4.6   # no overflow on up to 8 devices: n x min(7, 32/n) / 7 <= 4.57 (see mixtral_tiny)
   return cfg
 
 

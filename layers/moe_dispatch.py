@@ -15,15 +15,27 @@ weights is a ragged_dot_general with the group dim on the contraction. XLA:CPU r
 as a dense matmul per group, so on CPU (`grouped_matmul='auto'`) the rows go through
 `tiled_grouped_ffn` instead: the same product as batched matmuls over one-expert tiles.
 
-Expert parallelism (the rules map logical 'expert' to mesh axes X): the layer runs
-inside `shard_map` over the whole mesh. Each device holds its tokens (split over the
-'batch' axes, which must include X) and E/|X| experts. The assignments travel to the
+The layer runs inside `shard_map` over the whole mesh whenever there is one: each
+device takes its own tokens, split over the mesh axes the rules give 'batch' and
+'length' (context parallelism splits the sequence like every other per-token op; no
+device sees the whole sequence), and runs the FFN of those tokens only.
+
+Expert parallelism (the rules map logical 'expert' to mesh axes X, which must be among
+the token axes): each device holds E/|X| experts. The assignments travel to the
 device that holds their expert and back:
 - `ragged_all_to_all` (TPU, GPU: `exchange='ragged'`): every device sends exactly its
   rows per destination into a receive buffer of `expert_buffer x k x T` rows;
 - padded `all_to_all` (`exchange='padded'`, any backend, the one XLA:CPU runs): a fixed
   slot block of `ceil(expert_buffer x k x T / |X|)` rows per destination.
-A step where some device would need more room than its buffer is not applied: its output
+`expert_buffer=None` (the default) sizes both at the no-overflow bound: a device sends
+one shard at most min(k, E/|X|) copies of each of its T tokens (a token picks an expert
+at most once), so |X| x min(k, E/|X|) / k fair shares hold any routing. That is the
+default rather than a smaller bound with drops counted in a metric: 'dropless' then
+means dropless (the sharded step equals the one-device step for every router state,
+including the collapsed routers of early training, which overflowed 2x at step 1), and
+its memory is a real array the dry run measures. A smaller `expert_buffer` trades that
+guarantee for memory;
+a step where some device would need more room than its buffer is not applied: its output
 turns NaN (the step's finite guard keeps the old weights) and the count reaches the
 metrics as `moe/expert_buffer_overflow`, on which the training loop raises an error
 naming `model.moe.expert_buffer`. (A host callback raising inside the SPMD program
@@ -159,22 +171,23 @@ def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
 
 
 def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num_experts: int,
-                             buffer: float, exchange: str, impl: str, quantization: str = "none"):
+                             buffer: float | None, exchange: str, impl: str, quantization: str = "none"):
   """Per device (inside shard_map over `axes`, n devices): x [T, m] local tokens, index and
-  gates [T, k]; weights hold the E/n local experts."""
+  gates [T, k]; weights hold the E/n local experts. `buffer`: see the module docstring."""
   t, k = index.shape
   local = num_experts // n
   flat = index.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   expert = flat[order]
   rows = x[order // k]
-  fair = t * k
+  # Rows per destination: buffer x the fair share t*k/n, or (None) the most one device can
+  # send one shard, t x min(k, local experts): no routing overflows it.
+  per_dest = t * min(k, local) if buffer is None else max(1, math.ceil(buffer * t * k / n))
   if exchange == "ragged":
-    capacity = max(1, math.ceil(buffer * fair))
+    capacity = n * per_dest if buffer is None else max(1, math.ceil(buffer * t * k))
     recv, ids, back, overflow = _exchange_ragged(rows, expert % local, expert // local, n,
                                                  capacity, axes)
   else:
-    per_dest = max(1, math.ceil(buffer * fair / n))
     recv, ids, back, overflow = _exchange_padded(rows, expert % local, expert // local, n,
                                                  per_dest, axes)
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
@@ -215,7 +228,7 @@ def resolve_impl(impl: str) -> str:
 
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
-             *, buffer: float = 2.0, exchange: str = "auto", impl: str = "auto",
+             *, buffer: float | None = None, exchange: str = "auto", impl: str = "auto",
              quantization: str = "none") -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
   [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules."""
@@ -227,16 +240,17 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
     y = dropless_local(x.reshape(b * l, m), index.reshape(b * l, -1),
                        gates.reshape(b * l, -1), weights, act, impl, quantization)
     return y.reshape(x.shape), jnp.zeros((), jnp.int32)
-  batch, = mesh_axes(("batch",))
+  batch, length = mesh_axes(("batch", "length"), (b, l))
+  token_axes = batch + length                          # every device: its own tokens only
   expert, _, mlp = mesh_axes(("expert", None, "mlp"), weights[0].shape)
-  if not set(expert) <= set(batch):
+  if not set(expert) <= set(token_axes):
     raise ValueError(
-        f"dropless MoE dispatch under expert parallelism needs the batch split over the expert "
-        f"mesh axes {expert} (the rules split 'batch' over {batch}); use a preset like "
-        f"'expert' or 'expert_axis', or model.moe.dispatch='capacity'")
+        f"dropless MoE dispatch under expert parallelism needs the tokens split over the expert "
+        f"mesh axes {expert} (the rules split 'batch' over {batch}, 'length' over {length}); "
+        f"use a preset like 'expert' or 'expert_axis', or model.moe.dispatch='capacity'")
   mode = resolve_exchange(exchange)
-  tokens, w_in, w_out = P(batch, None, None), P(expert or None, None, mlp or None), \
-      P(expert or None, mlp or None, None)
+  tokens, w_in, w_out = P(batch or None, length or None, None), \
+      P(expert or None, None, mlp or None), P(expert or None, mlp or None, None)
 
   def body(x, index, gates, w_gate, w_up, wo):
     bl, ll = x.shape[:2]
@@ -246,7 +260,7 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
                                              n=math.prod(mesh.shape[a] for a in expert),
                                              num_experts=e, buffer=buffer, exchange=mode, impl=impl,
                                              quantization=quantization)
-      overflow = jax.lax.psum(overflow, batch)
+      overflow = jax.lax.psum(overflow, token_axes)
     else:
       y, overflow = dropless_local(*args, (w_gate, w_up, wo), act, impl, quantization), jnp.zeros((), jnp.int32)
     if mlp:

@@ -72,10 +72,12 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   if renormalize:
     gates = share
   gates = gates * gate_scale
-  flat = index.reshape(-1)
-  load = jnp.zeros((e,), jnp.float32).at[flat].add(1.0) / flat.shape[0]
+  # Sums over the token dims as they are: flattening [batch, length] first made the
+  # partitioner all-gather the sequence of a context-parallel (length-split) batch.
+  tokens = tuple(range(index.ndim - 1))
+  load = jnp.zeros((e,), jnp.float32).at[index].add(1.0) / index.size
   probs = scores if score == "softmax" else scores / jnp.sum(scores, axis=-1, keepdims=True)
-  me = jnp.mean(probs.reshape(-1, e), axis=0)
+  me = jnp.mean(probs, axis=tokens)
   aux_loss = e * jnp.sum(me * load)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   return Routing(index.astype(jnp.int32), gates, load, aux_loss, z_loss,
@@ -83,14 +85,16 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
-  """lax.top_k's indices of x [batch, ..., E], computed where the tokens lie: the SPMD
-  partitioner does not split top_k along the batch and would all-gather every token's
-  scores to each device, so under a mesh it runs per device in shard_map."""
-  batch, = moe_dispatch.mesh_axes(("batch",))
+  """lax.top_k's indices of x [batch, length, ..., E], computed where the tokens lie: the
+  SPMD partitioner does not split top_k along the batch and would all-gather every
+  token's scores to each device, so under a mesh it runs per device in shard_map, over
+  the mesh axes of 'batch' and (context parallelism) 'length'."""
+  lead = ("batch", "length")[:x.ndim - 1]
+  axes = moe_dispatch.mesh_axes(lead, x.shape[:len(lead)])
   mesh = jax.sharding.get_abstract_mesh()
-  if not batch or mesh.empty or mesh.size == 1:
+  if not any(axes) or mesh.empty or mesh.size == 1:
     return jax.lax.top_k(x, k)[1]
-  spec = P(batch, *(None,) * (x.ndim - 1))
+  spec = P(*(a or None for a in axes), *(None,) * (x.ndim - len(lead)))
   return jax.shard_map(lambda v: jax.lax.top_k(v, k)[1], mesh=mesh, in_specs=spec,
                        out_specs=spec, check_vma=False)(x)
 

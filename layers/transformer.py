@@ -254,7 +254,8 @@ class TransformerLM(nnx.Module):
     deterministic. Packed batches as in `loss_and_metrics`."""
     logits, stats, batch = self._logits_and_stats(batch, deterministic=True)
     ce, weight, _ = masked_cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
-    return ce, {"loss_weight": weight, **_overflow(stats)}
+    overflow = stats.get("expert_buffer_overflow", jnp.float32(0))   # the loop raises on it
+    return ce, {"loss_weight": weight, "moe/expert_buffer_overflow": overflow}
 
   def balance_updates(self, next_bias: jax.Array) -> dict:
     """The params subtree of every MoE layer's balance bias set to `next_bias` [layers, e]."""
@@ -265,11 +266,6 @@ class TransformerLM(nnx.Module):
       for unit, bias in zip(blocks, next_bias):
         unit.moe_block.moe.balance_bias.set_value(bias)
     return nnx.to_pure_dict(nnx.state(self, BalanceBias))
-
-
-def _overflow(stats: dict) -> dict:
-  """The dropless expert-buffer overflow flag, when the model has one (the step checks it)."""
-  return {k: v for k, v in stats.items() if k == "expert_buffer_overflow"}
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None):

@@ -85,7 +85,7 @@ def test_dense_eval_leaves_out_the_z_loss():
            "positions": np.tile(np.arange(16, dtype=np.int32), (2, 1)),
            "loss_mask": np.concatenate([np.ones((2, 10)), np.zeros((2, 6))], 1).astype(np.float32)}
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    total, weight = jax.device_get(loop.eval_sums_fn(setup)(params, batch))
+    total, weight, _ = jax.device_get(loop.eval_sums_fn(setup)(params, batch))
     loss, metrics = jax.device_get(jax.jit(step_lib.loss_fn(setup))(params, batch))
   assert weight == 20 and metrics["z_loss"] > 1e-3
   assert total / weight == pytest.approx(float(metrics["ce_loss"]), rel=1e-6)

@@ -267,5 +267,88 @@ def test_expert_buffer_overflow_poisons_the_step_and_the_loop_names_the_field(tm
   assert np.isnan(metrics["loss"]) and not metrics["finite"]
   for (path, new), old in zip(jax.tree.leaves_with_path(jax.device_get(state["params"])), jax.tree.leaves(before)):
     np.testing.assert_array_equal(new, old, err_msg=jax.tree_util.keystr(path))
-  with pytest.raises(loop.NonFiniteError, match=r"step 1: .* did not fit .*model\.moe\.expert_buffer"):
-    loop.train(exp, str(tmp_path))
+  stub = {"eval_loss": 0.0, "eval_weight": 1.0, "eval_batches": 1}   # the step-0 eval would raise first
+  with pytest.MonkeyPatch.context() as mp:
+    mp.setattr(loop, "_eval_sources", lambda *a: stub)
+    with pytest.raises(loop.NonFiniteError, match=r"step 1: .* did not fit .*model\.moe\.expert_buffer"):
+      loop.train(exp, str(tmp_path))
+  # Evaluation raises the same error (its loss would be NaN): seen failing before the eval
+  # passed the count on (no error, eval_loss nan).
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    with pytest.raises(loop.NonFiniteError, match=r"eval \(1 batches\): .* did not fit .*model\.moe\.expert_buffer"):
+      loop._eval_sources(loop.eval_sums_fn(setup), state["params"], setup)
+
+
+def test_default_expert_buffer_holds_the_worst_routing(reference_run):
+  """expert_buffer unset (None): the no-overflow bound. A zero router sends every token to
+  experts 0 and 1 (ties, stable order), i.e. each device sends all its T copies of the
+  first choice to shard 0 and of the second to shard 1: 4 fair shares (2T / (2T/8)) per
+  destination on 8 expert shards. At the default the step equals one device (nothing
+  dropped, count 0); at 2.0 (the old default) the same step overflows. Seen failing with
+  the bound replaced by 2.0 (`assert 128.0 == 0`: 128 copies per MoE layer overflowed)."""
+  params, batch, *_ = reference_run
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, v: np.zeros_like(v) if "router" in jax.tree_util.keystr(p) else v, params)
+  one = setup_for(tiny_dropless("dp", (1,), ("data",)), jax.devices()[:1])
+  (ref_loss, ref_grads, _), _ = loss_and_grads(one, params, batch)
+  runs = {}
+  for buffer in (None, 2.0):
+    setup = setup_for(tiny_dropless("expert", (8,), ("data",), f"model.moe.expert_buffer={buffer}"))
+    runs[buffer] = loss_and_grads(setup, params, batch)[0]
+  loss, grads, metrics = runs[None]
+  assert float(metrics["moe/expert_buffer_overflow"]) == 0
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+  assert float(runs[2.0][2]["moe/expert_buffer_overflow"]) > 0 and np.isnan(runs[2.0][0])
+
+
+def test_dropless_under_context_parallelism_splits_the_sequence(reference_run):
+  """Preset `dp_cp` on (data 2, context 4), experts replicated: each device routes and runs
+  the experts of its own quarter of the sequence. Equal to one device (loss, every
+  gradient), and the compiled step all-gathers nothing but attention's K/V
+  (context_parallel.py): before, the dispatch's shard_map (tokens P(batch)) gathered the
+  whole sequence onto every context device (all-gathers from moe_dispatch.py, routers.py
+  and norm.py), each repeating the whole sequence's expert work."""
+  params, batch, ref_loss, ref_grads, _ = reference_run
+  setup = setup_for(tiny_dropless("dp_cp", (2, 4), ("data", "context")))
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+  gathers = [c for c in report.collectives(compiled.as_text())
+             if c.kind == "all-gather" and "context_parallel.py" not in c.source]
+  assert not gathers, gathers
+
+
+def emulated_ragged_all_to_all(operand, output, input_offsets, send_sizes, output_offsets,
+                               recv_sizes, *, axis_name):
+  """jax.lax.ragged_all_to_all's semantics from all_gather and scatters (XLA:CPU has no
+  ragged-all-to-all): sender s puts operand[input_offsets[j]:+send_sizes[j]] into device
+  j's output at output_offsets[j]."""
+  ops, ins, sizes, outs = (jax.lax.all_gather(v, axis_name) for v in
+                           (operand, input_offsets, send_sizes, output_offsets))
+  me = jax.lax.axis_index(axis_name)
+  r = jnp.arange(operand.shape[0])
+  for s in range(ops.shape[0]):
+    dst = jnp.where(r < sizes[s, me], outs[s, me] + r, output.shape[0])
+    output = output.at[dst].set(ops[s][jnp.minimum(ins[s, me] + r, operand.shape[0] - 1)], mode="drop")
+  return output
+
+
+@pytest.mark.parametrize("buffer", [None, 4.0])
+def test_ragged_exchange_equals_one_device(reference_run, monkeypatch, buffer):
+  """The `ragged_all_to_all` exchange's offsets, sizes and return path (the TPU/GPU default),
+  with the collective itself emulated (above) since XLA:CPU cannot run it: on 8 expert
+  shards it equals one device, as the padded exchange does (test above). That the real
+  op compiles, with the shapes the buffer gives, is checked on a TPU topology in
+  tests/test_moe_exchange.py."""
+  monkeypatch.setattr(jax.lax, "ragged_all_to_all", emulated_ragged_all_to_all)
+  params, batch, ref_loss, ref_grads, _ = reference_run
+  setup = setup_for(tiny_dropless("expert", (8,), ("data",), "model.moe.expert_exchange='ragged'",
+                                  f"model.moe.expert_buffer={buffer}"))
+  (loss, grads, metrics), _ = loss_and_grads(setup, params, batch)
+  assert float(metrics["moe/expert_buffer_overflow"]) == 0
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))

@@ -32,6 +32,14 @@ class NonFiniteError(RuntimeError):
   pass
 
 
+def expert_buffer_error(where: str, copies: float) -> NonFiniteError:
+  """The error for a dropless MoE step (or eval batch) whose token copies overflowed."""
+  return NonFiniteError(
+      f"{where}: {copies:g} token copies per MoE layer did not fit the dropless expert-parallel "
+      f"buffers (load imbalance); raise --set model.moe.expert_buffer (a multiple of each "
+      f"device's fair share), or unset it (None: the no-overflow bound)")
+
+
 def _eval_batches(setup, data=None):
   """The validation batches of `data` (default: the experiment's): the whole split
   (train.eval_batches=None) or its first train.eval_batches, the same at every eval, read
@@ -43,26 +51,31 @@ def _eval_batches(setup, data=None):
 
 
 def eval_sums_fn(setup) -> Callable:
-  """A jitted `(params, batch) -> (loss x weight, weight)`: weight = the batch's target
-  tokens (its loss mask) where the model reports it, else 1, so batches (and padding)
-  weigh what they hold. The loss is the evaluation loss (`step.eval_loss_fn`: for the
+  """A jitted `(params, batch) -> (loss x weight, weight, overflow)`: weight = the batch's
+  target tokens (its loss mask) where the model reports it, else 1, so batches (and
+  padding) weigh what they hold; overflow: the dropless MoE's token copies that did not
+  fit (`step.OVERFLOW`). The loss is the evaluation loss (`step.eval_loss_fn`: for the
   MoE LM cross entropy with deterministic routing), not the training objective."""
   def sums(params, batch):
-    loss, weight = step_lib.eval_loss_fn(setup)(params, batch)
-    return loss * weight, weight
+    loss, metrics = step_lib.eval_loss_and_metrics(setup)(params, batch)
+    weight = metrics["loss_weight"]
+    return loss * weight, weight, metrics[step_lib.OVERFLOW]
   return jax.jit(sums, in_shardings=(setup.shardings["params"], setup.batch_sharding),
                  out_shardings=setup.replicated)
 
 
 def _eval(eval_sums, params, batches, targets_per_byte: float | None) -> dict[str, float]:
   """Loss per target token over `batches` (one host sync at the end) and, for text,
-  bits per byte: loss x targets per byte / ln 2 (comparable across tokenizers)."""
-  total = weight = jnp.float32(0.0)
+  bits per byte: loss x targets per byte / ln 2 (comparable across tokenizers). A
+  dropless MoE's buffer overflow raises as in training (its loss would be NaN)."""
+  total = weight = overflow = jnp.float32(0.0)
   n = 0
   for batch in batches:
-    s, w = eval_sums(params, batch)
-    total, weight, n = total + s, weight + w, n + 1
+    s, w, o = eval_sums(params, batch)
+    total, weight, overflow, n = total + s, weight + w, overflow + o, n + 1
   total, weight = float(total), float(weight)
+  if float(overflow) > 0:
+    raise expert_buffer_error(f"eval ({n} batches)", float(overflow))
   out = {"eval_loss": total / max(weight, 1.0), "eval_weight": weight, "eval_batches": n}
   if targets_per_byte is not None:
     out["eval_bits_per_byte"] = out["eval_loss"] * targets_per_byte / math.log(2)
@@ -247,11 +260,8 @@ def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device) -> No
   fetched = jax.device_get([m for _, m in pending])
   for (step, _), m in zip(pending, fetched):
     summary["losses"][step] = float(m["loss"])
-    if m.get("moe/expert_buffer_overflow", 0) > 0:   # its step was poisoned, never applied
-      raise NonFiniteError(
-          f"step {step}: {m['moe/expert_buffer_overflow']:g} token copies per MoE layer did not fit "
-          f"the dropless expert-parallel buffers (load imbalance); raise --set "
-          f"model.moe.expert_buffer (now a multiple of each device's fair share)")
+    if m.get(step_lib.OVERFLOW, 0) > 0:   # its step was poisoned, never applied
+      raise expert_buffer_error(f"step {step}", m[step_lib.OVERFLOW])
     if not m["finite"]:
       summary["skipped_steps"].append(step)
       logging.warning("step %d: non-finite loss %s / grad norm %s; update skipped",

@@ -30,6 +30,10 @@ from shardax.trainer.state import Setup
 # layers/transformer.py). The step writes them over the optimizer's result and never logs them.
 STATE_UPDATES = transformer.STATE_UPDATES
 
+# Token copies a dropless MoE could not fit in its expert-parallel buffers (the step's
+# loss is NaN then): the loop raises `loop.expert_buffer_error` on it, in training and eval.
+OVERFLOW = "moe/expert_buffer_overflow"
+
 
 def loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:
   """`(params, batch) -> (loss, metrics)`: the model's own training objective."""
@@ -144,13 +148,24 @@ def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, jax.Arr
   z-loss), else its training loss without regularizers (`ce_loss` where the model
   reports it, as the dense LM does with a z-loss on)."""
   def loss(params, batch):
+    value, metrics = eval_loss_and_metrics(setup)(params, batch)
+    return value, metrics["loss_weight"]
+  return loss
+
+
+def eval_loss_and_metrics(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:
+  """`eval_loss_fn` with its metrics: 'loss_weight' and, for a dropless MoE, the token
+  copies that did not fit the expert-parallel buffers ('moe/expert_buffer_overflow', 0
+  else), which turn the loss NaN: the caller raises on them as training does."""
+  def loss(params, batch):
     model = setup.model(params)
     if hasattr(model, "eval_loss"):
       value, metrics = model.eval_loss(batch)
     else:
       value, metrics = model.loss_and_metrics(batch)
       value = metrics.get("ce_loss", value)
-    return value, jnp.asarray(metrics.get("loss_weight", 1.0), jnp.float32)
+    return value, {"loss_weight": jnp.asarray(metrics.get("loss_weight", 1.0), jnp.float32),
+                   OVERFLOW: jnp.asarray(metrics.get(OVERFLOW, 0.0), jnp.float32)}
   return loss
 
 

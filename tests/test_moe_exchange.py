@@ -1,0 +1,33 @@
+"""The dropless MoE's `ragged_all_to_all` exchange (the TPU and GPU default) as a TPU compiles it.
+
+XLA:CPU cannot run ragged-all-to-all ("HLO opcode `ragged-all-to-all` is not supported by
+XLA:CPU"), so its arithmetic (offsets, sizes, the way back) is checked on CPU with the
+collective emulated (tests/test_moe_dropless.py: test_ragged_exchange_equals_one_device,
+equal to one device as the padded exchange is). Here the real op: the train step of the
+tiny dropless MoE LM compiled by libtpu for a v5e:2x2 slice (4 chips, no TPU needed,
+preset `expert`: 8 experts 4-way) must move its token copies by ragged-all-to-all into a
+receive buffer of the no-overflow size, and send the results back into the T x k rows.
+"""
+
+import re
+
+import pytest
+
+pytest.importorskip("libtpu")
+
+from shardax.trainer.perf import dry_run  # noqa: E402
+from test_moe_dropless import tiny_dropless  # noqa: E402
+
+
+def test_tpu_step_moves_tokens_by_ragged_all_to_all_into_the_no_overflow_buffer():
+  """Per device T = 8 x 16 / 4 = 32 tokens, k = 2, so T x k = 64 rows go out. The default
+  buffer holds what 4 senders can send one shard at most: 4 x 32 x min(k=2, 8/4) = 256 rows
+  (expert_buffer=2.0 would give 2 x 64 = 128, seen there). Forward and backward: rows
+  (f32) and their expert ids (s32) out into 256 rows, results back into 64."""
+  exp = tiny_dropless("expert", (4,), ("data",), "mesh.topology='v5e:2x2'",
+                      "model.moe.expert_buffer=None")
+  _, setup = dry_run.prepare(exp)
+  assert setup.mesh.devices.flat[0].platform == "tpu"
+  hlo = dry_run.compile_step(setup).as_text()
+  ops = re.findall(r"= (\w+)\[(\d+),[^\]]*\]\S* ragged-all-to-all\(", hlo)
+  assert {(dt, int(rows)) for dt, rows in ops} == {("f32", 256), ("s32", 256), ("f32", 64)}, ops
