@@ -254,8 +254,10 @@ class TransformerLM(nnx.Module):
     deterministic. Packed batches as in `loss_and_metrics`."""
     logits, stats, batch = self._logits_and_stats(batch, deterministic=True)
     ce, weight, _ = masked_cross_entropy(logits, batch["targets"], batch.get("loss_mask"))
-    overflow = stats.get("expert_buffer_overflow", jnp.float32(0))   # the loop raises on it
-    return ce, {"loss_weight": weight, "moe/expert_buffer_overflow": overflow}
+    metrics = {"loss_weight": weight}
+    if "expert_buffer_overflow" in stats:   # dropless MoE: the loop raises on it, as in training
+      metrics["moe/expert_buffer_overflow"] = stats["expert_buffer_overflow"]
+    return ce, metrics
 
   def balance_updates(self, next_bias: jax.Array) -> dict:
     """The params subtree of every MoE layer's balance bias set to `next_bias` [layers, e]."""
