@@ -13,6 +13,22 @@ def setup_for(exp, devices=None) -> state_lib.Setup:
   return state_lib.create(exp, mesh)
 
 
+def packed_batch(rng, batch: int, seq: int) -> dict:
+  """Three documents per row (lengths vary by row, positions restart per document), the
+  last row ending in padding (loss mask 0)."""
+  tokens = rng.integers(1, 256, size=(batch, seq + 1)).astype(np.int32)
+  seg = np.zeros((batch, seq), np.int32)
+  pos = np.zeros((batch, seq), np.int32)
+  for r in range(batch):
+    cuts = sorted(rng.choice(np.arange(3, seq - 3), size=2, replace=False))
+    bounds = [0, *cuts, seq - (5 if r == batch - 1 else 0)]
+    for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+      seg[r, a:b] = d + 1
+      pos[r, a:b] = np.arange(b - a)
+  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+          "positions": pos, "loss_mask": (seg > 0).astype(np.float32)}
+
+
 def grads_fn(setup):
   """jit of `(params, batch) -> (loss, grads, model metrics)` with the setup's shardings."""
   return jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b),

@@ -22,6 +22,7 @@ from shardax.layers import context_parallel as cp
 from shardax.layers.attention import AttentionOptions, xla_attention
 from shardax.sharding import report, use_rules
 from shardax.trainer import state as state_lib
+import meshtools
 from meshtools import coordinates, loss_and_grads, pairs, setup_for
 
 SEQ, BATCH = 32, 4
@@ -49,19 +50,7 @@ def experiment(ici, axes, sharding, mode, seq=SEQ):
 
 
 def packed_batch(rng) -> dict:
-  """Three documents per window (lengths vary by row), the last row ends in padding."""
-  tokens = rng.integers(1, 256, size=(BATCH, SEQ + 1)).astype(np.int32)
-  seg = np.zeros((BATCH, SEQ), np.int32)
-  pos = np.zeros((BATCH, SEQ), np.int32)
-  for r in range(BATCH):
-    cuts = sorted(rng.choice(np.arange(3, SEQ - 3), size=2, replace=False))
-    bounds = [0, *cuts, SEQ - (5 if r == BATCH - 1 else 0)]
-    for d, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-      seg[r, a:b] = d + 1
-      pos[r, a:b] = np.arange(b - a)
-  mask = (seg > 0).astype(np.float32)
-  return {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
-          "positions": pos, "loss_mask": mask}
+  return meshtools.packed_batch(rng, BATCH, SEQ)
 
 
 @pytest.fixture(scope="module")

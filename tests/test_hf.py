@@ -295,7 +295,7 @@ def test_sliding_window_is_the_attention_window_not_a_length_cap():
   model = experiment("mistral_window", "model.max_len=1024", "model.attention_window=16").model
   out = hf_config.to_hf(model, "mistral", src)
   assert (out["max_position_embeddings"], out["sliding_window"]) == (1024, 16)
-  moe = experiment("mixtral_llama3").model.transformer
+  moe = experiment("mixtral_llama3").model
   assert (moe.max_len, moe.attention_window, moe.rope_scaling) == (512, 8, "llama3")
   with pytest.raises(ConfigError, match="attention_window=6"):   # Llama has no sliding_window
     hf_config.check_exportable(experiment("llama", "model.attention_window=6").model, "llama")
@@ -317,7 +317,7 @@ def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
   safetensors.write(os.path.join(d, "model.safetensors"),
                     [(n, t.shape, t.dtype) for n, t in tensors.items()], tensors.__getitem__)
   exp = configs.build(configs.get(f"hf:{d}"))
-  t = exp.model.transformer
+  t = exp.model
   assert (t.qkv_bias, t.out_bias, t.rope_scaling) == (True, True, "llama3")
   job, out = str(tmp_path / "job"), str(tmp_path / "out")
   importer.run(exp, job)
