@@ -10,7 +10,11 @@ quantization, int8, fp8 with delayed scaling. Compute in float32, so the toleran
 of the existing equality tests: test_parallelism's for unquantized cells (loss rtol 1e-5,
 gradients rtol 2e-4 / atol 2e-6), test_quantization's for 8-bit ones (loss rtol 5e-4,
 gradients within 5% of their norm: a sharded program's other summation order moves values
-across 8-bit rounding boundaries).
+across 8-bit rounding boundaries). MoE 8-bit cells allow 15%: such a flip can also move a
+token whose top experts nearly tie to another expert (seen: int8 on (data 2, context 4) gives
+a max expert load one token copy off the one-device run's, and every gradient upstream of
+the MoE layer moves 4-8%; unquantized MoE cells are exact to the tight tolerances). fp8
+histories start seen (`with_seen_histories`): the amax history's next values must then match.
 
 The default suite runs a diagonal that reaches every model, layout and mode at least once
 (`DIAGONAL`); `-m slow` runs every cell. docs/combinations.md is the table of the full run.
@@ -72,11 +76,19 @@ def packed_batch(rng) -> dict:
 _REFERENCES = {}
 
 
+def with_seen_histories(params: dict) -> dict:
+  """fp8_delayed: every amax history as if steps had run (entries 4.0). An empty history
+  scales each call by its own amax, and a pipeline or microbatch call sees part of the batch,
+  so a first step legitimately differs from one device; from a seen history it must not."""
+  return {k: with_seen_histories(v) if isinstance(v, dict) else
+          (np.full_like(v, 4.0) if k == quantization.HISTORY else v) for k, v in params.items()}
+
+
 def reference(model, quant):
   """(params, batch, loss, grads) of one device, cached per (model, quant) across cells."""
   if (model, quant) not in _REFERENCES:
     setup = setup_for(experiment(model, quant), jax.devices()[:1])
-    params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+    params = with_seen_histories(jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"]))
     batch = packed_batch(np.random.default_rng(0))
     (loss, grads, _), _ = loss_and_grads(setup, params, batch)
     _REFERENCES[model, quant] = params, batch, float(loss), jax.device_get(grads)
@@ -111,12 +123,13 @@ def check_cell(model, layout, quant):
       np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=name)
     return
   np.testing.assert_allclose(float(loss), ref_loss, rtol=5e-4, err_msg=name)
+  bound = 0.05 if model == "dense" else 0.15
   grads, histories = quantization.take_histories(grads)           # fp8_delayed: next amax histories
   ref_grads, ref_histories = quantization.take_histories(ref_grads)
   for h, r in zip(jax.tree.leaves(histories), jax.tree.leaves(ref_histories)):
     np.testing.assert_allclose(h, r, rtol=1e-3, err_msg=f"{name}: amax history")
   flat, ref_flat = ravel_pytree(grads)[0], ravel_pytree(ref_grads)[0]
-  assert np.linalg.norm(flat - ref_flat) < 0.05 * np.linalg.norm(ref_flat), name
+  assert np.linalg.norm(flat - ref_flat) < bound * np.linalg.norm(ref_flat), name
 
 
 @pytest.mark.parametrize("model,layout,quant", DIAGONAL)
