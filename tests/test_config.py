@@ -70,3 +70,24 @@ def test_cli_list_and_errors(tmp_path):
   bad = run_cli("--exp=lm.tiny", f"--job_dir={tmp_path}/j", "--set", "mesh.ici=(2, 4)")
   assert bad.returncode == 2 and "mesh (2, 4) needs 8 devices, 1 are available" in bad.stderr
   assert not os.path.exists(tmp_path / "j")  # nothing written for a bad command
+
+
+def test_the_former_moe_section_paths_name_their_new_place():
+  """model.transformer.* (the MoE LM's own config before the one decoder) is refused with
+  the path that now holds the field, not a list of valid names."""
+  cfg = configs.get("moe.mixtral_tiny")
+  with pytest.raises(ConfigError, match=r"use --set model\.num_layers=8"):
+    configs.apply_overrides(cfg, ["model.transformer.num_layers=8"])
+  exp = configs.build(configs.apply_overrides(cfg, ["model.num_layers=8"]))
+  assert exp.model.num_layers == 8 and exp.model.moe is not None
+
+
+def test_setting_a_moe_field_on_a_dense_experiment_makes_it_a_moe_model():
+  dense = configs.build(configs.get("lm.tiny"))
+  assert dense.model.moe is None and dense.model.num_moe_layers == 0
+  exp = configs.build(configs.apply_overrides(configs.get("lm.tiny"), ["model.moe.num_experts=4"]))
+  assert exp.model.moe.num_experts == 4 and exp.model.moe.every == 2
+  assert exp.model.num_moe_layers == exp.model.num_layers // 2
+  assert exp.model.flops_per_example(exp.data) != dense.model.flops_per_example(dense.data)
+  with pytest.raises(ConfigError, match="model.pipeline.stages=2 with model.moe set"):
+    configs.build(configs.apply_overrides(configs.get("lm.tiny_pipelined"), ["model.moe.num_experts=4"]))
