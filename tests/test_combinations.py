@@ -38,6 +38,10 @@ MODELS = {
     "dense": [],
     "moe": ["model.moe.num_experts=4", "model.moe.d_ff=32", "model.moe.every=2", "model.moe.top_k=2",
             "model.moe.dispatch='dropless'"],
+    # GShard's capacity dispatch (random second expert, tokens past capacity dropped): under
+    # context parallelism it keeps the natural token order (layers/transformer.py).
+    "moe_capacity": ["model.moe.num_experts=4", "model.moe.d_ff=32", "model.moe.every=2",
+                     "model.moe.capacity_factor=1.0", "model.moe.second_expert='random'"],
 }
 # name -> (mesh.ici, mesh.axes, preset, extra overrides)
 LAYOUTS = {
@@ -50,13 +54,14 @@ LAYOUTS = {
     "expert": ((2, 4), ("data", "expert"), "expert_axis", []),
 }
 QUANT = ("none", "int8", "fp8_delayed")
-CELLS = [(m, lay, q) for m in MODELS for lay in LAYOUTS for q in QUANT if not (m == "dense" and lay == "expert")]
+CELLS = [(m, lay, q) for m in MODELS for lay in LAYOUTS for q in QUANT
+         if not (m == "dense" and lay == "expert") and not (m == "moe_capacity" and q != "none")]
 DIAGONAL = [("dense", "fsdp", "int8"), ("moe", "2d", "none"), ("dense", "dp_cp_ring", "fp8_delayed"),
             ("moe", "dp_cp_allgather", "int8"), ("moe", "dp_cp_ring", "none"),
             ("dense", "pipeline_2", "fp8_delayed"), ("moe", "expert", "fp8_delayed"),
-            ("moe", "pipeline_2", "none")]
+            ("moe", "pipeline_2", "none"), ("moe_capacity", "dp_cp_ring", "none")]
 # Cells refused at config time: the words their error must hold.
-REFUSED = {("moe", "pipeline_2"): "model.pipeline.stages=2 with model.moe set"}
+REFUSED = {(m, "pipeline_2"): "model.pipeline.stages=2 with model.moe set" for m in ("moe", "moe_capacity")}
 
 
 def experiment(model, quant, ici=(1,), axes=("data",), preset="dp", extra=()):
