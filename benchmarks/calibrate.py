@@ -63,8 +63,12 @@ def compile_row(row: dict, layers: int) -> dict:
 
 
 def _params(exp) -> int:
+  """The parameter count that scales the per-parameter traffic when a compile is deepened:
+  an MoE model's is dominated by its experts, which `matmul_params` (dense) does not hold."""
   from shardax.trainer.perf import flops
   m = exp.model
+  if m.moe is not None:
+    return m.param_count()
   return flops.matmul_params(m) + m.vocab_size * m.d_model * m.tied_embedding
 
 
