@@ -57,3 +57,19 @@ def moe_per_token(cfg, seq_len: int, causal: bool = True) -> float:
   swap = n_moe * (d * m.num_experts + active * 3 * d * m.d_ff - dense_mlp)
   attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
   return 6 * (matmul_params(cfg) + swap) + attention
+
+
+def param_count(cfg) -> int:
+  """Total parameters of a `TransformerConfig` (every expert counted; biases and q/k norms not)."""
+  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+  attn = d * h * dh + 2 * d * kv * dh + h * dh * d
+  norm = d * (2 if cfg.norm == "layer" else 1)
+  norms = (1 if cfg.parallel_block else 2) * norm
+  n_moe = cfg.num_moe_layers
+  dense_ffn = (cfg.num_layers - n_moe) * (2 if cfg.mlp == "plain" else 3) * d * cfg.d_ff
+  m = cfg.moe
+  moe_ffn = 0 if m is None else n_moe * (
+      d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
+      + (m.num_experts if m.bias_update_rate else 0))
+  head = 0 if cfg.tied_embedding else d * cfg.vocab_size
+  return cfg.num_layers * (attn + norms) + dense_ffn + moe_ffn + cfg.vocab_size * d + head + norm

@@ -247,18 +247,7 @@ class TransformerConfig:
 
   def param_count(self) -> int:
     """Total parameters (all experts), from the config alone: what `gshard_1t` is sized by."""
-    d, h, kv, dh = self.d_model, self.num_heads, self.kv_heads, self.dim_per_head
-    attn = d * h * dh + 2 * d * kv * dh + h * dh * d
-    norm = d * (2 if self.norm == "layer" else 1)
-    norms = (1 if self.parallel_block else 2) * norm
-    n_moe = self.num_moe_layers
-    dense_ffn = (self.num_layers - n_moe) * (2 if self.mlp == "plain" else 3) * d * self.d_ff
-    m = self.moe
-    moe_ffn = 0 if m is None else n_moe * (
-        d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
-        + (m.num_experts if m.bias_update_rate else 0))
-    head = 0 if self.tied_embedding else d * self.vocab_size
-    return self.num_layers * (attn + norms) + dense_ffn + moe_ffn + self.vocab_size * d + head + norm
+    return flops.param_count(self)
 
   @property
   def dim_per_head(self) -> int:
