@@ -66,6 +66,10 @@ class MoEConfig:
                     Mixtral's top-2 of 8 on 8 shards, 32 for DeepSeek-V3's top-8 of 256
                     on 128 (the dry run's memory shows what that costs). A smaller value
                     saves memory and bets on balance (layers/moe_dispatch.py).
+  expert_overflow:  what a token copy past a smaller expert_buffer does: 'error' (the step is
+                    not applied and the loop raises naming expert_buffer) or 'drop' (it gets no
+                    expert output, the residual carries it, as capacity dispatch drops; the
+                    fraction of copies dropped is logged as moe/dropped_copies).
   expert_exchange:  how dropless tokens travel under expert parallelism: 'ragged'
                     (jax.lax.ragged_all_to_all: TPU, GPU), 'padded' (all_to_all of fixed
                     blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
@@ -92,6 +96,7 @@ class MoEConfig:
   num_shared_experts: int = 0
   first_dense_layers: int = 0
   expert_buffer: float | None = None
+  expert_overflow: str = "error"
   expert_exchange: str = "auto"
   grouped_matmul: str = "auto"
 
@@ -116,6 +121,8 @@ class MoEConfig:
              "model.moe.num_shared_experts and model.moe.first_dense_layers must be >= 0")
     _require(self.expert_buffer is None or self.expert_buffer > 0,
              f"model.moe.expert_buffer={self.expert_buffer} must be > 0, or None for the no-overflow bound")
+    _require(self.expert_overflow in ("error", "drop"),
+             f"model.moe.expert_overflow={self.expert_overflow!r}: use 'error' or 'drop'")
     _require(self.expert_exchange in ("auto", "ragged", "padded"),
              f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
     _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled"),

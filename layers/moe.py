@@ -120,9 +120,13 @@ class MoEFeedForward(nnx.Module):
     weights = tuple(w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
-                                        impl=cfg.grouped_matmul, quantization=self.quantization)
-    stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics,
-             "expert_buffer_overflow": overflow.astype(jnp.float32)}
+                                        impl=cfg.grouped_matmul, quantization=self.quantization,
+                                        overflow=cfg.expert_overflow)
+    stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics}
+    if cfg.expert_overflow == "drop":   # a fraction of the batch's token copies, logged, not raised on
+      stats["dropped_copies"] = overflow.astype(jnp.float32) / r.index.size
+    else:
+      stats["expert_buffer_overflow"] = overflow.astype(jnp.float32)
     if bias is not None:
       stats["next_bias"] = routers.next_bias(bias, r.load, cfg.bias_update_rate)
     return shard(y, ("batch", "length", "embed")), stats

@@ -34,7 +34,9 @@ default rather than a smaller bound with drops counted in a metric: 'dropless' t
 means dropless (the sharded step equals the one-device step for every router state,
 including the collapsed routers of early training, which overflowed 2x at step 1), and
 its memory is a real array the dry run measures. A smaller `expert_buffer` trades that
-guarantee for memory;
+guarantee for memory. With `expert_overflow='drop'` the copies past the buffer are left
+out (no expert output for them, as capacity dispatch drops) and their fraction is logged;
+with 'error' (the default)
 a step where some device would need more room than its buffer is not applied: its output
 turns NaN (the step's finite guard keeps the old weights) and the count reaches the
 metrics as `moe/expert_buffer_overflow`, on which the training loop raises an error
@@ -229,9 +231,11 @@ def resolve_impl(impl: str) -> str:
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
              *, buffer: float | None = None, exchange: str = "auto", impl: str = "auto",
-             quantization: str = "none") -> tuple[jax.Array, jax.Array]:
+             quantization: str = "none", overflow: str = "error") -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
-  [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules."""
+  [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules.
+  `overflow`: 'error' poisons y when copies did not fit (below), 'drop' leaves them out (their
+  rows never travel: 0 from the experts)."""
   b, l, m = x.shape
   e = weights[0].shape[0]
   impl = resolve_impl(impl)
@@ -267,9 +271,10 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
       y = jax.lax.psum(y, mlp)
     return y.reshape(bl, ll, m), overflow
 
-  y, overflow = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
-                              out_specs=(tokens, P()), check_vma=False)(x, index, gates, *weights)
-  # Never a silent drop: the output (so the loss and the step) becomes NaN, which keeps the
-  # update out of the weights, and the count reaches the metrics, where the loop raises.
-  y = jnp.where(overflow > 0, jnp.nan, y)
-  return y, overflow
+  y, count = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+                           out_specs=(tokens, P()), check_vma=False)(x, index, gates, *weights)
+  if overflow == "error":
+    # Never a silent drop: the output (so the loss and the step) becomes NaN, which keeps the
+    # update out of the weights, and the count reaches the metrics, where the loop raises.
+    y = jnp.where(count > 0, jnp.nan, y)
+  return y, count

@@ -303,6 +303,27 @@ def test_default_expert_buffer_holds_the_worst_routing(reference_run):
   assert float(runs[2.0][2]["moe/expert_buffer_overflow"]) > 0 and np.isnan(runs[2.0][0])
 
 
+def test_overflow_drop_leaves_the_copies_out_and_counts_them(reference_run):
+  """expert_overflow='drop' at 2.0 with the zero router (above: 4 fair shares per
+  destination): half of each device's copies travel, half are dropped, so
+  moe/dropped_copies is 0.5 in each MoE layer; the step stays finite (nothing poisoned, no
+  overflow count for the loop to raise on) and its loss is not the no-overflow step's (the
+  dropped copies got no expert output)."""
+  params, batch, *_ = reference_run
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, v: np.zeros_like(v) if "router" in jax.tree_util.keystr(p) else v, params)
+  losses = {}
+  for buffer in (None, 2.0):
+    setup = setup_for(tiny_dropless("expert", (8,), ("data",), f"model.moe.expert_buffer={buffer}",
+                                    "model.moe.expert_overflow='drop'"))
+    loss, grads, metrics = loss_and_grads(setup, params, batch)[0]
+    assert np.isfinite(loss) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
+    assert "moe/expert_buffer_overflow" not in metrics
+    losses[buffer] = float(loss)
+    assert float(metrics["moe/dropped_copies"]) == (0.5 if buffer else 0.0)
+  assert abs(losses[2.0] - losses[None]) > 1e-4, losses
+
+
 def test_dropless_under_context_parallelism_splits_the_sequence(reference_run):
   """Preset `dp_cp` on (data 2, context 4), experts replicated: each device routes and runs
   the experts of its own quarter of the sequence. Equal to one device (loss, every
