@@ -144,9 +144,8 @@ def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, jax.Arr
   `loss_weight`), so a caller weighs batches, and padding, by what they hold.
 
   The loss measures the model, not the training objective: the model's `eval_loss`
-  where it has one (the MoE LM: cross entropy with deterministic routing, no balance or
-  z-loss), else its training loss without regularizers (`ce_loss` where the model
-  reports it, as the dense LM does with a z-loss on)."""
+  where it has one (the LM: cross entropy alone, MoE routing deterministic, no balance or
+  z-loss), else its training loss without regularizers (`ce_loss` where the model reports it)."""
   def loss(params, batch):
     value, metrics = eval_loss_and_metrics(setup)(params, batch)
     return value, metrics["loss_weight"]
