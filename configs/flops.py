@@ -19,57 +19,59 @@ from __future__ import annotations
 CONVENTION = "6N + attention, causal-halved (PaLM app. B)"
 
 
+def _attention_params(cfg) -> int:
+  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+  return d * h * dh + 2 * d * kv * dh + h * dh * d
+
+
+def _mlp_params(cfg) -> int:
+  """One dense MLP's matrices: 2 (plain) or 3 (gated) of d_model x d_ff."""
+  return (2 if getattr(cfg, "mlp", "gated") == "plain" else 3) * cfg.d_model * cfg.d_ff
+
+
 def matmul_params(cfg) -> int:
   """Parameters in matmuls of a `TransformerConfig` (the head counted even when tied)."""
-  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-  attn = d * h * dh + 2 * d * kv * dh + h * dh * d
-  mlp = (2 if getattr(cfg, "mlp", "gated") == "plain" else 3) * d * cfg.d_ff
-  return cfg.num_layers * (attn + mlp) + d * cfg.vocab_size
+  return cfg.num_layers * (_attention_params(cfg) + _mlp_params(cfg)) + cfg.d_model * cfg.vocab_size
 
 
 def per_token(cfg, seq_len: int, causal: bool = True) -> float:
   """Training FLOPs per token; causal=False counts every attention score (MaxText before
-  2023-11-29, Megatron's and many papers' figures). MoE models: `moe_per_token`."""
-  if getattr(cfg, "moe", None) is not None:
-    return moe_per_token(cfg, seq_len, causal)
+  2023-11-29, Megatron's and many papers' figures). An MoE model (`cfg.moe`) counts the
+  experts a token activates (`_moe_swap`)."""
   attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
-  return 6 * matmul_params(cfg) + attention
+  return 6 * (matmul_params(cfg) + _moe_swap(cfg)) + attention
 
 
 def per_step(cfg, global_batch: int, seq_len: int) -> float:
   return per_token(cfg, seq_len) * global_batch * seq_len
 
 
-def moe_per_token(cfg, seq_len: int, causal: bool = True) -> float:
-  """Training FLOPs per token of a `TransformerConfig` with `moe` set (top-k MoE, shared experts).
+def _moe_swap(cfg) -> int:
+  """Matmul parameters a token activates in the MoE layers beyond the dense MLPs they replace.
 
-  Counts the matmuls a token actually activates: attention and the head as above, the
-  dense FFN of the non-MoE layers, and in each MoE layer the router (d_model x E) plus
-  the FFNs of its top_k chosen and its shared experts. Not counted: the experts it did not choose, and
-  the dispatch/combine einsums (data movement written as matmuls, not model compute;
-  about 4 x S x E x C x d_model per group and layer forward, which the compiler's own
-  FLOP count does include). Dropped tokens and skipped second experts are counted as if
-  processed, so the figure does not depend on the routing.
+  In each MoE layer: the router (d_model x E) plus the FFNs of its top_k chosen and its
+  shared experts, minus the dense MLP `matmul_params` counted there. Not counted: the experts
+  it did not choose, and the dispatch/combine einsums (data movement written as matmuls, not
+  model compute; about 4 x S x E x C x d_model per group and layer forward, which the
+  compiler's own FLOP count does include). Dropped tokens and skipped second experts are
+  counted as if processed, so the figure does not depend on the routing. 0 for a dense model.
   """
-  m, n_moe, d = cfg.moe, cfg.num_moe_layers, cfg.d_model
+  m = getattr(cfg, "moe", None)
+  if m is None:
+    return 0
   active = m.top_k + m.num_shared_experts   # routed + shared experts a token goes through
-  dense_mlp = (2 if getattr(cfg, "mlp", "gated") == "plain" else 3) * d * cfg.d_ff
-  swap = n_moe * (d * m.num_experts + active * 3 * d * m.d_ff - dense_mlp)
-  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
-  return 6 * (matmul_params(cfg) + swap) + attention
+  d = cfg.d_model
+  return cfg.num_moe_layers * (d * m.num_experts + active * 3 * d * m.d_ff - _mlp_params(cfg))
 
 
 def param_count(cfg) -> int:
   """Total parameters of a `TransformerConfig` (every expert counted; biases and q/k norms not)."""
-  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
-  attn = d * h * dh + 2 * d * kv * dh + h * dh * d
+  d, n_moe, m = cfg.d_model, cfg.num_moe_layers, cfg.moe
   norm = d * (2 if cfg.norm == "layer" else 1)
   norms = (1 if cfg.parallel_block else 2) * norm
-  n_moe = cfg.num_moe_layers
-  dense_ffn = (cfg.num_layers - n_moe) * (2 if cfg.mlp == "plain" else 3) * d * cfg.d_ff
-  m = cfg.moe
+  dense_ffn = (cfg.num_layers - n_moe) * _mlp_params(cfg)
   moe_ffn = 0 if m is None else n_moe * (
       d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
       + (m.num_experts if m.bias_update_rate else 0))
   head = 0 if cfg.tied_embedding else d * cfg.vocab_size
-  return cfg.num_layers * (attn + norms) + dense_ffn + moe_ffn + cfg.vocab_size * d + head + norm
+  return cfg.num_layers * (_attention_params(cfg) + norms) + dense_ffn + moe_ffn + cfg.vocab_size * d + head + norm

@@ -123,6 +123,9 @@ class MoEConfig:
              f"model.moe.expert_buffer={self.expert_buffer} must be > 0, or None for the no-overflow bound")
     _require(self.expert_overflow in ("error", "drop"),
              f"model.moe.expert_overflow={self.expert_overflow!r}: use 'error' or 'drop'")
+    _require(self.expert_overflow == "error" or self.dispatch == "dropless",
+             f"model.moe.expert_overflow='drop' is the dropless dispatch's buffer policy; "
+             f"model.moe.dispatch={self.dispatch!r} drops by capacity_factor: leave it 'error'")
     _require(self.expert_exchange in ("auto", "ragged", "padded"),
              f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
     _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled"),

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import typing
 import difflib
 import json
+import typing
 from typing import Any, Callable, Sequence
 
 import fiddle as fdl

@@ -14,13 +14,11 @@ from typing import Any
 
 from shardax.configs import attention as attention_lib
 from shardax.configs import flops
-from shardax.configs.errors import ConfigError, require
+from shardax.configs.errors import ConfigError  # noqa: F401  (re-exported: configs/__init__.py)
+from shardax.configs.errors import require as _require
 from shardax.configs.moe import MoEConfig
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
 from shardax.sharding.mesh import MeshConfig
-
-
-_require = require
 
 
 # Model class of each model config class. layers/ registers its models (layers/__init__.py),
@@ -224,10 +222,6 @@ class TransformerConfig:
   @property
   def num_moe_layers(self) -> int:
     return 0 if self.moe is None else self.num_units
-
-  def dense_part(self) -> "TransformerConfig":
-    """This config without MoE: what each dense layer of the model is."""
-    return self if self.moe is None else dataclasses.replace(self, moe=None)
 
   def for_decode(self) -> "TransformerConfig":
     """The same model (same params) as decoding runs it: no token is ever dropped.

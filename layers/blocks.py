@@ -152,9 +152,14 @@ def make_unit(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block | Unit:
   return Block(cfg, rngs=rngs) if cfg.moe is None else Unit(cfg, rngs=rngs)
 
 
+def block_cache_spec(cfg: TransformerConfig, batch: int, length: int) -> dict:
+  """The decode cache of one Block: its attention's KV cache (in the compute dtype)."""
+  return kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype)
+
+
 def unit_cache_spec(cfg: TransformerConfig, batch: int, length: int):
-  """The decode cache of one unit: a Block's KV cache, or {'dense': [...], 'moe': ...}."""
-  one = kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype)
+  """The decode cache of one unit: a Block's, or {'dense': [...], 'moe': ...}."""
+  one = block_cache_spec(cfg, batch, length)
   return one if cfg.moe is None else {"dense": [one] * (cfg.moe.every - 1), "moe": one}
 
 

@@ -33,7 +33,7 @@ from shardax.layers import context_parallel
 from shardax.layers.attention import default_positions
 from shardax.layers.blocks import (LAYER_INPUT, PROJECTIONS, REMAT_POLICIES, RESIDUAL, Block,  # noqa: F401
                                    Unit, apply_layers, block_fn, make_unit, scan_cached, scan_units,
-                                   stacked, stacked_blocks, unit_cache_spec)
+                                   block_cache_spec, stacked, stacked_blocks, unit_cache_spec)
 from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import make_norm
@@ -119,7 +119,7 @@ class LayerStack(nnx.Module):
     """The decode cache: one per unit (stacked [L, ...] for scanned and pipelined stacks);
     with first dense layers {'first_dense': theirs, 'units': the units'}."""
     one = unit_cache_spec(cfg, batch, length)
-    block = unit_cache_spec(cfg.dense_part(), batch, length)
+    block = block_cache_spec(cfg, batch, length)
     k, n = cfg.num_first_dense, cfg.num_units
     if self.schedule is None and not self.scan_layers:
       units, first = [one] * n, [block] * k

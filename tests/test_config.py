@@ -36,6 +36,7 @@ def test_overrides_parse_literals():
     (["train.microbatches=5"], "train.microbatches=5 must divide train.global_batch=32"),
     (["model.norm='batch'"], "model.norm='batch': use 'rms' or 'layer'"),
     (["mesh.ici=(2, 2, 2)"], "mesh.ici=.* has 3 entries but mesh.axes"),
+    (["model.moe.expert_overflow='drop'"], "expert_overflow='drop' is the dropless dispatch's buffer policy"),
 ])
 def test_config_errors_name_the_field_and_fix(overrides, match):
   with pytest.raises((ConfigError, ValueError), match=match):

@@ -239,7 +239,7 @@ def test_moe_flops_match_a_hand_count():
   moe_ffn = 2 * d * experts + 2 * (2 * 3 * d * expert_ff)   # router + the 2 chosen experts' FFNs
   head = 2 * d * vocab
   forward = 4 * attention + 2 * dense_ffn + 2 * moe_ffn + head
-  assert flops.moe_per_token(moe, seq) == 3 * forward   # backward = 2 x forward
+  assert flops.per_token(moe, seq) == 3 * forward   # backward = 2 x forward
 
 
 def test_moe_flops_agree_with_the_compiler():
@@ -266,7 +266,7 @@ def test_moe_flops_agree_with_the_compiler():
     m, t, s, b = exp.model.moe, exp.model, exp.data.seq_len, exp.train.global_batch
     groups, c = b * s // s, m.capacity(s)
     assert m.num_experts * c == 2 * s
-    formula = flops.moe_per_token(exp.model, s) * s * b / 3
+    formula = flops.per_token(exp.model, s) * s * b / 3
     masked_half = 4 * t.num_layers * s * t.num_heads * t.dim_per_head / 2 * b * s
     dispatch_combine = exp.model.num_moe_layers * 2 * 2 * groups * s * m.num_experts * c * t.d_model
     lookup = 2 * b * s * exp.model.vocab_size * t.d_model

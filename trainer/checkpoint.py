@@ -267,13 +267,19 @@ class Checkpointer:
                    " (async)" if self.cfg.async_save else "")
     return saved
 
+  def _stored(self, step: int) -> dict | None:
+    """`_leaf_shapes` of the state saved at `step`, None when its metadata is unreadable
+    (damage, which the read reports, not a mismatch)."""
+    try:
+      return _leaf_shapes(self._manager.item_metadata(step)["state"].tree)
+    except Exception:  # noqa: BLE001
+      return None
+
   def _mismatch(self, step: int, abstract_state, partial: bool = False) -> str | None:
     """Why `abstract_state` cannot be the tree saved at `step` (None: it can, or unknown)."""
-    try:
-      stored = self._manager.item_metadata(step)["state"].tree
-    except Exception:  # unreadable metadata is damage, not a mismatch  # noqa: BLE001
+    stored = self._stored(step)
+    if stored is None:
       return None
-    stored = _leaf_shapes(stored)
     if legacy_layout.is_legacy(stored):
       abstract_state = legacy_layout.to_legacy(abstract_state)
     return _describe_mismatch(stored, _leaf_shapes(abstract_state), partial)
@@ -281,17 +287,10 @@ class Checkpointer:
   def _read(self, step: int, abstract_state, partial: bool = False):
     """One read of `step`: (state, data state) as `restore` returns them. A step in the
     pre-2026-11-26 MoE layout is read in that layout and renamed (trainer/legacy_layout.py)."""
-    if self._legacy(step):
+    if legacy_layout.is_legacy(self._stored(step) or {}):
       state, data = self._read_as(step, legacy_layout.to_legacy(abstract_state), partial)
       return legacy_layout.from_legacy(state), data
     return self._read_as(step, abstract_state, partial)
-
-  def _legacy(self, step: int) -> bool:
-    try:
-      stored = self._manager.item_metadata(step)["state"].tree
-    except Exception:  # unreadable metadata: the read below reports it  # noqa: BLE001
-      return False
-    return legacy_layout.is_legacy(_leaf_shapes(stored))
 
   def _read_as(self, step: int, abstract_state, partial: bool = False):
     step_dir = self.directory / str(step)

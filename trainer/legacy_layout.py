@@ -17,8 +17,7 @@ from typing import Any, Callable
 
 def is_legacy(stored_paths) -> bool:
   """Whether a checkpoint's leaf paths (tuples of names) hold the old MoE layout."""
-  return any("units" in p and "embed" not in p for p in stored_paths) and \
-      not any(("layers", "blocks") == tuple(p[i:i + 2]) for p in stored_paths for i in range(len(p)))
+  return any("units" in p for p in stored_paths) and not any("layers" in p for p in stored_paths)
 
 
 def _map_dicts(tree: Any, fn: Callable[[dict], dict]) -> Any:

@@ -37,7 +37,8 @@ def expert_buffer_error(where: str, copies: float) -> NonFiniteError:
   return NonFiniteError(
       f"{where}: {copies:g} token copies per MoE layer did not fit the dropless expert-parallel "
       f"buffers (load imbalance); raise --set model.moe.expert_buffer (a multiple of each "
-      f"device's fair share), or unset it (None: the no-overflow bound)")
+      f"device's fair share), unset it (None: the no-overflow bound), or let such copies drop "
+      f"and be counted: --set model.moe.expert_overflow=\"'drop'\"")
 
 
 def _eval_batches(setup, data=None):
