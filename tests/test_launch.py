@@ -49,10 +49,10 @@ def test_a_live_lease_refuses_a_second_job_and_names_the_holder(tmp_path):
     assert json.loads((tmp_path / jobdir.LEASE_FILE).read_text())["heartbeat"] > lease["heartbeat"]
     with pytest.raises(jobdir.LeaseError, match=rf"in use by another live job: host {socket.gethostname()} "
                                                 rf"\(pid {os.getpid()}\), started 20\d\d-"):
-      jobdir.Lease(tmp_path).check()
+      jobdir.Lease(tmp_path).acquire()
     # Any process of the second job seeing it refuses the whole job.
     with pytest.raises(jobdir.LeaseError):
-      jobdir.Lease(tmp_path, any_process=lambda flag: True).check()
+      jobdir.Lease(tmp_path, any_process=lambda flag: True).acquire()
   finally:
     first.release()
   assert not (tmp_path / jobdir.LEASE_FILE).exists()
@@ -126,7 +126,7 @@ def test_dead_or_silent_holders_free_the_job_dir(tmp_path):
   assert "host other-host (pid 1)" in jobdir.live_holder(live_elsewhere)
   jobdir.write_text(tmp_path / jobdir.LEASE_FILE, json.dumps(live_elsewhere))
   with pytest.raises(jobdir.LeaseError, match="other-host"):
-    jobdir.Lease(tmp_path).check()
+    jobdir.Lease(tmp_path).acquire()
 
 
 class _Dev:
@@ -244,7 +244,7 @@ def test_the_lease_lives_in_a_gs_job_dir(emulator):
     with jobdir.Lease(url):
       assert fs.exists(key)
       with pytest.raises(jobdir.LeaseError, match=f"host {socket.gethostname()}"):
-        jobdir.Lease(url).check()
+        jobdir.Lease(url).acquire()
     fs.invalidate_cache()
     assert not fs.exists(key)
   finally:

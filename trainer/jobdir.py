@@ -212,9 +212,7 @@ def create_exclusive(file, text: str) -> bool:
       return False
     write_text(file, text)
     return True
-  tmp = f"{os.fspath(file)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
+  tmp = _complete_copy(file, text)
   try:
     os.link(tmp, os.fspath(file))
     return True
@@ -224,15 +222,20 @@ def create_exclusive(file, text: str) -> bool:
     os.unlink(tmp)
 
 
+def _complete_copy(file, text: str) -> str:
+  """A temporary local file beside `file` holding all of `text`, to link or move into place."""
+  tmp = f"{os.fspath(file)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+  with open(tmp, "w") as f:
+    f.write(text)
+  return tmp
+
+
 def _replace(file, text: str) -> None:
   """Rewrite `file` whole: readers see the old or the new content, never a part."""
   if is_remote(file):
     write_text(file, text)   # an object upload is atomic
     return
-  tmp = f"{os.fspath(file)}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-  with open(tmp, "w") as f:
-    f.write(text)
-  os.replace(tmp, os.fspath(file))
+  os.replace(_complete_copy(file, text), os.fspath(file))
 
 
 class Lease:
@@ -279,12 +282,6 @@ class Lease:
     return LeaseError(f"job dir {self.file.parent} is in use by another live job: "
                       f"{holder or 'seen by another process of this job'}. Stop that job or use "
                       f"another --job_dir (a lease silent for {self.stale_s:.0f}s is taken over)")
-
-  def check(self) -> None:
-    """Every process: refuse (LeaseError) when any sees another live job's lease. Writes nothing."""
-    holder = live_holder(self.read())
-    if self.any_process(holder is not None):
-      raise self._refusal(holder)
 
   def _claim(self, timeout_s: float = 30.0) -> str | None:
     """Process 0: create the lease, or name the live job holding it (None: taken).
