@@ -1,14 +1,17 @@
 """Each process's data state: saved per process beside the weights, restored without
-reading anything twice, also on another process count (simulated processes, one jax)."""
+reading anything twice or skipping anything, also on another process count, in every
+layout and with a mixture (simulated processes, one jax; tests/test_multihost.py does it
+on real processes)."""
 
 import json
+import os
 
 import numpy as np
 import pytest
 
 from shardax.configs.schema import CheckpointConfig, DataConfig
 from shardax.trainer import checkpoint
-from shardax.trainer.data import inputs, packing, preparation
+from shardax.trainer.data import inputs, packing, preparation, record, resume, streaming
 
 SEQ = 32
 
@@ -18,6 +21,20 @@ def cfg(tmp_path_factory):
   d = str(tmp_path_factory.mktemp("datasets"))
   preparation.prepare(DataConfig(source="stdlib", data_dir=d))
   return DataConfig(source="stdlib", data_dir=d, seq_len=SEQ, seed=3)
+
+
+@pytest.fixture(scope="module")
+def mix(tmp_path_factory):
+  """Two JSON-lines sources whose documents start with 'A' and 'B', mixed 0.7 / 0.3."""
+  d = tmp_path_factory.mktemp("mixture")
+  srcs = []
+  for letter, n in (("A", 120), ("B", 80)):
+    os.makedirs(d / letter)
+    with open(d / letter / "part.jsonl", "w") as f:
+      f.writelines(json.dumps({"text": f"{letter}{i} " + "word " * (i % 17)}) + "\n" for i in range(n))
+    srcs.append(f"files:{d / letter}/*.jsonl")
+  return DataConfig(mixture=((srcs[0], 0.7), (srcs[1], 0.3)), data_dir=str(d / "data"), seq_len=SEQ,
+                    num_shards=2, validation_fraction=0.25, seed=3)
 
 
 def batches(cfg, count, index=None):
@@ -54,19 +71,65 @@ def test_another_process_count_resumes_exactly_with_nothing_replayed(cfg, source
       np.testing.assert_array_equal(got[k], want[k])
 
 
-def test_rows_off_reader_blocks_replay_and_say_so(cfg, caplog):
-  """2 shards, batch 8: R = 2 readers; 4 processes of 2 rows each are readers of another
-  layout, so 2 processes cannot take their states: they replay (exact, and logged)."""
-  two_shards = DataConfig(source="stdlib", data_dir=cfg.data_dir, seq_len=SEQ, seed=3, num_shards=2)
-  whole = take_global(batches(two_shards, 1), 4)
-  before = batches(two_shards, 4)
-  take_global(before, 2)
-  after = batches(two_shards, 2)
-  with caplog.at_level("WARNING"):
-    assert [it.set_state(saved_states(before)) for it in after] == [2, 2]
-  assert "replaying 2 batches" in caplog.text
-  for got, want in zip(take_global(after, 2), whole[2:]):
+@pytest.mark.parametrize("num_shards, saved_on, resumed_on", [(2, 4, 2), (1, 2, 1), (1, 1, 2), (3, 2, 4)])
+def test_rows_off_reader_blocks_resume_exactly_with_a_mixture(mix, num_shards, saved_on, resumed_on):
+  """R = gcd(num_shards, 8) readers of a two-source mixture; processes whose rows are not
+  whole reader blocks (R=2 on 4 processes, R=1 on 2) run the readers they overlap and keep
+  their rows, so every layout gives the one-process batches and resumes exactly."""
+  cfg = DataConfig(**{**mix.__dict__, "num_shards": num_shards})
+  whole = take_global(batches(cfg, 1), 5)
+  before = batches(cfg, saved_on)
+  for got, want in zip(take_global(before, 3), whole):
     np.testing.assert_array_equal(got["inputs"], want["inputs"])
+  after = batches(cfg, resumed_on)
+  assert [it.set_state(saved_states(before)) for it in after] == [0] * resumed_on
+  for got, want in zip(take_global(after, 2), whole[3:]):
+    for k in packing.FIELDS:
+      np.testing.assert_array_equal(got[k], want[k])
+  tokens = np.concatenate([b["inputs"].ravel() for b in whole])
+  assert (tokens == ord("A")).any() and (tokens == ord("B")).any()   # both sources drawn
+
+
+def test_recorded_document_ids_match_across_process_counts(mix, tmp_path, monkeypatch):
+  """The document-id record (SHARDAX_RECORD_DOCUMENTS): 2 simulated processes saving
+  at batch 3 and 1 resuming record, step by step, the pieces an uninterrupted run records;
+  ids name the source and the document, whose text starts with that source's letter."""
+  runs = {}
+  for name, plan in (("whole", [(1, 5)]), ("resumed", [(2, 3), (1, 5)])):
+    monkeypatch.setenv(record.ENV, str(tmp_path / name))
+    states = None
+    for count, upto in plan:
+      its = batches(mix, count)
+      if states:
+        [it.set_state(states) for it in its]
+      take_global(its, upto - its[0].consumed)
+      states = saved_states(its)
+      [it.close() for it in its]
+    runs[name] = record.steps(str(tmp_path / name))
+  assert sorted(runs["whole"]) == [1, 2, 3, 4, 5] and runs["resumed"] == runs["whole"]
+  sources = {s for pieces in runs["whole"].values() for s, _, _ in pieces}
+  assert sources == {0, 1}
+  assert sum(t for p in runs["whole"].values() for _, _, t in p) == 5 * 8 * SEQ   # no padding in train
+  # every id names a real document of its source: source k's documents start with "AB"[k]
+  sets = preparation.prepare_components(mix)
+  docs = [streaming.local_documents(p, "train", 0, 1) for p in sets]
+  for src, index, _ in runs["whole"][1] + runs["whole"][5]:
+    assert docs[src][index][0] == ord("AB"[src])
+
+
+def test_a_state_of_other_readers_is_refused_naming_why(mix):
+  """A state whose reader count is not the config's (written by the old per-process
+  readers) cannot be continued exactly: refused, not replayed."""
+  before = batches(mix, 2)
+  take_global(before, 1)
+  states = saved_states(before)
+  for st in states:
+    st["reader_count"] = 4
+  with pytest.raises(resume.DataResumeError, match="saved by 4 readers .* this config has 2"):
+    batches(mix, 1, 0).set_state(states)
+  states = saved_states(before)[:1]   # one writer of two: reader 1 missing
+  with pytest.raises(resume.DataResumeError, match=r"data readers \[1\] of 2 are in none"):
+    batches(mix, 1, 0).set_state(states + [dict(states[0], readers=[0])])
 
 
 def test_every_process_writes_its_own_file_in_the_step(cfg, tmp_path):

@@ -15,7 +15,7 @@ import tensorflow_datasets as tfds
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from shardax.configs.schema import DataConfig
-from shardax.trainer.data import inputs, packing, preparation, sources, streaming, tokenizers
+from shardax.trainer.data import inputs, layout, packing, preparation, sources, streaming, tokenizers
 
 SEQ = 32
 
@@ -89,7 +89,7 @@ def test_validation_batches_are_the_packed_documents_in_order(cfg):
   assert batch["inputs"].shape == (8, SEQ) and batch["inputs"].dtype == np.int32
   prepared = preparation.prepare(cfg)
   # gcd(8 shards, batch 8) = 8 readers of one row each: row r is reader r's first window.
-  assert streaming.reader_layout(8, 8, (0, 8)) == (8, list(range(8)), 1)
+  assert layout.reader_layout(8, 8, (0, 8)) == layout.ReaderLayout(8, tuple(range(8)), 1, (0, 8))
   for r in range(8):
     docs = streaming.local_documents(prepared, "validation", r, 8)
     want = packing.pack_documents([docs[i] for i in range(min(3, len(docs)))], SEQ,

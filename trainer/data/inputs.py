@@ -12,12 +12,13 @@ Text sources (stdlib, tfds:NAME, files:GLOB):
 The iterator state is grain's plus what it is valid for (a JSON dict), so a resumed run
 sees exactly the batches an uninterrupted one would. Every process saves its own state
 in the checkpoint's step (trainer/checkpoint.py `data_states`: one file per process, in
-the same orbax commit as the weights) and restores its own: nothing is read twice. On
-another process count `set_state` gets every writer's state and rebuilds its readers'
-positions from theirs (exact, nothing replayed) when its readers are among the saved
-ones (R = gcd(num_shards, global_batch) readers, fixed by the config, not by the count);
-synthetic data needs only the batch index. Otherwise (a layout that is not reader
-blocks) it replays the batches and says so in one line.
+the same orbax commit as the weights) and restores its own: nothing is read twice. The
+batches are a function of the config alone (R = gcd(num_shards, global_batch) readers,
+fixed by the config, not by the process count; layout.py), so on another process count
+`set_state` takes every writer's state and rebuilds its readers' positions from theirs
+(resume.py): exact in every layout, nothing replayed, or refused with the reason.
+Synthetic and image data need only the batch index. `SHARDAX_RECORD_DOCUMENTS=DIR`
+records the documents every step took (record.py).
 
 Evaluation (`iter_eval_batches`) reads the whole validation split by default: each process
 its own documents, once, in order; a process that runs out first feeds all-padding
@@ -34,14 +35,15 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import grain
-from absl import flags, logging
+from absl import flags
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from shardax.configs.schema import IMAGE_SOURCES, DataConfig
 from shardax.trainer import distributed
-from shardax.trainer.data import images, packing, preparation, streaming
+from shardax.trainer.data import images, packing, preparation, record, resume, streaming
+from shardax.trainer.data.layout import reader_layout
 from shardax.trainer.data.rows import ProcessRows, process_rows
 from shardax.trainer.data.sources import SPLITS, MissingDatasetError  # noqa: F401
 from shardax.trainer.data.tokenizers import BYTE_VOCAB, SEPARATOR_ID  # noqa: F401
@@ -122,7 +124,7 @@ class Batches(grain.DatasetIterator):
       raise ValueError(f"split={split!r}: use one of {SPLITS}")
     self.cfg, self.split, self.global_batch, self.sharding = cfg, split, global_batch, sharding
     self.seed = cfg.seed if seed is None else seed
-    self.prepared, self.readers, self.consumed = None, None, 0
+    self.prepared, self.readers, self.layout, self.recorder, self.consumed = None, None, None, None, 0
     row_sharding = next(iter(sharding.values())) if isinstance(sharding, dict) else sharding
     if cfg.source in IMAGE_SOURCES:  # images and volumes: trainer/data/images.py
       ds, _, self.rows = images.local_dataset(
@@ -141,15 +143,20 @@ class Batches(grain.DatasetIterator):
                          f"{[s for s, _ in cfg.components]} (iter_eval_batches does)")
       sets = preparation.prepare_components(cfg)
       self.prepared = sets[0]
-      layout = streaming.reader_layout(cfg.num_shards, global_batch, self.rows)
-      self.readers = layout[1]
+      self.layout = reader_layout(cfg.num_shards, global_batch, self.rows)
+      self.readers = list(self.layout.mine)
       if split == "validation":  # finite, no workers: readers padded until all are done
-        self.grain_iterator = streaming.PaddedReaders(self.prepared, cfg.seq_len, *layout)
+        self.grain_iterator = streaming.PaddedReaders(self.prepared, cfg.seq_len, self.layout)
         super().__init__(self.grain_iterator)
         return
       _flags_for_workers(cfg)
-      iter_ds = streaming.train_batches(sets, [w for _, w in cfg.components], cfg.seq_len, self.seed, *layout,
-                                        worker_count=cfg.worker_count)
+      if (where := record.directory()) is not None:
+        self.recorder = record.Recorder(where, jax.process_index() if process_index is None else process_index,
+                                        jax.process_count() if process_count is None else process_count,
+                                        self.rows)
+      iter_ds = streaming.train_batches(sets, [w for _, w in cfg.components], cfg.seq_len, self.seed,
+                                        self.layout, worker_count=cfg.worker_count,
+                                        with_ids=self.recorder is not None)
     if cfg.worker_count > 0 and self.prepared is None:
       _flags_for_workers(cfg)
       iter_ds = iter_ds.mp_prefetch(grain.MultiprocessingOptions(num_workers=cfg.worker_count))
@@ -159,6 +166,8 @@ class Batches(grain.DatasetIterator):
   def __next__(self) -> dict[str, jax.Array]:
     local = next(self.grain_iterator)
     self.consumed += 1
+    if self.recorder is not None:
+      self.recorder.write(self.consumed, local.pop("document"))
     return self.to_global(local)
 
   def to_global(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
@@ -186,14 +195,11 @@ class Batches(grain.DatasetIterator):
             "mixture": [[src, w] for src, w in self.cfg.mixture]}
 
   def get_state(self) -> dict[str, Any]:
-    return {**self._identity(), "grain": self.grain_iterator.get_state(),
-            "readers": self.readers, "reader_count": self._reader_count(), "batches": self.consumed}
-
-  def _reader_count(self) -> int | None:
-    """R, what a reader index means (R readers of global_batch / R rows each)."""
-    if not self.readers:
-      return None
-    return self.global_batch * len(self.readers) // (self.rows[1] - self.rows[0])
+    state = {**self._identity(), "grain": self.grain_iterator.get_state(), "readers": self.readers,
+             "reader_count": self.layout.readers if self.layout else None, "batches": self.consumed}
+    if self.layout and self.cfg.worker_count > 0:
+      state["workers_per_reader"] = self.layout.workers_per_reader(self.cfg.worker_count)
+    return state
 
   def _check_identity(self, state: dict[str, Any]) -> None:
     for k, v in self._identity().items():
@@ -201,48 +207,33 @@ class Batches(grain.DatasetIterator):
         raise ValueError(f"data iterator checkpoint was saved with {k}={state[k]!r} but this "
                          f"run has {k}={v!r}; resume with the same data config")
 
-  def _from_readers(self, states: list[dict[str, Any]]) -> Any | None:
-    """This process's grain state assembled from other processes' per-reader states
-    (None when a reader of ours is in none of them)."""
-    if self.readers is None:   # synthetic / images: the state is the batch index alone
-      return states[0]["grain"]
-    per_reader = {}
-    for st in states:
-      readers = st.get("readers") or []
-      if st.get("reader_count") != self._reader_count():
-        continue   # reader r of another R holds other rows
-      parts = [st["grain"]] if len(readers) == 1 else st["grain"].get("parents", [])
-      per_reader.update(zip(readers, parts))
-    if not all(r in per_reader for r in self.readers):
-      return None
-    parts = [per_reader[r] for r in self.readers]
-    return parts[0] if len(parts) == 1 else {"parents": parts}
+  def _check_workers(self, state: dict[str, Any]) -> None:
+    if not self.layout or self.cfg.worker_count <= 0:
+      return
+    per = self.layout.workers_per_reader
+    resume.check_workers(state.get("workers_per_reader"), per(self.cfg.worker_count), self.cfg.worker_count,
+                         lambda w: next((n for n in range(1, 4097) if per(n) == w), None))
 
   def set_state(self, state: dict[str, Any] | list[dict[str, Any]]) -> int:
     """Resume from this process's saved state, or (a list) from every process's state
-    of a run on another process count; returns the batches replayed (0 unless the
-    reader layout changed in a way the saved states cannot express)."""
+    of a run on another process count. Exact or refused (resume.DataResumeError);
+    returns the batches replayed: always 0 (the loop logs it)."""
     states = state if isinstance(state, list) else [state]
     for st in states:
       self._check_identity(st)
-    batches = states[0].get("batches", self.consumed)
-    if len({st.get("batches") for st in states}) > 1:
-      raise ValueError(f"the saved data states disagree on the batch count "
-                       f"({sorted({st.get('batches') for st in states})}); the checkpoint is damaged")
-    own = states[0]["grain"] if not isinstance(state, list) and \
-        state.get("readers", self.readers) == self.readers else self._from_readers(states)
-    replayed = 0
-    if own is not None:
-      self.grain_iterator.set_state(packing.state_from_json(own))
-    else:
-      logging.warning("data: process %d's readers %s are not in the saved states (another "
-                      "process count, rows not on reader blocks); replaying %d batches",
-                      jax.process_index(), self.readers, batches - self.consumed)
-      for _ in range(batches - self.consumed):
-        next(self.grain_iterator)
-        replayed += 1
+      self._check_workers(st)
+    batches = resume.batch_count(states, self.consumed)
+    own = states[0]["grain"] if self.readers is None else \
+        resume.reader_states(states, self.readers, self.layout.readers)
+    self.grain_iterator.set_state(packing.state_from_json(own))
     self.consumed = batches
-    return replayed
+    return 0
+
+  def close(self) -> None:
+    if self.recorder is not None:
+      self.recorder.close()
+      self.recorder = None
+    super().close()
 
   def __str__(self) -> str:
     return f"Batches({self.cfg.source}, {self.split}, B={self.global_batch}, seed={self.seed})"

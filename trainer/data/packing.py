@@ -42,19 +42,24 @@ def document_example(ids: np.ndarray, eos: int, own_start: bool = False) -> dict
 
 
 def _window_fields(packed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-  """grain's {inputs, inputs_segment_ids, inputs_positions, targets, ...} -> FIELDS."""
+  """grain's {inputs, inputs_segment_ids, inputs_positions, targets, ...} -> FIELDS
+  (+ `document`, the document id of every token, when the examples carry one)."""
   segments = packed["inputs_segment_ids"].astype(np.int32)
-  return {"inputs": packed["inputs"].astype(np.int32),
-          "targets": packed["targets"].astype(np.int32),
-          "segment_ids": segments,
-          "positions": packed["inputs_positions"].astype(np.int32),
-          "loss_mask": (segments > 0).astype(np.float32)}
+  out = {"inputs": packed["inputs"].astype(np.int32),
+         "targets": packed["targets"].astype(np.int32),
+         "segment_ids": segments,
+         "positions": packed["inputs_positions"].astype(np.int32),
+         "loss_mask": (segments > 0).astype(np.float32)}
+  if "document" in packed:
+    out["document"] = np.where(segments > 0, packed["document"], 0).astype(np.int64)
+  return out
 
 
-def pack(examples: grain.IterDataset, seq_len: int) -> grain.IterDataset:
-  """Windows {FIELDS} of `seq_len` tokens from an IterDataset of `document_example`s."""
-  packed = grain.experimental.ConcatThenSplitIterDataset(
-      examples, length_struct={"inputs": seq_len, "targets": seq_len})
+def pack(examples: grain.IterDataset, seq_len: int, with_ids: bool = False) -> grain.IterDataset:
+  """Windows {FIELDS} of `seq_len` tokens from an IterDataset of `document_example`s
+  (with_ids: each example also has a `document` field, packed alongside)."""
+  lengths = {"inputs": seq_len, "targets": seq_len, **({"document": seq_len} if with_ids else {})}
+  packed = grain.experimental.ConcatThenSplitIterDataset(examples, length_struct=lengths)
   return packed.map(_window_fields)
 
 
@@ -73,11 +78,12 @@ def state_from_json(state: Any) -> Any:
   return state
 
 
-def padding_window(seq_len: int) -> dict[str, np.ndarray]:
+def padding_window(seq_len: int, with_ids: bool = False) -> dict[str, np.ndarray]:
   """A window that is all padding: it adds nothing to a loss or to attention."""
   zeros = np.zeros((seq_len,), np.int32)
-  return {"inputs": zeros, "targets": zeros, "segment_ids": zeros, "positions": zeros,
-          "loss_mask": np.zeros((seq_len,), np.float32)}
+  out = {"inputs": zeros, "targets": zeros, "segment_ids": zeros, "positions": zeros,
+         "loss_mask": np.zeros((seq_len,), np.float32)}
+  return {**out, "document": np.zeros((seq_len,), np.int64)} if with_ids else out
 
 
 def pack_documents(docs: list[Any], seq_len: int, eos: int) -> dict[str, np.ndarray]:
