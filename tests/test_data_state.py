@@ -157,3 +157,18 @@ def test_every_process_writes_its_own_file_in_the_step(cfg, tmp_path):
   fresh = batches(cfg, 1, 0)
   assert fresh.set_state(data) == 0
   np.testing.assert_array_equal(take_global([fresh], 1)[0]["inputs"], take_global([it], 1)[0]["inputs"])
+
+
+def test_other_workers_per_reader_are_refused_with_the_worker_count_that_fits(cfg):
+  """Each grain worker packs its own slice of the documents, so a state saved with 1
+  worker per reader (worker_count=2 on 1 process: 2 readers) is refused on 2 processes,
+  where worker_count=2 gives each process's one reader 2; the fix is named."""
+  mp = DataConfig(source="stdlib", data_dir=cfg.data_dir, seq_len=SEQ, seed=3, worker_count=2, num_shards=2)
+  it = inputs.Batches(mp, "train", 8, process_index=0, process_count=2)
+  saved = {**it._identity(), "workers_per_reader": 1, "readers": [0, 1], "reader_count": 2, "batches": 0}
+  try:
+    with pytest.raises(resume.DataResumeError, match="saved with 1 grain worker processes per reader; "
+                       "data.worker_count=2 gives 2 per reader .* set data.worker_count=1"):
+      it.set_state([saved])
+  finally:
+    it.close()

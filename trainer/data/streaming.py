@@ -3,8 +3,9 @@
 A "reader" owns a fixed block of rows of every global batch: R = gcd(num_shards,
 global_batch) readers of B/R rows each, R fixed by the config and NOT by the number of
 processes. A process runs the readers of the rows it holds (all R on one host, R/P on
-each of P hosts), so the global batch is the same whatever the process count: a
-two-process run computes what a one-process run computes. Reader r of R reads
+each of P hosts; the readers its rows overlap when P does not divide R, keeping its rows:
+layout.py), so the global batch is the same whatever the process count: a two-process
+run computes what a one-process run computes. Reader r of R reads
 
     the shard files r, r+R, r+2R, ...   when R divides the shard count (only those are opened)
     records r, r+R, ... of all shards    otherwise (still disjoint, every file opened)
