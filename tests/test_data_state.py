@@ -88,6 +88,12 @@ def test_rows_off_reader_blocks_resume_exactly_with_a_mixture(mix, num_shards, s
       np.testing.assert_array_equal(got[k], want[k])
   tokens = np.concatenate([b["inputs"].ravel() for b in whole])
   assert (tokens == ord("A")).any() and (tokens == ord("B")).any()   # both sources drawn
+  # validation (one source at a time) reads the same rows off reader blocks too
+  one = cfg.for_source(cfg.mixture[0][0])
+  val = lambda count: take_global([inputs.Batches(one, "validation", 8, process_index=p, process_count=count)
+                                   for p in range(count)], 2)
+  for got, want in zip(val(resumed_on), val(1)):
+    np.testing.assert_array_equal(got["inputs"], want["inputs"])
 
 
 def test_recorded_document_ids_match_across_process_counts(mix, tmp_path, monkeypatch):
