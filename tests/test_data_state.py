@@ -37,8 +37,8 @@ def mix(tmp_path_factory):
                     num_shards=2, validation_fraction=0.25, seed=3)
 
 
-def batches(cfg, count, index=None):
-  its = [inputs.Batches(cfg, "train", 8, process_index=p, process_count=count) for p in range(count)]
+def batches(cfg, count, index=None, batch=8):
+  its = [inputs.Batches(cfg, "train", batch, process_index=p, process_count=count) for p in range(count)]
   return its if index is None else its[index]
 
 
@@ -71,17 +71,20 @@ def test_another_process_count_resumes_exactly_with_nothing_replayed(cfg, source
       np.testing.assert_array_equal(got[k], want[k])
 
 
-@pytest.mark.parametrize("num_shards, saved_on, resumed_on", [(2, 4, 2), (1, 2, 1), (1, 1, 2), (3, 2, 4)])
-def test_rows_off_reader_blocks_resume_exactly_with_a_mixture(mix, num_shards, saved_on, resumed_on):
-  """R = gcd(num_shards, 8) readers of a two-source mixture; processes whose rows are not
-  whole reader blocks (R=2 on 4 processes, R=1 on 2) run the readers they overlap and keep
-  their rows, so every layout gives the one-process batches and resumes exactly."""
+@pytest.mark.parametrize("num_shards, saved_on, resumed_on, batch",
+                         [(2, 4, 2, 8), (1, 2, 1, 8), (1, 1, 2, 8), (3, 2, 4, 8), (4, 3, 2, 12)])
+def test_rows_off_reader_blocks_resume_exactly_with_a_mixture(mix, num_shards, saved_on, resumed_on, batch):
+  """R = gcd(num_shards, batch) readers of a two-source mixture; processes whose rows are
+  not whole reader blocks (R=2 on 4 processes, R=1 on 2, R=4 readers of 3 rows on 3
+  processes of 4 rows, process 1 keeping rows 1-4 of readers 1 and 2) run the readers they
+  overlap and keep their rows, so every layout gives the one-process batches and resumes
+  exactly."""
   cfg = DataConfig(**{**mix.__dict__, "num_shards": num_shards})
-  whole = take_global(batches(cfg, 1), 5)
-  before = batches(cfg, saved_on)
+  whole = take_global(batches(cfg, 1, batch=batch), 5)
+  before = batches(cfg, saved_on, batch=batch)
   for got, want in zip(take_global(before, 3), whole):
     np.testing.assert_array_equal(got["inputs"], want["inputs"])
-  after = batches(cfg, resumed_on)
+  after = batches(cfg, resumed_on, batch=batch)
   assert [it.set_state(saved_states(before)) for it in after] == [0] * resumed_on
   for got, want in zip(take_global(after, 2), whole[3:]):
     for k in packing.FIELDS:
@@ -90,7 +93,7 @@ def test_rows_off_reader_blocks_resume_exactly_with_a_mixture(mix, num_shards, s
   assert (tokens == ord("A")).any() and (tokens == ord("B")).any()   # both sources drawn
   # validation (one source at a time) reads the same rows off reader blocks too
   one = cfg.for_source(cfg.mixture[0][0])
-  val = lambda count: take_global([inputs.Batches(one, "validation", 8, process_index=p, process_count=count)
+  val = lambda count: take_global([inputs.Batches(one, "validation", batch, process_index=p, process_count=count)
                                    for p in range(count)], 2)
   for got, want in zip(val(resumed_on), val(1)):
     np.testing.assert_array_equal(got["inputs"], want["inputs"])
