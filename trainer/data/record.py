@@ -14,7 +14,8 @@ one list per row it holds: the pieces of documents packed into that row, in orde
 in the row). `steps(DIR)` merges every process file, of every run in the job dir, into
 {step: [piece, ...] over the global batch}: two runs consumed the same documents exactly
 when those are equal step by step (how tests/test_multihost.py checks a resume on another
-process count against an uninterrupted run). An environment variable rather than a config
+process count against an uninterrupted run); `python -m shardax.trainer.data.record DIR`
+prints each step's documents and tokens per source. An environment variable rather than a config
 field: it changes nothing the run computes, so it must not change the resolved config.
 
 Ids travel with the tokens through packing (streaming.py `with_ids`), so the record says
@@ -92,3 +93,22 @@ def steps(root: str) -> dict[int, list[tuple[int, int, int]]]:
       for k, pieces in enumerate(rec["documents"]):
         rows[rec["step"]][start + k] = [tuple(p) for p in pieces]
   return {s: sorted(p for row in by_row.values() for p in row) for s, by_row in sorted(rows.items())}
+
+
+def summary(root: str) -> list[str]:
+  """One line per recorded step: document pieces and tokens per source (the mixture's
+  realized proportions)."""
+  lines = []
+  for step, pieces in steps(root).items():
+    per = collections.Counter()
+    for src, _, tokens in pieces:
+      per[src] += tokens
+    total = sum(per.values()) or 1
+    shares = ", ".join(f"source {s}: {t} tokens ({t / total:.0%})" for s, t in sorted(per.items()))
+    lines.append(f"step {step}: {len(pieces)} document pieces, {len({p[:2] for p in pieces})} documents; {shares}")
+  return lines
+
+
+if __name__ == "__main__":   # python -m shardax.trainer.data.record JOB_DIR
+  import sys
+  print("\n".join(summary(sys.argv[1])))

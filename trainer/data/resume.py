@@ -58,8 +58,8 @@ def _per_reader(states: list[dict[str, Any]], reader_count: int) -> dict[int, An
 def reader_states(states: list[dict[str, Any]], mine: list[int], reader_count: int) -> Any:
   """The grain state of this process's readers `mine`, from every writer's state."""
   own = states[0]
-  if len(states) == 1 and own.get("readers") == mine and own.get("reader_count") == reader_count:
-    return own["grain"]   # the same process layout: its own state as saved
+  if len(states) == 1 and own.get("readers", mine) == mine and own.get("reader_count", reader_count) == reader_count:
+    return own["grain"]   # the same process layout: its own state as saved (older states lack the keys)
   per_reader = _per_reader(states, reader_count)
   missing = [r for r in mine if r not in per_reader]
   if missing:
