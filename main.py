@@ -228,6 +228,8 @@ def main(argv) -> None:
       raise UserError(f"mesh.topology={exp.mesh.topology!r} describes TPUs that are not here; "
                       f"use it with --mode=dry_run, --mode=explain or --mode=plan")
     _set_cpu_devices(exp)
+    from shardax.trainer import compile_cache   # before the first compile, in every mode
+    cache_dir = compile_cache.enable(exp.train.compilation_cache_dir, os.path.expanduser(FLAGS.job_dir))
     from shardax.trainer import distributed
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
@@ -236,6 +238,8 @@ def main(argv) -> None:
     logging.info(line := platform.describe(PLATFORM, joined))
     print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
+    if cache_dir:
+      print(f"{compile_cache.summary()} ({cache_dir})", file=sys.stderr, flush=True)
   except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError,
           LaunchError, LeaseError) as e:
     logging.debug("error", exc_info=True)

@@ -414,6 +414,7 @@ class TrainConfig:
   benchmark_steps: int = 20           # --mode=benchmark: timed steps ...
   benchmark_warmup: int = 2           # ... after this many untimed ones
   target_eval_loss: float | None = None  # --mode=benchmark: train until eval loss <= this (time to train)
+  compilation_cache_dir: str | None = None  # None: user cache dir; 'job_dir'; '': off (trainer/compile_cache.py)
 
   def __post_init__(self):
     _require(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
