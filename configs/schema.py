@@ -441,6 +441,8 @@ class CheckpointConfig:
   keep_every: int | None = None       # ... plus every K-th step forever
   async_save: bool = True
   enabled: bool = True
+  local_dir: str = ""                 # per-host local tier (SSD, /dev/shm); '' = off (trainer/local_tier.py)
+  local_every: int = 0                # ... written every N steps (needs local_dir)
 
 
 @dataclasses.dataclass(frozen=True)

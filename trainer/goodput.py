@@ -76,7 +76,7 @@ class Recorder:
     self.started = process_start_time() if started is None else started
     self.seconds = dict.fromkeys(CAUSES, 0.0)
     self.previous = read(job_dir) if write else []
-    self.prev_last_step = last_logged_step(job_dir)
+    self.prev_last_step = last_logged_step(job_dir) if job_dir is not None else 0
     self.info: dict[str, Any] = {"start_step": 0, "last_step": 0, "recomputed_steps": 0, "steps": 0}
     self.cause = "startup"
     self._mark = time.time()

@@ -21,7 +21,7 @@ from absl import logging
 from shardax.configs.schema import IMAGE_SOURCES, Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
-from shardax.trainer import distributed, goodput, jobdir
+from shardax.trainer import distributed, goodput, jobdir, local_tier
 from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -122,26 +122,58 @@ def format_eval(step: int, total_steps: int, exp: Experiment, e: dict[str, float
           f"({what}: {e['eval_batches']} batches, {e['eval_weight']:.0f} tokens){sources}")
 
 
-def restore_or_init(setup, checkpointer, data_iter=None, rec: goodput.Recorder | None = None):
-  """The latest complete checkpoint in the job dir, else a fresh sharded init."""
-  if checkpointer is not None and checkpointer.latest_step() is not None:
-    if rec is not None:
-      rec.switch("restore_persistent")
-    state, data_state = checkpointer.restore(setup.abstract)
-    step = int(state["step"])
-    if data_iter is not None and data_state is not None:
-      t0 = time.perf_counter()
-      replayed = data_iter.set_state(data_state)
-      logging.info(line := f"process {jax.process_index()} restored its data state at step {step}, "
-                           f"{replayed} batches replayed ({time.perf_counter() - t0:.2f}s)")
-      print(line, file=sys.stderr, flush=True)
-    logging.info(line := f"resumed from step {step}")
-    print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
-    if rec is not None:
-      rec.info["restored"] = {"tier": "persistent", "step": step}
-      rec.switch("startup")
-    return state
-  return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))
+def _status(line: str) -> None:
+  logging.info(line)
+  print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
+
+
+def _from_local(setup, local, persistent: int | None, rec):
+  """(state, data state) from the local tier when every process holds a step complete that
+  is at least as new as the job dir's and reads it back, else None; logs the choice."""
+  tier, step, why = local_tier.agree(local, persistent)
+  restored = None
+  if tier == "local":
+    rec.switch("restore_local")
+    error = None
+    try:
+      restored = local.restore(step, setup.abstract)
+    except Exception as e:  # noqa: BLE001 - a local disk's fault: the job dir still has a step
+      error = f"{type(e).__name__}: {e}"
+    if distributed.any_process(restored is None):   # never half a job from the local tier
+      restored, why = None, f"local step {step} did not restore on every process ({error or 'a peer failed'})"
+  if restored is not None:
+    _status(f"restore: local tier, step {step}: {why}")
+  elif persistent is not None:
+    _status(f"restore: persistent tier, step {persistent}: {why}")
+  else:
+    _status(f"restore: no checkpoint in either tier ({why}); starting from step 0")
+  return restored
+
+
+def restore_or_init(setup, checkpointer, data_iter=None, rec: goodput.Recorder | None = None,
+                    local: local_tier.LocalTier | None = None):
+  """The newest checkpoint (the local tier's, trainer/local_tier.py, when every process holds
+  it complete and it is at least as new as the job dir's; else the job dir's), else a fresh
+  sharded init. The data iterator's state comes back with the model's, from the same tier."""
+  rec = rec or goodput.Recorder(None, write=False)
+  persistent = checkpointer.latest_step() if checkpointer is not None else None
+  restored, tier = (_from_local(setup, local, persistent, rec), "local") if local is not None else (None, None)
+  if restored is None and persistent is not None:
+    rec.switch("restore_persistent")
+    restored, tier = checkpointer.restore(setup.abstract), "persistent"
+  if restored is None:
+    return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))
+  state, data_state = restored
+  step = int(state["step"])
+  if data_iter is not None and data_state is not None:
+    t0 = time.perf_counter()
+    replayed = data_iter.set_state(data_state)
+    _status(f"process {jax.process_index()} restored its data state at step {step}, "
+            f"{replayed} batches replayed ({time.perf_counter() - t0:.2f}s)")
+  _status(f"resumed from step {step}")
+  rec.info["restored"] = {"tier": tier, "step": step}
+  rec.switch("startup")
+  return state
 
 
 def restore_latest(exp: Experiment, job_dir: str):
@@ -199,7 +231,9 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
                                   seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
                     if exp.checkpoint.enabled else None)
-    state = restore_or_init(setup, checkpointer, train_iter, rec)
+    local = (local_tier.LocalTier(exp.checkpoint.local_dir, exp.checkpoint.local_every, job_dir)
+             if exp.checkpoint.local_dir and exp.checkpoint.enabled else None)
+    state = restore_or_init(setup, checkpointer, train_iter, rec, local)
     if on_ready is not None:
       on_ready()
     train_step = step_lib.train_step_fn(setup)
@@ -261,11 +295,16 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
             logging.warning("preempted: saved step %d, exiting", step)
             summary["preempted"] = True
             break
-        elif step % exp.train.log_every == 0:
+        elif local is not None and local.should_save(step):   # the cheap tier, between persistent saves
+          with rec.during("checkpoint"):
+            local.save(step, state, train_iter.get_state())
+        if step % exp.train.log_every == 0:
           rec.flush()
       rec.switch("checkpoint")   # the last save's wait blocks
       if checkpointer is not None:
         checkpointer.wait()
+      if local is not None:
+        local.wait()
       rec.switch("other")
     finally:
       if tracing:
