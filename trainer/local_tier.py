@@ -89,7 +89,9 @@ class LocalTier:
       shards = {}
       for shard in leaf.addressable_shards:
         shards.setdefault(_index_text(shard.index), shard.data)
-      host = {k: np.asarray(v) for k, v in shards.items()}   # device -> host: the blocking part
+      # device -> host, the blocking part; a copy even where np.asarray would alias the
+      # device buffer (CPU), since the next step may be given this state's buffers (donation)
+      host = {k: np.array(v, copy=True) for k, v in shards.items()}
       leaves.append((_key(path), leaf.shape, str(leaf.dtype), host))
     blocked = time.perf_counter() - start
     self._thread = threading.Thread(target=self._write_guarded, args=(step, leaves, data_state), daemon=True)
