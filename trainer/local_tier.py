@@ -54,11 +54,18 @@ def _index_text(index: tuple) -> str:
   return ",".join(f"{s.start or ''}:{s.stop or ''}" for s in index)
 
 
-def _fsync_write(path: str, data: bytes) -> None:
+def _fsync_write(path: str, data) -> None:
   with open(path, "wb") as f:
-    f.write(data)
+    f.write(memoryview(data))   # an array's own buffer: no bytes copy
     f.flush()
     os.fsync(f.fileno())
+
+
+def _host_copy(data: jax.Array) -> np.ndarray:
+  """The shard in host memory, never aliasing the device buffer (which np.asarray does on CPU)."""
+  host = np.asarray(data)
+  aliased = host.size and host.__array_interface__["data"][0] == data.unsafe_buffer_pointer()
+  return host.copy() if aliased else host
 
 
 class LocalTier:
@@ -91,7 +98,7 @@ class LocalTier:
         shards.setdefault(_index_text(shard.index), shard.data)
       # device -> host, the blocking part; a copy even where np.asarray would alias the
       # device buffer (CPU), since the next step may be given this state's buffers (donation)
-      host = {k: np.array(v, copy=True) for k, v in shards.items()}
+      host = {k: _host_copy(v) for k, v in shards.items()}
       leaves.append((_key(path), leaf.shape, str(leaf.dtype), host))
     blocked = time.perf_counter() - start
     self._thread = threading.Thread(target=self._write_guarded, args=(step, leaves, data_state), daemon=True)
@@ -114,7 +121,7 @@ class LocalTier:
       entry = {"path": key, "shape": list(shape), "dtype": dtype, "shards": []}
       for m, (index, data) in enumerate(host.items()):
         name = f"{n}.{m}.bin"
-        _fsync_write(os.path.join(tmp, name), np.ascontiguousarray(data).tobytes())
+        _fsync_write(os.path.join(tmp, name), np.ascontiguousarray(data).reshape(-1).view(np.uint8))
         entry["shards"].append({"index": index, "file": name, "bytes": int(data.nbytes)})
       manifest["leaves"].append(entry)
     _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest).encode())
