@@ -39,7 +39,8 @@ def make_state(params: float):
   rows_total = int(params) // WIDTH
   rows = 4096
   shapes = [min(rows, rows_total - r) for r in range(0, rows_total, rows)]
-  leaf = lambda n, k, v: jnp.full((n, WIDTH), v + k, jnp.float32)  # noqa: E731
+  # random values: constant arrays would flatter a compressing writer (orbax's zstd in OCDBT)
+  leaf = lambda n, k, v: jax.random.normal(jax.random.key(k * 3 + int(v)), (n, WIDTH), jnp.float32)  # noqa: E731
   tree = lambda v: {f"w{k:04d}": leaf(n, k, v) for k, n in enumerate(shapes)}  # noqa: E731
   return {"step": jnp.int32(7), "params": tree(0.0), "opt": {"mu": tree(1.0), "nu": tree(2.0)}}
 
@@ -88,6 +89,7 @@ def bench_persistent(state, directory: str, mb: float) -> dict:
 def check(restored, state) -> None:
   for k in ("w0000",):
     np.testing.assert_array_equal(np.asarray(restored["opt"]["nu"][k][:2]), np.asarray(state["opt"]["nu"][k][:2]))
+    np.testing.assert_array_equal(np.asarray(restored["params"][k][-2:]), np.asarray(state["params"][k][-2:]))
 
 
 def start_gcs_emulator(root: str) -> subprocess.Popen:

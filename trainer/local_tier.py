@@ -32,6 +32,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent import futures
 
 import jax
 import numpy as np
@@ -42,6 +43,7 @@ from shardax.trainer import distributed
 
 MARKER, MANIFEST = "COMPLETE", "manifest.json"
 KEEP = 2                 # newest complete steps each process keeps
+IO_THREADS = 8           # files written / read at once (numpy's file I/O releases the GIL)
 REPORTED = 4             # newest complete steps each process reports at restore
 
 
@@ -116,13 +118,16 @@ class LocalTier:
     shutil.rmtree(final, ignore_errors=True)   # an incomplete leftover of this step
     os.makedirs(tmp)
     manifest = {"step": step, "leaves": [], "data_state": data_state}
+    jobs = []
     for n, (key, shape, dtype, host) in enumerate(leaves):
       entry = {"path": key, "shape": list(shape), "dtype": dtype, "shards": []}
       for m, (index, data) in enumerate(host.items()):
         name = f"{n}.{m}.bin"
-        _fsync_write(os.path.join(tmp, name), np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+        jobs.append((os.path.join(tmp, name), np.ascontiguousarray(data).reshape(-1).view(np.uint8)))
         entry["shards"].append({"index": index, "file": name, "bytes": int(data.nbytes)})
       manifest["leaves"].append(entry)
+    with futures.ThreadPoolExecutor(IO_THREADS) as pool:
+      list(pool.map(lambda job: _fsync_write(*job), jobs))
     _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest).encode())
     os.rename(tmp, final)
     _fsync_write(os.path.join(final, MARKER), b"")   # last: the step is complete from here on
@@ -161,24 +166,27 @@ class LocalTier:
     manifest = json.loads(open(os.path.join(step_dir, MANIFEST)).read())
     stored = {leaf["path"]: leaf for leaf in manifest["leaves"]}
     flat, treedef = jax.tree_util.tree_flatten_with_path(abstract_state)
-    arrays = []
-    for path, want in flat:
-      leaf = stored.get(_key(path))
-      if leaf is None or tuple(leaf["shape"]) != tuple(want.shape) or leaf["dtype"] != str(want.dtype):
-        raise ValueError(f"local step {step} holds {_key(path)} as "
-                         f"{leaf and (leaf['shape'], leaf['dtype'])}, not {(want.shape, want.dtype)}")
-      files = {s["index"]: s["file"] for s in leaf["shards"]}
-      singles = []
-      for device, index in want.sharding.addressable_devices_indices_map(want.shape).items():
-        name = files.get(_index_text(index))
-        if name is None:
-          raise ValueError(f"local step {step} has no shard {_index_text(index)} of {_key(path)}: "
-                           f"written on another mesh layout")
-        data = np.fromfile(os.path.join(step_dir, name), dtype=want.dtype)
-        shard_shape = tuple(len(range(*s.indices(d))) for s, d in zip(index, want.shape))
-        singles.append(jax.device_put(data.reshape(shard_shape), device))
-      arrays.append(jax.make_array_from_single_device_arrays(want.shape, want.sharding, singles))
+    with futures.ThreadPoolExecutor(IO_THREADS) as pool:
+      arrays = list(pool.map(lambda leaf: self._read_leaf(step_dir, step, stored, *leaf), flat))
     return jax.tree_util.tree_unflatten(treedef, arrays), manifest["data_state"]
+
+  def _read_leaf(self, step_dir: str, step: int, stored: dict, path, want) -> jax.Array:
+    """One array of local `step`, its shards placed on this process's devices."""
+    leaf = stored.get(_key(path))
+    if leaf is None or tuple(leaf["shape"]) != tuple(want.shape) or leaf["dtype"] != str(want.dtype):
+      raise ValueError(f"local step {step} holds {_key(path)} as "
+                       f"{leaf and (leaf['shape'], leaf['dtype'])}, not {(want.shape, want.dtype)}")
+    files = {s["index"]: s["file"] for s in leaf["shards"]}
+    singles = []
+    for device, index in want.sharding.addressable_devices_indices_map(want.shape).items():
+      name = files.get(_index_text(index))
+      if name is None:
+        raise ValueError(f"local step {step} has no shard {_index_text(index)} of {_key(path)}: "
+                         f"written on another mesh layout")
+      data = np.fromfile(os.path.join(step_dir, name), dtype=want.dtype)
+      shard_shape = tuple(len(range(*s.indices(d))) for s, d in zip(index, want.shape))
+      singles.append(jax.device_put(data.reshape(shard_shape), device))
+    return jax.make_array_from_single_device_arrays(want.shape, want.sharding, singles)
 
 
 def choose(held: list[list[int]], persistent: int | None) -> tuple[str, int | None, str]:
