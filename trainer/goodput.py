@@ -111,8 +111,7 @@ class Recorder:
     redo = step <= self.prev_last_step
     self.info["recomputed_steps" if redo else "steps"] += 1
     self.info["last_step"] = step
-    if self.cause in ("steps", "recomputed") or self.cause == "startup":
-      self.switch("recomputed" if redo else "steps")
+    self.switch("recomputed" if redo else "steps")
 
   def at_exit(self) -> None:
     """Rewrites a finished run's record once more as the interpreter exits (the CLI calls it
