@@ -42,7 +42,8 @@ def make_state(params: float):
   # random values: constant arrays would flatter a compressing writer (orbax's zstd in OCDBT)
   leaf = lambda n, k, v: jax.random.normal(jax.random.key(k * 3 + int(v)), (n, WIDTH), jnp.float32)  # noqa: E731
   tree = lambda v: {f"w{k:04d}": leaf(n, k, v) for k, n in enumerate(shapes)}  # noqa: E731
-  return {"step": jnp.int32(7), "params": tree(0.0), "opt": {"mu": tree(1.0), "nu": tree(2.0)}}
+  state = {"step": jnp.int32(7), "params": tree(0.0), "opt": {"mu": tree(1.0), "nu": tree(2.0)}}
+  return jax.block_until_ready(state)   # else the first save's "blocked" time would include making it
 
 
 def abstract(state):
