@@ -290,7 +290,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
           with rec.during("checkpoint"):
             checkpointer.save(step, state, train_iter.get_state(), force=last or checkpointer.preempted())
           writer.reset_clock()
-          rec.flush()
+          rec.flush(force=True)   # a run killed later still leaves its record up to here
           if checkpointer.preempted():
             logging.warning("preempted: saved step %d, exiting", step)
             summary["preempted"] = True
@@ -298,6 +298,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
         elif local is not None and local.should_save(step):   # the cheap tier, between persistent saves
           with rec.during("checkpoint"):
             local.save(step, state, train_iter.get_state())
+          rec.flush(force=True)
         if step % exp.train.log_every == 0:
           rec.flush()
       rec.switch("checkpoint")   # the last save's wait blocks
