@@ -1,6 +1,6 @@
 """The command line: `shardax --exp=NAME --job_dir=DIR [--mode=...] [--set PATH=VALUE ...]`.
 
-Modes: train (default), eval, decode, explain, benchmark, dry_run, plan, list, import and export (Hugging Face checkpoints, trainer/hf/). Every mistake a user can
+Modes: train (default), eval, goodput, decode, explain, benchmark, dry_run, plan, list, import and export (Hugging Face checkpoints, trainer/hf/). Every mistake a user can
 make here (an unknown experiment, a mistyped --set path, a mesh that does not
 match the devices) ends in one line naming the problem and the fix, before
 anything in the job dir is written.
@@ -8,9 +8,12 @@ anything in the job dir is written.
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 
+AT_EXIT = []   # registered before jax is imported, so run after jax's own exit handlers (LIFO)
+atexit.register(lambda: [f() for f in AT_EXIT])
 from shardax.trainer import platform  # decides JAX_PLATFORMS, so it runs before jax is imported
 
 PLATFORM = platform.apply()
@@ -19,7 +22,8 @@ logs.quiet_native_logs()
 
 from absl import app, flags, logging  # noqa: E402
 
-MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "plan", "list", "import", "export")
+MODES = ("train", "eval", "decode", "explain", "benchmark", "dry_run", "plan", "list", "import", "export",
+         "goodput")
 
 flags.DEFINE_string("exp", None, "Registered experiment name (see --mode=list).")
 flags.DEFINE_string("job_dir", None, "Directory for config, checkpoints, metrics and reports.")
@@ -131,7 +135,10 @@ def _run(mode: str, exp, job_dir: str) -> None:
   if mode == "train":
     _hf_import_if_new(exp, job_dir)
     from shardax.trainer import loop
-    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir))
+    from shardax.trainer import distributed, goodput
+    rec = goodput.Recorder(job_dir, write=distributed.is_primary(), started=goodput.process_start_time())
+    AT_EXIT.append(rec.at_exit)
+    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir), recorder=rec)
     evals = summary["eval_losses"]
     if summary["start_step"] == summary["final_step"]:
       print(f"nothing to do: {job_dir} is already at step {summary['final_step']} "
@@ -141,6 +148,9 @@ def _run(mode: str, exp, job_dir: str) -> None:
       print(f"done: steps {summary['start_step']} -> {summary['final_step']} in "
             f"{summary['seconds']:.0f}s; eval_loss {first[1]:.4f} (step {first[0]}) -> "
             f"{last[1]:.4f} (step {last[0]})", flush=True)
+  elif mode == "goodput":   # the job's goodput across its runs (trainer/goodput.py)
+    from shardax.trainer import goodput
+    print(goodput.format_report(goodput.read(job_dir)), flush=True)
   elif mode == "eval":
     from shardax.trainer import loop
     print(loop.format_eval(0, 0, exp, loop.evaluate(exp, job_dir)).split("| ", 1)[1], flush=True)
@@ -228,6 +238,8 @@ def main(argv) -> None:
       raise UserError(f"mesh.topology={exp.mesh.topology!r} describes TPUs that are not here; "
                       f"use it with --mode=dry_run, --mode=explain or --mode=plan")
     _set_cpu_devices(exp)
+    from shardax.trainer import compile_cache   # before the first compile, in every mode
+    cache_dir = compile_cache.enable(exp.train.compilation_cache_dir, os.path.expanduser(FLAGS.job_dir))
     from shardax.trainer import distributed
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,
@@ -236,6 +248,8 @@ def main(argv) -> None:
     logging.info(line := platform.describe(PLATFORM, joined))
     print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
     run_mode(FLAGS.mode, exp, os.path.expanduser(FLAGS.job_dir))
+    if cache_dir:
+      print(f"{compile_cache.summary()} ({cache_dir})", file=sys.stderr, flush=True)
   except (UserError, configs.ConfigError, ValueError, FileNotFoundError, CheckpointError,
           LaunchError, LeaseError) as e:
     logging.debug("error", exc_info=True)

@@ -414,6 +414,7 @@ class TrainConfig:
   benchmark_steps: int = 20           # --mode=benchmark: timed steps ...
   benchmark_warmup: int = 2           # ... after this many untimed ones
   target_eval_loss: float | None = None  # --mode=benchmark: train until eval loss <= this (time to train)
+  compilation_cache_dir: str | None = None  # None: user cache dir; 'job_dir'; '': off (trainer/compile_cache.py)
 
   def __post_init__(self):
     _require(self.steps >= 1, f"train.steps={self.steps} must be >= 1")
@@ -440,6 +441,8 @@ class CheckpointConfig:
   keep_every: int | None = None       # ... plus every K-th step forever
   async_save: bool = True
   enabled: bool = True
+  local_dir: str = ""                 # per-host local tier (SSD, /dev/shm); '' = off (trainer/local_tier.py)
+  local_every: int = 0                # ... written every N steps (needs local_dir)
 
 
 @dataclasses.dataclass(frozen=True)

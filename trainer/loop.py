@@ -21,7 +21,7 @@ from absl import logging
 from shardax.configs.schema import IMAGE_SOURCES, Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
-from shardax.trainer import jobdir
+from shardax.trainer import distributed, goodput, jobdir, local_tier
 from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -122,21 +122,58 @@ def format_eval(step: int, total_steps: int, exp: Experiment, e: dict[str, float
           f"({what}: {e['eval_batches']} batches, {e['eval_weight']:.0f} tokens){sources}")
 
 
-def restore_or_init(setup, checkpointer, data_iter=None):
-  """The latest complete checkpoint in the job dir, else a fresh sharded init."""
-  if checkpointer is not None and checkpointer.latest_step() is not None:
-    state, data_state = checkpointer.restore(setup.abstract)
-    step = int(state["step"])
-    if data_iter is not None and data_state is not None:
-      t0 = time.perf_counter()
-      replayed = data_iter.set_state(data_state)
-      logging.info(line := f"process {jax.process_index()} restored its data state at step {step}, "
-                           f"{replayed} batches replayed ({time.perf_counter() - t0:.2f}s)")
-      print(line, file=sys.stderr, flush=True)
-    logging.info(line := f"resumed from step {step}")
-    print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
-    return state
-  return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))
+def _status(line: str) -> None:
+  logging.info(line)
+  print(line, file=sys.stderr, flush=True)  # a status line: shown on the quiet terminal too
+
+
+def _from_local(setup, local, persistent: int | None, rec):
+  """(state, data state) from the local tier when every process holds a step complete that
+  is at least as new as the job dir's and reads it back, else None; logs the choice."""
+  tier, step, why = local_tier.agree(local, persistent)
+  restored = None
+  if tier == "local":
+    rec.switch("restore_local")
+    error = None
+    try:
+      restored = local.restore(step, setup.abstract)
+    except Exception as e:  # noqa: BLE001 - a local disk's fault: the job dir still has a step
+      error = f"{type(e).__name__}: {e}"
+    if distributed.any_process(restored is None):   # never half a job from the local tier
+      restored, why = None, f"local step {step} did not restore on every process ({error or 'a peer failed'})"
+  if restored is not None:
+    _status(f"restore: local tier, step {step}: {why}")
+  elif persistent is not None:
+    _status(f"restore: persistent tier, step {persistent}: {why}")
+  else:
+    _status(f"restore: no checkpoint in either tier ({why}); starting from step 0")
+  return restored
+
+
+def restore_or_init(setup, checkpointer, data_iter=None, rec: goodput.Recorder | None = None,
+                    local: local_tier.LocalTier | None = None):
+  """The newest checkpoint (the local tier's, trainer/local_tier.py, when every process holds
+  it complete and it is at least as new as the job dir's; else the job dir's), else a fresh
+  sharded init. The data iterator's state comes back with the model's, from the same tier."""
+  rec = rec or goodput.Recorder(None, write=False)
+  persistent = checkpointer.latest_step() if checkpointer is not None else None
+  restored, tier = (_from_local(setup, local, persistent, rec), "local") if local is not None else (None, None)
+  if restored is None and persistent is not None:
+    rec.switch("restore_persistent")
+    restored, tier = checkpointer.restore(setup.abstract), "persistent"
+  if restored is None:
+    return state_lib.init_fn(setup)(jax.random.key(setup.exp.train.seed))
+  state, data_state = restored
+  step = int(state["step"])
+  if data_iter is not None and data_state is not None:
+    t0 = time.perf_counter()
+    replayed = data_iter.set_state(data_state)
+    _status(f"process {jax.process_index()} restored its data state at step {step}, "
+            f"{replayed} batches replayed ({time.perf_counter() - t0:.2f}s)")
+  _status(f"resumed from step {step}")
+  rec.info["restored"] = {"tier": tier, "step": step}
+  rec.switch("startup")
+  return state
 
 
 def restore_latest(exp: Experiment, job_dir: str):
@@ -174,22 +211,29 @@ def check_tokenizer(exp: Experiment) -> None:
     tokenizers.check_vocab(preparation.load_tokenizer(exp.data), exp.model.vocab_size, exp.data.tokenizer)
 
 
-def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = None) -> dict[str, Any]:
+def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = None,
+          recorder: goodput.Recorder | None = None) -> dict[str, Any]:
   """Train `exp` in `job_dir` (resuming from its checkpoints); returns a summary.
 
   `on_ready` runs once the state is built or restored, i.e. once the config is known
   to fit this job dir: the CLI writes the resolved config there, and not before.
+  `recorder`: the run's goodput timeline (trainer/goodput.py; the CLI's starts at its
+  process's start), default one starting now.
   """
+  rec = recorder or goodput.Recorder(job_dir, write=distributed.is_primary(), started=time.time())
   mesh = make_mesh(exp.mesh)
   setup = state_lib.create(exp, mesh)
   with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     # Data first: a missing dataset must fail before anything is created in the job dir.
-    check_tokenizer(exp)
-    train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
-                                seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
+    with rec.during("data"):
+      check_tokenizer(exp)
+      train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
+                                  seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
     checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
                     if exp.checkpoint.enabled else None)
-    state = restore_or_init(setup, checkpointer, train_iter)
+    local = (local_tier.LocalTier(exp.checkpoint.local_dir, exp.checkpoint.local_every, job_dir)
+             if exp.checkpoint.local_dir and exp.checkpoint.enabled else None)
+    state = restore_or_init(setup, checkpointer, train_iter, rec, local)
     if on_ready is not None:
       on_ready()
     train_step = step_lib.train_step_fn(setup)
@@ -198,6 +242,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     tokens_per_step = exp.train.global_batch * exp.model.tokens_per_example(exp.data)
     flops_per_device = exp.train.global_batch * exp.model.flops_per_example(exp.data) / mesh.size
     start = int(state["step"])
+    rec.info["start_step"] = start
     logging.info("training %s: %s params, steps %d -> %d on mesh %s",
                  exp.name, f"{state_lib.count_params(setup):,}", start, exp.train.steps, dict(mesh.shape))
     summary: dict[str, Any] = {"start_step": start, "losses": {}, "eval_losses": {}, "skipped_steps": [],
@@ -209,7 +254,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     trace_first, trace_last = exp.train.profile_steps or (0, 0)
     tracing = False
     def run_eval(at: int) -> None:
-      e = _eval_sources(eval_sums, state["params"], setup)
+      with rec.during("eval"):
+        e = _eval_sources(eval_sums, state["params"], setup)
       summary["eval_losses"][at] = e["eval_loss"]
       if "eval_bits_per_byte" in e:
         summary["eval_bits_per_byte"][at] = e["eval_bits_per_byte"]
@@ -224,6 +270,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
         if step + 1 == trace_first:
           jobdir.start_trace(jobdir.path(job_dir) / "profile")
           tracing = True
+        rec.step(step + 1)
         with jax.profiler.StepTraceAnnotation("train", step_num=step + 1):  # names the step in traces
           state, metrics = train_step(state, next(train_iter))
         step += 1
@@ -240,12 +287,26 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
           run_eval(step)
           writer.reset_clock()
         if checkpointer is not None and (checkpointer.should_save(step) or last):
-          checkpointer.save(step, state, train_iter.get_state(), force=last or checkpointer.preempted())
+          with rec.during("checkpoint"):
+            checkpointer.save(step, state, train_iter.get_state(), force=last or checkpointer.preempted())
           writer.reset_clock()
+          rec.flush(force=True)   # a run killed later still leaves its record up to here
           if checkpointer.preempted():
             logging.warning("preempted: saved step %d, exiting", step)
             summary["preempted"] = True
             break
+        elif local is not None and local.should_save(step):   # the cheap tier, between persistent saves
+          with rec.during("checkpoint"):
+            local.save(step, state, train_iter.get_state())
+          rec.flush(force=True)
+        if step % exp.train.log_every == 0:
+          rec.flush()
+      rec.switch("checkpoint")   # the last save's wait blocks
+      if checkpointer is not None:
+        checkpointer.wait()
+      if local is not None:
+        local.wait()
+      rec.switch("other")
     finally:
       if tracing:
         jobdir.stop_trace()
@@ -253,7 +314,12 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
         checkpointer.wait()
         checkpointer.close()
       writer.close()
+      status = "failed" if sys.exc_info()[0] else "preempted" if summary.get("preempted") else "finished"
+      summary["goodput"] = rec.flush(status, force=True)
     summary.update(final_step=step, seconds=time.perf_counter() - t0, state=state)
+    if rec.write_file:
+      logging.info(line := goodput.format_report(goodput.read(job_dir)))
+      print(line, file=sys.stderr, flush=True)
     return summary
 
 

@@ -1,0 +1,86 @@
+"""The local checkpoint tier (trainer/local_tier.py): each process's shards round-trip onto
+the same layout, a step is restored only when complete, and the tier choice."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from shardax.configs.schema import ConfigError
+from shardax.trainer import local_tier
+
+
+def _state(mesh, step):
+  shard = lambda x, spec: jax.device_put(x, NamedSharding(mesh, spec))  # noqa: E731
+  w = jnp.arange(8 * 6, dtype=jnp.float32).reshape(8, 6) + step
+  return {"step": shard(jnp.int32(step), P()),
+          "params": {"w": shard(w, P("data", "model")), "b": shard(jnp.ones(6, jnp.bfloat16) * step, P())},
+          "opt": {"mu": shard(w * 2, P("data", None))}}
+
+
+@pytest.fixture
+def mesh():
+  return jax.make_mesh((4, 2), ("data", "model"), axis_types=(AxisType.Auto,) * 2)
+
+
+def test_a_step_round_trips_with_its_data_state(tmp_path, mesh):
+  tier = local_tier.LocalTier(str(tmp_path), every=2, job_dir="/jobs/a")
+  for step in (2, 4, 6):
+    tier.save(step, _state(mesh, step), {"position": step * 10})
+  tier.wait()
+  assert tier.complete_steps() == [4, 6]   # the newest KEEP=2
+  want = _state(mesh, 6)
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), want)
+  got, data_state = tier.restore(6, abstract)
+  assert data_state == {"position": 60}
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.sharding == b.sharding and a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  other = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(
+      mesh, P("model", None) if x.ndim == 2 else P())), want)   # another layout: refused, not misread
+  with pytest.raises(ValueError, match="another mesh layout"):
+    tier.restore(6, other)
+
+
+def test_a_step_donated_to_the_next_one_while_written_is_saved_as_it_was(tmp_path, mesh):
+  tier = local_tier.LocalTier(str(tmp_path), every=1, job_dir="/jobs/d")
+  state = _state(mesh, 3)
+  want = jax.tree.map(np.asarray, _state(mesh, 3))
+  abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+  tier.save(3, state, {})
+  step = jax.jit(lambda s: jax.tree.map(lambda x: x * 0 + 99, s), donate_argnums=0)
+  jax.block_until_ready(step(state))   # the train loop donates the state it just saved
+  tier.wait()
+  got, _ = tier.restore(3, abstract)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), b)
+
+
+def test_an_incomplete_or_damaged_step_is_not_complete(tmp_path, mesh):
+  tier = local_tier.LocalTier(str(tmp_path), every=1, job_dir="/jobs/b")
+  for step in (1, 2):
+    tier.save(step, _state(mesh, step), {})
+  tier.wait()
+  os.remove(os.path.join(tier.dir, "2", local_tier.MARKER))      # killed before its marker
+  assert tier.complete_steps() == [1]
+  victim = os.path.join(tier.dir, "1", "1.0.bin")
+  with open(victim, "r+b") as f:
+    f.truncate(4)                                                # a short file
+  assert tier.complete_steps() == []
+
+
+def test_the_newest_step_every_process_holds_wins_over_an_older_persistent_one():
+  assert local_tier.choose([[4, 8], [4, 8]], 6)[:2] == ("local", 8)
+  assert local_tier.choose([[4, 8], [4]], 6)[:2] == ("persistent", 6)   # 8 incomplete on process 1
+  assert local_tier.choose([[4, 8], [4]], None)[:2] == ("local", 4)
+  tier, step, why = local_tier.choose([[4, 8], []], 6)                # process 1's disk wiped
+  assert (tier, step) == ("persistent", 6) and "process(es) [1] hold no complete local step" in why
+  assert local_tier.choose([[8], [8]], 8)[:2] == ("local", 8)         # as new: the faster read
+
+
+def test_local_every_must_be_set():
+  with pytest.raises(ConfigError, match="checkpoint.local_every=0"):
+    local_tier.LocalTier("/tmp/x", every=0, job_dir="/jobs/c")
