@@ -72,3 +72,26 @@ def gpt3_175b_pipelined():
   cfg.optimizer.warmup_steps = 375
   cfg.checkpoint.every = 1000
   return cfg
+
+
+@register("lm.gpt3_175b_4slices", "GPT-3 175B pipelined over 4 v5e-256 slices (stages over DCN); a dry-run target")
+def gpt3_175b_4slices():
+  """lm.gpt3_175b_pipelined on 4 slices of v5e:16x16 (1024 chips, 16 GiB each), one
+  pipeline stage per slice: only the stage shifts (one microbatch's activations per
+  hop) cross the data-center network, at v5e's ~3 GB/s per chip.
+
+  Without a pipeline the weights must still be split over all 1024 chips to fit (fp32
+  AdamW: 12 bytes per param, 2.1 TB), so FSDP gathers weights across slices every layer,
+  forward and backward, or (data parallel over DCN) every chip holds a quarter of the
+  model's state and all-reduces its gradients over DCN; docs/scale.md compares both.
+  Mesh (stage=4 over DCN, data=32, model=8 inside each slice), pp_2d; 4 stages x 4
+  circular repeats (6 layers per visit), 16 microbatches of 48 rows: bubble 3/67 = 4.5%.
+  """
+  cfg = gpt3_175b_pipelined()
+  cfg.model.pipeline.stages = 4
+  cfg.model.pipeline.circular_repeats = 4
+  cfg.model.pipeline.microbatches = 16
+  cfg.mesh.topology = "v5e:16x16"
+  cfg.mesh.dcn = (4, 1, 1)
+  cfg.mesh.ici = (1, -1, 8)
+  return cfg
