@@ -136,3 +136,10 @@ def test_plan_ranks_pipeline_schedules_by_predicted_step(tmp_path):
   assert len(ranked) == 4, [(r["sets"], r["status"], r["reason"]) for r in p["candidates"]]
   steps = [r["predicted_step_seconds"] for r in ranked]
   assert steps == sorted(steps) and len({_schedule(r["sets"]) for r in ranked}) == 4
+
+
+def test_a_pipeline_whose_microbatch_the_data_axis_does_not_divide_is_rejected():
+  """Found while tracing, not at config time: the row says why instead of the plan stopping."""
+  row = plan.evaluate("lm.tiny_pipelined", ["train.global_batch=8", "data.source='synthetic'"],
+                      ["model.pipeline.microbatches=4"])
+  assert row["status"] == "rejected" and "does not divide" in row["reason"], row

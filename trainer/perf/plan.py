@@ -40,7 +40,7 @@ import time
 from typing import Any, Sequence
 
 from shardax import configs
-from shardax.pipeline import bubble_fraction
+from shardax.pipeline import PipelineError, bubble_fraction
 from shardax.trainer import jobdir
 from shardax.trainer.perf import chips
 from shardax.trainer.perf import dry_run as dry_run_lib
@@ -180,7 +180,11 @@ def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort
                reason=f"params + optimizer state alone need {state / 2**30:.2f} GiB per device "
                       f"> {hbm / 2**30:.2f} GiB HBM (not compiled)")
     return row
-  report = extrapolate.dry_run(exp, full=not shallow, effort=effort)
+  try:
+    report = extrapolate.dry_run(exp, full=not shallow, effort=effort)
+  except PipelineError as e:  # found while tracing: a microbatch the data axes do not divide
+    row.update(reason=str(e).splitlines()[0], seconds=time.perf_counter() - start)
+    return row
   total = report["bytes_per_device"].get("total")
   row.update(fits=report["fits"], bytes_per_device=total, compile_path=report["compile_path"],
              predicted_step_seconds=_predicted_seconds(report),
