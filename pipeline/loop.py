@@ -20,7 +20,8 @@ Memory (per device; "a microbatch" = one microbatch's activation [rows, length,
 embed] as the rules split it over data/model). The scan's carry is the stage
 buffer [S, ...] (one microbatch per stage group) and, for R > 1, the circular
 queue (circular.py: ceil((M-S)/S) microbatches per group when M >= 2S, M - S
-otherwise). Each iteration's outputs [S, ...] leave as scan outputs (T
+otherwise, plus the one it passes on next iteration); with delay_shift, the shift
+in flight (one more microbatch per group). Each iteration's outputs [S, ...] leave as scan outputs (T
 microbatches per group, T = M*R + S - 1), and the last M of the last stage are
 taken once after the loop: no iteration broadcasts anything to the other stage
 groups. Each iteration's stage computation is wrapped in `jax.checkpoint`, so
@@ -186,7 +187,10 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     (out, in_flight, waiting), (t, stats_t) = carry, per_iteration
     # The collective-permute: stage s-1's output -> stage s. Delayed, this iteration takes
     # what the last one sent and sends the last one's output on, beside `compute`.
-    into_stage, in_flight = (in_flight, shift(out)) if schedule.delay_shift else (shift(out), None)
+    if schedule.delay_shift:
+      into_stage, in_flight = in_flight, shard(jnp.roll(out, 1, axis=0), state_axes)
+    else:
+      into_stage = jnp.roll(out, 1, axis=0)
     enter = jax.lax.dynamic_index_in_dim(xs_per_stage, t % M, 1, keepdims=False)
     if R > 1:  # repeat r > 0: microbatch t % M comes back from the last stage
       due, waiting = queue.step(waiting, out, into_stage)
@@ -194,9 +198,6 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     buffer = shard(jnp.where(first, enter, into_stage), state_axes)
     out = compute(weights_at(stats_t), buffer, t)
     return (out, in_flight, waiting), out
-
-  def shift(a):
-    return shard(jnp.roll(a, 1, axis=0), state_axes)
 
   out = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
   carry = (out, out if schedule.delay_shift else None, queue.init(xs) if queue else None)
