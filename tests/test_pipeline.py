@@ -327,6 +327,7 @@ def test_tiny_pipelined_trains_and_resumes(tmp_path):
     np.testing.assert_allclose(resumed["losses"][step], summary["losses"][step], rtol=1e-5)
 
 
+@pytest.mark.slow  # a TPU compile: ~15 s on a quiet 2-core host, 47 s under load
 def test_delayed_shift_runs_beside_the_stage_body_in_the_tpu_program():
   """TPU program (libtpu, v4:2x2x2): with delay_shift the forward stage shift's
   collective-permute-start and -done bracket the stage body's layer loop, and the step
