@@ -36,20 +36,27 @@ def test_report_reads_what_runs_between_start_and_done():
 
 
 def test_step_model_prices_mirrored_pairs_once_and_bare_permutes_as_exposed():
-  """On a v4 ring of 4 chips: the mirrored pair costs one transfer; the permute with nothing
-  between start and done is synchronous (exposed), the others are overlapped."""
+  """On a v4 ring of 4 chips along a torus dim that wraps (4x4x4): the mirrored pair costs
+  one transfer; the permute with nothing between start and done is synchronous (exposed),
+  the others are overlapped. On a row without wraparound (v5e:4x4) the pair costs two."""
   pytest.importorskip("libtpu")
   from jax.sharding import Mesh
   from shardax.sharding import topology
   from shardax.trainer.perf import chips, stepmodel
-  devices = topology.devices("v4:2x2x1")
-  mesh = Mesh(np.array(devices).reshape(4), ("model",))
   cs = tuple(report.collectives(BODY))
   piece = costs_lib.Piece("body", 1, 0.0, 0.0, 0.0)
   costs = costs_lib.Costs(0.0, 0.0, 0.0, cs, (), 0.0, (piece,), {"body": "body"})
-  times = stepmodel._collective_times(costs, mesh, chips.lookup(devices[0].device_kind))
+
+  def times_on(name):
+    devices = sorted(topology.devices(name), key=lambda d: tuple(d.coords)[::-1])[:4]  # along x
+    mesh = Mesh(np.array(devices).reshape(4), ("model",))
+    return stepmodel._collective_times(costs, mesh, chips.lookup(devices[0].device_kind))
+
+  line = times_on("v5e:4x4")  # a row of 4 chips: v5e rows wrap from 16
+  times = times_on("v4:4x4x4")
   one = times["by_kind"]["collective-permute"] / 3            # 0, 2 and 3 priced, 1 rides on 0
   assert one > 0
   assert times["sync"]["body"] == pytest.approx(one)           # cp-start.2: nothing between
   assert times["async"]["body"] == pytest.approx(one)          # the mirrored pair, as one
   assert sum(times["spanning"]["body"].values()) == pytest.approx(one)   # cp-start.3 spans %inner
+  assert line["async"]["body"] == pytest.approx(2 * line["by_kind"]["collective-permute"] / 4)  # both priced

@@ -113,16 +113,18 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
     compute, memory = _own_seconds(p, chip)
     local = max(compute, memory)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
-    span_t = sum(comm["spanning"].get(p.computation, {}).values())
-    span_hidden = min(span_t, sum(spare.get(b, 0.0) for b in comm["spanning"].get(p.computation, {})) / p.executions)
-    hidden = min(async_t, local) + span_hidden
-    t = max(local, async_t) + sync_t + span_t - span_hidden
+    spans = comm["spanning"].get(p.computation, {})
+    span_t = sum(spans.values())
+    async_t += span_t  # permutes around loops hide behind this piece and, beyond it, those loops
+    budget = local + min(span_t, sum(spare.get(b, 0.0) for b in spans) / p.executions)
+    hidden = min(async_t, budget)
+    t = local + async_t - hidden + sync_t
     for key, value in (("compute", compute), ("memory", memory), ("hidden", hidden),
-                       ("exposed", async_t + span_t + sync_t - hidden), ("step", t)):
+                       ("exposed", async_t + sync_t - hidden), ("step", t)):
       totals[key] += p.executions * value
     pieces.append({"computation": p.computation, "executions": p.executions,
                    "seconds_each": t, "compute_seconds_each": compute,
-                   "memory_seconds_each": memory, "collective_seconds_each": async_t + sync_t + span_t})
+                   "memory_seconds_each": memory, "collective_seconds_each": async_t + sync_t})
   step = totals["step"]
   model_flops = float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch
   tokens = exp.model.tokens_per_example(exp.data) * exp.train.global_batch
@@ -170,7 +172,7 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
         routes[c.replica_groups] = links.route(mesh.devices, tuple(mesh.axis_names), group)
       r = routes[c.replica_groups]
     parts = links.seconds_by_link(c.kind, c.bytes, r, chip)
-    if c.name in riding:  # the other direction of a mirrored pair in flight with it: free
+    if c.name in riding and _ring_wraps(c, mesh, chip):  # the other direction of a mirrored ring: free
       parts = {link: 0.0 for link in parts}
     t = sum(parts.values())
     piece = costs.piece_of(c)
@@ -186,6 +188,23 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
       if seconds:
         out["by_link"][link] += seconds * c.executions
   return out
+
+
+def _ring_wraps(c, mesh, chip: chips_lib.Chip) -> bool:
+  """Whether the ring a permute's pairs close lies on torus dims that wrap around: then each
+  direction of every link carries one transfer. Without wraparound the ring's closing pair
+  runs back along the line, over the links the mirrored ring uses, so the two contend."""
+  step = dict(tuple(p) for p in replica_groups.groups(c.replica_groups, mesh.size))
+  ring, node = [], next(iter(step), None)
+  while node is not None and node not in ring:
+    ring.append(node)
+    node = step.get(node)
+  if node != (ring[0] if ring else None) or len(ring) < 3:
+    return False
+  r = links.route(mesh.devices, tuple(mesh.axis_names), ring)
+  # links.py: a dim wraps when the group spans all of it and it is long enough for the torus
+  return r.dcn_size <= 1 and bool(r.dims) and all(full and size >= chip.wraparound_from
+                                                   for size, full in r.dims)
 
 
 def _mirrored(collectives, num_devices: int) -> set[str]:
