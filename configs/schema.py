@@ -45,6 +45,9 @@ class PipelineConfig:
   stages: int = 1
   microbatches: int = 1
   circular_repeats: int = 1
+  # Stage s takes what stage s-1 made two iterations ago, so the shift runs beside the stage
+  # body instead of between iterations; the bubble doubles (pipeline/schedule.py).
+  delay_shift: bool = False
 
   def __post_init__(self):
     for f in ("stages", "microbatches", "circular_repeats"):
@@ -57,6 +60,10 @@ class PipelineConfig:
              f"model.pipeline.microbatches={self.microbatches} < stages={self.stages}: the circular "
              f"schedule (circular_repeats={self.circular_repeats}) needs microbatches >= stages; "
              f"raise microbatches or set circular_repeats=1")
+    _require(not self.delay_shift or self.circular_repeats == 1 or self.microbatches >= 2 * self.stages,
+             f"model.pipeline.microbatches={self.microbatches} < 2 x stages={2 * self.stages}: the "
+             f"circular schedule with delay_shift=True needs microbatches >= 2 x stages; raise "
+             f"microbatches, or set delay_shift=False")
 
 
 # model.remat: recompute policies, and offload policies that move the saved tensors to host

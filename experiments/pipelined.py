@@ -1,4 +1,4 @@
-"""Pipelined dense LMs (shardax.pipeline): a CPU default and GPT-3 175B over 8 stages.
+"""Pipelined dense LMs (shardax.pipeline): a CPU default, GPT-3 175B on one v4 pod and over 4 v5e slices.
 
 The mesh gets a `stage` axis and the preset a ("stage", "stage") rule (`pp_dp`,
 `pp_tp`, `pp_2d`); `model.pipeline` sets stages, microbatches and circular repeats.
@@ -26,18 +26,21 @@ def tiny_pipelined():
   return cfg
 
 
-@register("lm.gpt3_175b_pipelined", "GPT-3 175B (96 layers, d_model 12288) over 8 pipeline stages x data x model")
+@register("lm.gpt3_175b_pipelined", "GPT-3 175B (96 layers, d_model 12288) over 4 pipeline stages x data x model")
 def gpt3_175b_pipelined():
-  """GPT-3 175B, 8 stages x 2 circular repeats, 24 microbatches; a dry-run target.
+  """GPT-3 175B, 4 stages x 4 circular repeats, 12 microbatches; a dry-run target.
 
   GPT-3's FFN is 2 matrices of 12288 x 49152; ours is gated (3 matrices), so
   d_ff = 32768 = 2/3 x 49152 gives the same FFN parameters and FLOPs:
   96 x (4 x 12288^2 + 3 x 12288 x 32768) + 50304 x 12288 = 174.6e9 parameters.
-  Mesh (stage=8, data=-1, model=8) on v4:8x8x8 (512 chips: data=8); the `pp_2d`
+  Mesh (stage=4, data=-1, model=4) on v4:8x8x8 (512 chips: data=32); the `pp_2d`
   rules split every stage's weights over data x model, so each chip holds 1/512.
-  Per stage: 96 / (8 x 2) = 6 layers per visit; bubble (8-1)/(24*2+8-1) = 12.7%.
+  Per stage: 96 / (4 x 4) = 6 layers per visit; bubble (4-1)/(12*4+4-1) = 5.9%.
+  The schedule and the model axis are `--mode=plan`'s best of stages {4, 8} x model
+  axis {4, 8} x microbatches {3S, 4S} x repeats {3, 4} with bubble <= 7% (docs/scale.md);
+  until 2026-11-26 it was 8 stages x 2 repeats x 24 microbatches at model=8 (12.7% bubble).
   Global batch 1536 x 2048 tokens (GPT-3's 3.2M) as 2 accumulation steps of 768
-  rows (train.microbatches=2), 32 rows per pipeline microbatch: with the whole
+  rows (train.microbatches=2), 64 rows per pipeline microbatch: with the whole
   batch at once the dry run needed 36.2 GiB per chip (temp 32.3 GiB, much of it
   the head's logits, which every stage group computes for the whole batch).
   Built abstractly and lowered by dry runs; not meant to be compiled on a CPU host.
@@ -55,13 +58,13 @@ def gpt3_175b_pipelined():
   m.dtype = "bfloat16"
   m.param_dtype = "float32"
   m.remat = "full"
-  m.pipeline.stages = 8
-  m.pipeline.microbatches = 24
-  m.pipeline.circular_repeats = 2
+  m.pipeline.stages = 4
+  m.pipeline.microbatches = 12
+  m.pipeline.circular_repeats = 4
   cfg.data.source = "synthetic"
   cfg.data.seq_len = 2048
   cfg.mesh.axes = ("stage", "data", "model")
-  cfg.mesh.ici = (8, -1, 8)
+  cfg.mesh.ici = (4, -1, 4)
   cfg.mesh.topology = "v4:8x8x8"
   cfg.mesh.num_cpu_devices = None
   cfg.sharding.preset = "pp_2d"
@@ -71,4 +74,28 @@ def gpt3_175b_pipelined():
   cfg.optimizer.learning_rate = 6e-5
   cfg.optimizer.warmup_steps = 375
   cfg.checkpoint.every = 1000
+  return cfg
+
+
+@register("lm.gpt3_175b_4slices", "GPT-3 175B pipelined over 4 v5e-256 slices (stages over DCN); a dry-run target")
+def gpt3_175b_4slices():
+  """lm.gpt3_175b_pipelined on 4 slices of v5e:16x16 (1024 chips, 16 GiB each), one
+  pipeline stage per slice: only the stage shifts (one microbatch's activations per
+  hop) cross the data-center network, at v5e's ~3 GB/s per chip.
+
+  Without a pipeline the weights must still be split over all 1024 chips to fit (fp32
+  AdamW: 12 bytes per param, 2.1 TB), so FSDP gathers weights across slices every layer,
+  forward and backward, or (data parallel over DCN) every chip holds a quarter of the
+  model's state and all-reduces its gradients over DCN; docs/scale.md compares both.
+  Mesh (stage=4 over DCN, data=32, model=8 inside each slice), pp_2d; 4 stages x 4
+  circular repeats (6 layers per visit), 24 microbatches of 32 rows (one per data shard)
+  per accumulation step: bubble 3/99 = 3.0%.
+  """
+  cfg = gpt3_175b_pipelined()
+  cfg.model.pipeline.stages = 4
+  cfg.model.pipeline.circular_repeats = 4
+  cfg.model.pipeline.microbatches = 24
+  cfg.mesh.topology = "v5e:16x16"
+  cfg.mesh.dcn = (4, 1, 1)
+  cfg.mesh.ici = (1, -1, 8)
   return cfg

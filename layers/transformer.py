@@ -75,7 +75,8 @@ class LayerStack(nnx.Module):
     self.remat = cfg.remat
     k, n = cfg.num_first_dense, cfg.num_units
     p = cfg.pipeline
-    self.schedule = pipeline.Schedule(p.stages, p.microbatches, p.circular_repeats) if p.stages > 1 else None
+    self.schedule = (pipeline.Schedule(p.stages, p.microbatches, p.circular_repeats, p.delay_shift)
+                     if p.stages > 1 else None)
     if not k:
       self.first_dense = None
     elif cfg.scan_layers:
@@ -97,7 +98,8 @@ class LayerStack(nnx.Module):
     x = self._first(x, positions, segment_ids)
     if self.schedule is not None:  # dense only (config check); packed rows travel with their microbatch
       graphdef, state = nnx.split(self.blocks)
-      stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=self.remat,
+      remat = pipeline.stage_remat(self.remat)  # one recompute in all (pipeline/loop.py)
+      stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=remat,
                                                        segment_ids=seg)
       return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
                           segment_ids=segment_ids), {}

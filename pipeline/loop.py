@@ -20,7 +20,8 @@ Memory (per device; "a microbatch" = one microbatch's activation [rows, length,
 embed] as the rules split it over data/model). The scan's carry is the stage
 buffer [S, ...] (one microbatch per stage group) and, for R > 1, the circular
 queue (circular.py: ceil((M-S)/S) microbatches per group when M >= 2S, M - S
-otherwise). Each iteration's outputs [S, ...] leave as scan outputs (T
+otherwise, plus the one it passes on next iteration); with delay_shift, the shift
+in flight (one more microbatch per group). Each iteration's outputs [S, ...] leave as scan outputs (T
 microbatches per group, T = M*R + S - 1), and the last M of the last stage are
 taken once after the loop: no iteration broadcasts anything to the other stage
 groups. Each iteration's stage computation is wrapped in `jax.checkpoint`, so
@@ -32,8 +33,11 @@ whatever the layers per stage, against T x (L/(S*R) layer inputs or all their
 intermediates) when the scan saved the stage body's residuals. Always, not only
 with model.remat != 'none': without it the pipeline would save every
 intermediate of every iteration, the memory pipelining is meant to spread out.
-The price is one more forward of each stage in the backward pass (4 -> 5
-forward-equivalents per step with model.remat='full', 3 -> 4 without).
+The price is one more forward of each stage in the backward pass (3 -> 4
+forward-equivalents per step), and only one: `stage_remat` turns the model's
+remat='full' into 'dots' inside the stage, so the recomputed iteration keeps its
+matmul outputs and its backward redoes only elementwise work (before: the block's
+own full remat recomputed every layer a second time, 5 forward-equivalents).
 Bubble iterations compute on stale or zero buffers; their outputs are never
 read as results and so add exactly zero to results and gradients. Running statistics
 among the weights (the fp8 amax histories) get one copy per iteration whose uses
@@ -61,6 +65,20 @@ from shardax.sharding.annotate import current_mesh_shape
 # (stacked weights of some layers, x, positions[, segment_ids]) -> x: runs those layers in
 # order, so the same function runs one stage's L/(S*R) layers or, unpipelined, all L of them.
 StageFn = Callable[..., jax.Array]
+
+
+# Inside the pipeline's per-iteration checkpoint, the model's remat policy only decides
+# what the one recomputed iteration keeps for its backward: 'full' there would
+# recompute each layer a second time. 'dots_no_batch' cannot tell weight matmuls from
+# attention products under the stage vmap (every dot gets the stage as a batch dim),
+# so it keeps nothing either. Both become 'dots': matmul outputs of one iteration's
+# L/(S*R) layers for one microbatch, the elementwise ops recomputed.
+_INNER_REMAT = {"full": "dots", "dots_no_batch": "dots"}
+
+
+def stage_remat(remat: str) -> str:
+  """The per-block remat policy to run inside a pipeline stage for the model's `remat`."""
+  return _INNER_REMAT.get(remat, remat)
 
 
 def mesh_axes_of(logical: str) -> str | tuple[str, ...] | None:
@@ -140,7 +158,7 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   xs_per_stage = shard(jnp.broadcast_to(xs[None], (S,) + xs.shape), ("stage", None) + tuple(x_axes))
   stage_ids = jnp.arange(S)
   first = (stage_ids == 0).reshape((S,) + (1,) * (xs.ndim - 1))
-  queue = Queue(S, M - S if R > 1 else 0, x_axes)
+  queue = Queue(S, M, schedule.hop, x_axes) if R > 1 else None
 
   def one_stage(w, h, s, k):
     if R > 1:  # this stage's chunk for the repeat it is on (clipped in the bubble)
@@ -154,7 +172,7 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   leaves, treedef = jax.tree.flatten(weights)
   is_stat = statistics.marked(weights)
   stats = [a for a, s in zip(leaves, is_stat) if s]
-  stats = statistics.fan_out(stats, statistics.busy(S, M, R, schedule.iterations)) if stats else []
+  stats = statistics.fan_out(stats, statistics.busy(schedule)) if stats else []
 
   def weights_at(stats_t):
     it = iter(stats_t)
@@ -162,22 +180,28 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
 
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def compute(w, buffer, t):  # saved for the backward pass: `buffer` alone (w is loop-invariant)
-    k = t - stage_ids  # the work item of each stage; outside [0, M*R) = bubble
+    k = schedule.item(t, stage_ids)  # the work item of each stage; outside [0, M*R) = bubble
     return shard(all_stages(w, buffer, tuple(a[k % M] for a in side), k), state_axes)
 
   def iteration(carry, per_iteration):
-    (out, waiting), (t, stats_t) = carry, per_iteration
-    into_stage = jnp.roll(out, 1, axis=0)  # the collective-permute: stage s-1's output -> stage s
+    (out, in_flight, waiting), (t, stats_t) = carry, per_iteration
+    # The collective-permute: stage s-1's output -> stage s. Delayed, this iteration takes
+    # what the last one sent and sends the last one's output on, beside `compute`.
+    if schedule.delay_shift:
+      into_stage, in_flight = in_flight, shard(jnp.roll(out, 1, axis=0), state_axes)
+    else:
+      into_stage = jnp.roll(out, 1, axis=0)
     enter = jax.lax.dynamic_index_in_dim(xs_per_stage, t % M, 1, keepdims=False)
-    if R > 1:  # repeat r > 0: microbatch t % M comes back from the last stage, M - S + 1 iterations on
+    if R > 1:  # repeat r > 0: microbatch t % M comes back from the last stage
       due, waiting = queue.step(waiting, out, into_stage)
       enter = jnp.where(t < M, enter, due)
     buffer = shard(jnp.where(first, enter, into_stage), state_axes)
     out = compute(weights_at(stats_t), buffer, t)
-    return (out, waiting), out
+    return (out, in_flight, waiting), out
 
   out = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
-  _, outs = jax.lax.scan(iteration, (out, queue.init(xs)), (jnp.arange(schedule.iterations), stats))
-  # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + S - 1: the last M.
+  carry = (out, out if schedule.delay_shift else None, queue.init(xs) if queue else None)
+  _, outs = jax.lax.scan(iteration, carry, (jnp.arange(schedule.iterations), stats))
+  # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + h*(S-1): the last M.
   outs = shard(outs, (None,) + state_axes)[schedule.iterations - M:, S - 1]
   return merge_microbatches(shard(outs, (None,) + tuple(x_axes)), x_axes)

@@ -26,6 +26,15 @@ leaves stage S-1 after repeat r at iteration r*M + m + S - 1 and re-enters stage
 needs M >= S. The queue `waiting` (circular.py) keeps it in between: M - S iterations
 more than the buffer's shift (none when M = S).
 
+Delayed shift (delay_shift=True, MaxText's delayed activation forwarding): stage s
+takes at iteration t what stage s-1 made at t-2, not t-1, so the shift of an
+iteration's outputs depends on nothing computed in the next iteration and runs
+beside it (an asynchronous collective-permute with the stage body between its start
+and done) instead of between two iterations. Every hop takes h = 2 iterations:
+stage s works on item k = t - h*s, the loop runs M*R + h*(S-1) iterations, the
+bubble is h*(S-1)/(M*R + h*(S-1)), and the circular schedule needs M >= h*S. It
+pays where a shift costs more than the extra bubble: stages over DCN.
+
 Bubble: each stage is busy M*R of the M*R + S - 1 iterations, so the idle
 fraction is (S - 1) / (M*R + S - 1). An iteration of the circular schedule runs
 1/R of the layers of a plain one, so R repeats shrink the bubble like R times
@@ -46,11 +55,17 @@ class Schedule:
   stages: int
   microbatches: int
   repeats: int = 1
+  delay_shift: bool = False
 
   def __post_init__(self):
     s, m, r = self.stages, self.microbatches, self.repeats
     if min(s, m, r) < 1:
       raise PipelineError(f"pipeline stages={s}, microbatches={m}, circular_repeats={r} must be >= 1")
+    if r > 1 and self.delay_shift and m < 2 * s:
+      raise PipelineError(
+          f"model.pipeline.microbatches={m} < 2 x stages={2 * s}: the circular schedule with "
+          f"delay_shift=True takes two iterations per hop, so a microbatch needs 2 x stages "
+          f"iterations to come round; raise microbatches or set delay_shift=False")
     if r > 1 and m < s:
       raise PipelineError(
           f"model.pipeline.microbatches={m} < stages={s}: the circular schedule (circular_repeats="
@@ -58,18 +73,27 @@ class Schedule:
           f"after it entered it and must have left the last stage by then; raise microbatches")
 
   @property
+  def hop(self) -> int:
+    """Iterations from one stage's output to the next stage's input: 1, or 2 delayed."""
+    return 2 if self.delay_shift else 1
+
+  @property
   def iterations(self) -> int:
-    """M*R + S - 1 loop iterations fill, run and drain the pipeline."""
-    return self.microbatches * self.repeats + self.stages - 1
+    """M*R + h*(S - 1) loop iterations fill, run and drain the pipeline."""
+    return self.microbatches * self.repeats + self.hop * (self.stages - 1)
 
   @property
   def bubble_fraction(self) -> float:
-    """Idle share of every stage: (S - 1) / (M*R + S - 1)."""
-    return (self.stages - 1) / self.iterations
+    """Idle share of every stage: h*(S - 1) / (M*R + h*(S - 1))."""
+    return self.hop * (self.stages - 1) / self.iterations
+
+  def item(self, t, s):
+    """The work item stage s runs at iteration t (numpy or jax ints); bubble outside [0, M*R)."""
+    return t - self.hop * s
 
   def work(self, t: int, s: int) -> tuple[int, int] | None:
     """(microbatch, repeat) stage s runs at iteration t, or None in the bubble."""
-    k = t - s
+    k = self.item(t, s)
     if not 0 <= k < self.microbatches * self.repeats:
       return None
     return k % self.microbatches, k // self.microbatches
@@ -84,6 +108,6 @@ class Schedule:
     return batch // self.microbatches
 
 
-def bubble_fraction(stages: int, microbatches: int, repeats: int = 1) -> float:
-  """(S - 1) / (M*R + S - 1): the predicted idle fraction of a pipelined step."""
-  return Schedule(stages, microbatches, repeats).bubble_fraction
+def bubble_fraction(stages: int, microbatches: int, repeats: int = 1, delay_shift: bool = False) -> float:
+  """h*(S - 1) / (M*R + h*(S - 1)): the predicted idle fraction of a pipelined step."""
+  return Schedule(stages, microbatches, repeats, delay_shift).bubble_fraction

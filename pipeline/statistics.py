@@ -30,10 +30,10 @@ def marked(weights) -> list[bool]:
   return flags
 
 
-def busy(stages: int, microbatches: int, repeats: int, iterations: int) -> np.ndarray:
-  """bool [T, S]: stage s runs a real work item k = t - s in [0, M*R) at iteration t."""
-  k = np.arange(iterations)[:, None] - np.arange(stages)[None, :]
-  return (k >= 0) & (k < microbatches * repeats)
+def busy(schedule) -> np.ndarray:
+  """bool [T, S]: stage s runs a real work item k in [0, M*R) at iteration t."""
+  k = schedule.item(np.arange(schedule.iterations)[:, None], np.arange(schedule.stages)[None, :])
+  return (k >= 0) & (k < schedule.microbatches * schedule.repeats)
 
 
 def fan_out(stats: list[jax.Array], working: np.ndarray) -> list[jax.Array]:

@@ -143,6 +143,12 @@ class Collective:
   replica_groups: str = ""  # the op's replica_groups attribute, as written
   link: str = ""      # "dcn": a TPU multi-slice host transfer (megascale send), priced on DCN
   span: int = 0       # for those: the slices in its group
+  # Async ops: what the schedule runs between the -start and its -done in the same computation
+  # (`_between`): compute ops (fusions, dots, convolutions, custom calls, loops) and the bodies
+  # of the loops among them. No compute between them: nothing for the transfer to hide behind.
+  compute_between: int = 0
+  loops_between: tuple[str, ...] = ()
+  concurrent_with: tuple[str, ...] = ()  # other async ops in flight at the same time (their names)
 
 
 def trip_counts(hlo_text: str) -> dict[str, int]:
@@ -223,11 +229,13 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   loop_trips = trip_counts(hlo_text)
   parsed, comps = [], hlo_text_lib.split(hlo_text)
   entry = comps.entry
+  between = _Between()
   for comp, line in comps.lines():
     m = _INSTR.match(line)
     if not m:
       continue
     name, result, op, rest = m.groups()
+    between.see(comp, name, op, rest)
     result_bytes[name] = _bytes(result)
     result_bytes_text[name] = result
     cond = re.search(r"condition=%?([\w.\-]+)", rest) if op == "while" else None
@@ -265,8 +273,41 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
     groups = replica_groups.attribute(rest)
     found.append(Collective(name, kind, nbytes, replica_groups.group_size(rest, num_devices, kind), op_name, source,
-                            runs.get(comp, 1) if entry else 1, comp, is_start, groups))
+                            runs.get(comp, 1) if entry else 1, comp, is_start, groups,
+                            compute_between=between.compute.get(name, 0),
+                            loops_between=tuple(between.loops.get(name, ())),
+                            concurrent_with=tuple(sorted(between.concurrent.get(name, ())))))
   return found
+
+
+_COMPUTE_OPS = ("fusion", "convolution", "dot", "custom-call", "while", "call", "conditional")
+
+
+class _Between:
+  """For each async -start: the compute ops and loop bodies scheduled before its -done
+  (a computation's instructions are printed in schedule order in compiled HLO)."""
+
+  def __init__(self):
+    self.open: dict[str, list[str]] = collections.defaultdict(list)  # computation -> open starts
+    self.compute: dict[str, int] = collections.Counter()
+    self.loops: dict[str, list[str]] = collections.defaultdict(list)
+    self.concurrent: dict[str, set[str]] = collections.defaultdict(set)
+
+  def see(self, comp: str, name: str, op: str, rest: str) -> None:
+    if op.endswith("-done"):
+      if (m := _OPERAND.search(rest)) and m.group(1) in self.open[comp]:
+        self.open[comp].remove(m.group(1))
+    elif op in _COMPUTE_OPS:
+      body = re.search(r"body=%?([\w.\-]+)", rest) if op == "while" else None
+      for start in self.open[comp]:
+        self.compute[start] += 1
+        if body:
+          self.loops[start].append(body.group(1))
+    if op.endswith("-start"):
+      for other in self.open[comp]:
+        self.concurrent[other].add(name)
+        self.concurrent[name].add(other)
+      self.open[comp].append(name)
 
 
 def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp: str) -> Collective:

@@ -26,6 +26,7 @@ SKIPPED = {
     "lm.small": "benchmark size: 5.8e12 FLOPs a step, and evals over the whole validation split",
     "lm.small_spm": "benchmark size: 6.1e12 FLOPs a step, and evals over the whole validation split",
     "lm.gpt3_175b_pipelined": "pod-sized (v4:8x8x8, 175B params): built and compiled by dry runs only",
+    "lm.gpt3_175b_4slices": "pod-sized (4 x v5e:16x16, 175B params): built and compiled by dry runs only",
     "moe.gshard_1t": "pod-sized (v3:32x32, 1T params): built and compiled by dry runs only",
     "moe.mixtral_8x7b": "pod-sized (v5p:4x4x8, 46.7B params): built and compiled by dry runs only",
     "moe.deepseek_v3": "pod-sized (v5p:8x8x16, 675B params): built and compiled by dry runs only",

@@ -34,7 +34,7 @@ def test_affine_is_exact_on_ints_fills_missing_keys_and_clamps():
 def test_depth_unit_is_a_layer_a_pipeline_round_or_a_moe_unit():
   assert ex.depth(build("lm.tiny", "model.num_layers=12")) == ex.Depth(12, 1, "model.num_layers")
   gpt3 = build("lm.gpt3_175b_pipelined")
-  assert ex.depth(gpt3) == ex.Depth(96, 16, "model.num_layers")  # 8 stages x 2 circular repeats
+  assert ex.depth(gpt3) == ex.Depth(96, 16, "model.num_layers")  # 4 stages x 4 circular repeats
   shallow = ex.with_layers(gpt3, 48)
   assert shallow.model.num_layers == 48 and shallow.model.pipeline == gpt3.model.pipeline
   assert shallow.mesh == gpt3.mesh and shallow.train == gpt3.train

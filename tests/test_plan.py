@@ -90,3 +90,56 @@ def test_plan_json_and_printed_summary(big_plan):
   configs.apply_overrides(cfg, BIG + parsed(best["set_line"]))
   exp = configs.build(cfg)
   assert exp.sharding.preset == "2d" and tuple(exp.mesh.ici) == (-1, 2) and exp.model.remat == "full"
+
+
+def _schedule(sets):
+  value = lambda key, default: next((int(s.split("=")[1]) for s in sets if s.startswith(key + "=")), default)
+  return (value("model.pipeline.stages", 1), value("model.pipeline.microbatches", 1),
+          value("model.pipeline.circular_repeats", 1))
+
+
+def test_a_pipelined_experiment_searches_stages_microbatches_repeats_and_model_axis():
+  """lm.gpt3_175b_pipelined (96 layers, 512 chips): the pipelined grid tries several stage
+  counts, circular repeats, microbatch counts and model-axis sizes, only schedules whose
+  layers split and whose bubble is <= max_bubble, and its own layout without the pipeline."""
+  from shardax.pipeline import bubble_fraction
+  cfg = configs.get("lm.gpt3_175b_pipelined")
+  found = plan.candidates(cfg, 512, plan.PIPELINED)
+  piped = [c for c in found if _schedule(c)[0] > 1]
+  schedules = {_schedule(c) for c in piped}
+  assert len({s for s, _, _ in schedules}) >= 2 and len({r for _, _, r in schedules}) >= 2
+  assert len({m for _, m, _ in schedules}) >= 3
+  assert len({s for c in piped for s in c if s.startswith("mesh.ici=")}) >= 6   # model axis 4, 8, 16
+  for s, m, r in schedules:
+    assert 96 % (s * r) == 0 and bubble_fraction(s, m, r) <= plan.PIPELINED.max_bubble, (s, m, r)
+  plain = [c for c in found if _schedule(c)[0] == 1]
+  assert plain and all("model.pipeline.microbatches=1" in c for c in plain)
+  for sets in found:  # the printed --set lines build
+    cfg = configs.get("lm.gpt3_175b_pipelined")
+    configs.apply_overrides(cfg, parsed(plan.set_line(sets)))
+    configs.build(cfg)
+
+
+@pytest.mark.slow
+def test_plan_ranks_pipeline_schedules_by_predicted_step(tmp_path):
+  """A 4-layer LM on v4:2x2x2 (8 chips): four pipeline schedules compiled for the TPU and
+  ranked by the step model; every one fits and the ranking is by predicted step."""
+  pytest.importorskip("libtpu")
+  grid = plan.Grid(model_axis=(), remat=("none",), microbatches=(1,), fsdp=False, tp=False,
+                   pipeline_stages=(2,), pipeline_model_axis=(1,), pipeline_microbatches_per_stage=(1, 2),
+                   pipeline_repeats=(1, 2), max_bubble=0.5)
+  sets = ["data.source='synthetic'", "model.num_layers=4", "model.d_model=128", "model.num_heads=4",
+          "data.seq_len=64", "model.max_len=64", "train.global_batch=16", "mesh.topology='v4:2x2x2'",
+          "mesh.num_cpu_devices=None"]
+  p = plan.plan("lm.tiny_pipelined", sets, str(tmp_path), grid=grid, log=lambda s: None)
+  ranked = [p["candidates"][i] for i in p["ranked"]]
+  assert len(ranked) == 4, [(r["sets"], r["status"], r["reason"]) for r in p["candidates"]]
+  steps = [r["predicted_step_seconds"] for r in ranked]
+  assert steps == sorted(steps) and len({_schedule(r["sets"]) for r in ranked}) == 4
+
+
+def test_a_pipeline_whose_microbatch_the_data_axis_does_not_divide_is_rejected():
+  """Found while tracing, not at config time: the row says why instead of the plan stopping."""
+  row = plan.evaluate("lm.tiny_pipelined", ["train.global_batch=8", "data.source='synthetic'"],
+                      ["model.pipeline.microbatches=4"])
+  assert row["status"] == "rejected" and "does not divide" in row["reason"], row

@@ -3,7 +3,9 @@
 For an experiment and its slice (`mesh.topology`, or this process's devices) the
 planner enumerates candidate layouts (a `Grid`: mesh shapes over data / model /
 stage, sharding presets, remat policies, gradient-accumulation microbatches and,
-where the model allows, pipeline stages x microbatches), then for each one:
+where the model allows, pipelines: stages x microbatches x circular repeats x model-axis
+size, those whose bubble (S-1)/(M*R+S-1) exceeds the grid's `max_bubble` left out
+before anything compiles), then for each one:
   1. rejects it with the reason when the config or the mesh cannot work (an axis that
      does not divide the heads, the batch or the layers; a preset naming an axis the
      mesh lacks): the same checks, and messages, as a real run;
@@ -38,6 +40,7 @@ import time
 from typing import Any, Sequence
 
 from shardax import configs
+from shardax.pipeline import PipelineError, bubble_fraction
 from shardax.trainer import jobdir
 from shardax.trainer.perf import chips
 from shardax.trainer.perf import dry_run as dry_run_lib
@@ -53,7 +56,8 @@ def _predicted_seconds(report: dict) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class Grid:
   """The candidate layouts: every combination of these (tensor axis x remat x microbatches),
-  plus pipelines (stages x model axis, remat of the first entry, one microbatch count)."""
+  plus pipelines (stages x model axis x pipeline microbatches x circular repeats, remat and
+  accumulation of the first entries; only schedules with a bubble <= max_bubble)."""
   model_axis: tuple[int, ...] = (8, 16, 32, 64)     # 2D sharding: model axis size (data = the rest)
   presets: tuple[str, ...] = ("2d",)
   remat: tuple[str, ...] = ("full", "dots_no_batch", "none")
@@ -61,8 +65,10 @@ class Grid:
   fsdp: bool = True                                   # + one pure-FSDP layout (data = all devices)
   tp: bool = True                                     # + one Megatron-only layout (weights replicated over data)
   pipeline_stages: tuple[int, ...] = (4, 8)           # + pipelines over a `stage` axis (pp_2d)
-  pipeline_model_axis: int = 16
-  pipeline_microbatches_per_stage: int = 2             # M = this x S
+  pipeline_model_axis: tuple[int, ...] = (16,)
+  pipeline_microbatches_per_stage: tuple[int, ...] = (2,)   # M = this x S
+  pipeline_repeats: tuple[int, ...] = (1,)            # circular repeats R (S*R must divide the layers)
+  max_bubble: float = 1.0
   context_axis: tuple[int, ...] = ()                  # if set: mesh (data, context) of these
                                                       # context sizes instead of (data, model)
   quantization: tuple[str, ...] = ()                  # if set: every layout once per model.quantization
@@ -74,6 +80,13 @@ class Grid:
 # or split the batch into microbatches.
 _LONG_CONTEXT = dict(model_axis=(1,), presets=("fsdp",), remat=("full", "offload", "offload_proj"),
                      fsdp=False, tp=False, pipeline_stages=())
+# Pipelined experiments: the schedule is the choice. Stages x model axis (data = the rest)
+# x microbatches x circular repeats, full remat (the pipeline's one recompute), the
+# experiment's own gradient accumulation; bubbles over 8% are not compiled.
+PIPELINED = Grid(model_axis=(8,), remat=("full",), microbatches=(2,), fsdp=False, tp=False,
+                 pipeline_stages=(4, 8), pipeline_model_axis=(4, 8, 16),
+                 pipeline_microbatches_per_stage=(2, 3, 4), pipeline_repeats=(1, 2, 3, 4),
+                 max_bubble=0.08)
 GRIDS = {"lm.llama3_8b_8k": Grid(microbatches=(1, 3), **_LONG_CONTEXT),   # 3 seqs per chip
          "lm.llama3_70b_8k": Grid(microbatches=(1,), **_LONG_CONTEXT),    # 1 seq per chip
          # 32k: the sequence split over 4 or 8 chips (context parallelism, preset fsdp_cp).
@@ -101,14 +114,28 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
     out.append(_layout(("data", "model"), (num_devices, 1), "fsdp") + base)
   if grid.tp:
     out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp") + base)
+  if cfg.model.pipeline.stages > 1:  # a pipelined experiment's layouts without its pipeline
+    out = [sets + ["model.pipeline.stages=1", "model.pipeline.microbatches=1",
+                   "model.pipeline.circular_repeats=1"] for sets in out]
   if getattr(cfg.model, "moe", None) is None:  # MoE models are refused under a pipeline
-    for s in grid.pipeline_stages:
-      out.append(_layout(("stage", "data", "model"), (s, -1, grid.pipeline_model_axis), "pp_2d")
-                 + base + [f"{prefix}pipeline.stages={s}",
-                           f"{prefix}pipeline.microbatches={grid.pipeline_microbatches_per_stage * s}"])
+    out += [_layout(("stage", "data", "model"), (s, -1, m), "pp_2d") + base + schedule
+            for s, m, schedule in _pipelines(cfg.model.num_layers, grid)]
   if grid.quantization:  # 8-bit matmuls (layers/quantization.py) ranked with the layouts
     out = [sets + [f"{prefix}quantization={q}"] for sets in out for q in grid.quantization]
   return out
+
+
+def _pipelines(layers: int, grid: Grid):
+  """(stages, model axis, schedule --sets) of every pipeline in the grid whose S*R divides
+  the layers and whose bubble is at most grid.max_bubble."""
+  for s in grid.pipeline_stages:
+    for r in grid.pipeline_repeats:
+      for per_stage in grid.pipeline_microbatches_per_stage:
+        if layers % (s * r) or bubble_fraction(s, per_stage * s, r) > grid.max_bubble:
+          continue
+        for m in grid.pipeline_model_axis:
+          yield s, m, [f"model.pipeline.stages={s}", f"model.pipeline.microbatches={per_stage * s}",
+                       f"model.pipeline.circular_repeats={r}"]
 
 
 def set_line(sets: Sequence[str]) -> str:
@@ -153,7 +180,11 @@ def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort
                reason=f"params + optimizer state alone need {state / 2**30:.2f} GiB per device "
                       f"> {hbm / 2**30:.2f} GiB HBM (not compiled)")
     return row
-  report = extrapolate.dry_run(exp, full=not shallow, effort=effort)
+  try:
+    report = extrapolate.dry_run(exp, full=not shallow, effort=effort)
+  except PipelineError as e:  # found while tracing: a microbatch the data axes do not divide
+    row.update(reason=str(e).splitlines()[0], seconds=time.perf_counter() - start)
+    return row
   total = report["bytes_per_device"].get("total")
   row.update(fits=report["fits"], bytes_per_device=total, compile_path=report["compile_path"],
              predicted_step_seconds=_predicted_seconds(report),
@@ -185,11 +216,12 @@ def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *
   """Evaluate every candidate of `grid`, rank them, write plan.json; returns the plan.
   `quantization`: also rank these model.quantization choices (each layout once per choice)."""
   start = time.perf_counter()
-  grid = GRIDS.get(name, grid) if grid == Grid() else grid
-  if quantization:
-    grid = dataclasses.replace(grid, quantization=tuple(quantization))
   cfg = configs.get(name)
   configs.apply_overrides(cfg, list(overrides))
+  if grid == Grid():
+    grid = GRIDS.get(name, PIPELINED if cfg.model.pipeline.stages > 1 else grid)
+  if quantization:
+    grid = dataclasses.replace(grid, quantization=tuple(quantization))
   exp = configs.build(cfg)
   mesh, _ = dry_run_lib.prepare(exp)
   rows = []

@@ -64,6 +64,8 @@ import collections
 import dataclasses
 from typing import Any
 
+from shardax.pipeline import schedule
+from shardax.sharding import replica_groups
 from shardax.trainer.perf import chips as chips_lib
 from shardax.trainer.perf import costs as costs_lib
 from shardax.trainer.perf import flops as flops_lib
@@ -101,20 +103,24 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
   """`predict` from loop-aware costs already read from the program."""
   n = int(mesh.size)
   comm = _collective_times(costs, mesh, chip)
+  spare = _spare_compute(costs, comm, chip)
   pieces, totals = [], collections.Counter()
   eight_bit = collections.Counter()   # XLA's 8-bit dots (model.quantization): FLOPs by operand type
   for p in costs.pieces:
     for kind, dtype, f in p.ops:
       if kind == "xla":
         eight_bit[dtype] += p.executions * f
-    compute = ops.seconds("xla", "bf16", p.flops, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
-    memory = p.bytes_accessed / chip.hbm_bandwidth
+    compute, memory = _own_seconds(p, chip)
     local = max(compute, memory)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
-    hidden = min(async_t, local)
-    t = max(local, async_t) + sync_t
+    spans = comm["spanning"].get(p.computation, {})
+    span_t = sum(spans.values())
+    async_t += span_t  # permutes around loops hide behind this piece and, beyond it, those loops
+    budget = local + min(span_t, sum(spare.get(b, 0.0) for b in spans) / p.executions)
+    hidden = min(async_t, budget)
+    t = local + async_t - hidden + sync_t
     for key, value in (("compute", compute), ("memory", memory), ("hidden", hidden),
-                       ("exposed", async_t - hidden + sync_t), ("step", t)):
+                       ("exposed", async_t + sync_t - hidden), ("step", t)):
       totals[key] += p.executions * value
     pieces.append({"computation": p.computation, "executions": p.executions,
                    "seconds_each": t, "compute_seconds_each": compute,
@@ -154,7 +160,9 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
   """Seconds of collectives per execution of each piece (async / sync), and per step by kind,
   mesh axis and link."""
   out = {k: collections.Counter() for k in ("async", "sync", "by_kind", "by_axis", "by_link")}
+  out["spanning"] = collections.defaultdict(collections.Counter)  # piece -> loop bodies -> seconds
   routes: dict[str, links.Route] = {}
+  riding = _mirrored(costs.collectives, mesh.size)
   for c in costs.collectives:
     if getattr(c, "link", "") == "dcn":  # a megascale send: the cross-slice part, on DCN only
       r = links.across_granules(c.span or 2)
@@ -164,10 +172,15 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
         routes[c.replica_groups] = links.route(mesh.devices, tuple(mesh.axis_names), group)
       r = routes[c.replica_groups]
     parts = links.seconds_by_link(c.kind, c.bytes, r, chip)
+    if c.name in riding and _ring_wraps(c, mesh, chip):  # the other direction of a mirrored ring: free
+      parts = {link: 0.0 for link in parts}
     t = sum(parts.values())
     piece = costs.piece_of(c)
     owner = piece.computation if piece else (costs.pieces[0].computation if costs.pieces else "")
-    out["async" if _overlaps(c) else "sync"][owner] += t
+    if c.kind == "collective-permute" and c.loops_between:
+      out["spanning"][owner][c.loops_between] += t
+    else:
+      out["async" if _overlaps(c) else "sync"][owner] += t
     out["by_kind"][c.kind] += t * c.executions
     axis = "dcn (slices)" if getattr(c, "link", "") == "dcn" else "+".join(r.axes) or "none"
     out["by_axis"][axis] += t * c.executions
@@ -177,6 +190,40 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
   return out
 
 
+def _ring_wraps(c, mesh, chip: chips_lib.Chip) -> bool:
+  """Whether the ring a permute's pairs close lies on torus dims that wrap around: then each
+  direction of every link carries one transfer. Without wraparound the ring's closing pair
+  runs back along the line, over the links the mirrored ring uses, so the two contend."""
+  step = dict(tuple(p) for p in replica_groups.groups(c.replica_groups, mesh.size))
+  ring, node = [], next(iter(step), None)
+  while node is not None and node not in ring:
+    ring.append(node)
+    node = step.get(node)
+  if node != (ring[0] if ring else None) or len(ring) < 3:
+    return False
+  r = links.route(mesh.devices, tuple(mesh.axis_names), ring)
+  # links.py: a dim wraps when the group spans all of it and it is long enough for the torus
+  return r.dcn_size <= 1 and bool(r.dims) and all(full and size >= chip.wraparound_from
+                                                   for size, full in r.dims)
+
+
+def _mirrored(collectives, num_devices: int) -> set[str]:
+  """Names of async permutes that run beside a permute of the same bytes in the same
+  computation whose source-target pairs are theirs reversed (one of each such pair)."""
+  permutes = {(c.computation, c.name): c for c in collectives
+              if c.kind == "collective-permute" and c.is_async and c.concurrent_with}
+  pairs = lambda c: frozenset(tuple(p) for p in replica_groups.groups(c.replica_groups, num_devices))
+  riding = set()
+  for (comp, name), c in permutes.items():
+    for other in c.concurrent_with:
+      d = permutes.get((comp, other))
+      if d is not None and other < name and other not in riding and d.bytes == c.bytes \
+          and pairs(d) == frozenset((b, a) for a, b in pairs(c)):
+        riding.add(name)
+        break
+  return riding
+
+
 def stand_in_line(pr: Prediction) -> str:
   return (f"STAND-IN: this program was compiled for {pr.stand_in_for} and is priced as {pr.chip}; "
           f"the partitioning and collectives are real, the fusion and scheduling are {pr.stand_in_for}'s")
@@ -184,14 +231,38 @@ def stand_in_line(pr: Prediction) -> str:
 
 def _overlaps(c) -> bool:
   """Whether a collective can run under its piece's compute (assumption 4)."""
-  return c.is_async or (c.kind == "collective-permute" and "windowed_dot_general" in c.computation)
+  if c.kind == "collective-permute" and "windowed_dot_general" in c.computation:
+    return True
+  if c.kind == "collective-permute":  # only what the schedule puts between start and done
+    return c.is_async and c.compute_between > 0
+  return c.is_async
+
+
+def _own_seconds(p: costs_lib.Piece, chip: chips_lib.Chip) -> tuple[float, float]:
+  """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2)."""
+  compute = ops.seconds("xla", "bf16", p.flops, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
+  return compute, p.bytes_accessed / chip.hbm_bandwidth
+
+
+def _spare_compute(costs: costs_lib.Costs, comm: dict, chip: chips_lib.Chip) -> dict[tuple, float]:
+  """Per tuple of loop bodies that async permutes span: seconds per step of those loops'
+  compute (every piece nested in them) left after hiding their own async collectives."""
+  spare = {}
+  for bodies in {b for spans in comm["spanning"].values() for b in spans}:
+    seconds = 0.0
+    for p in costs.pieces:
+      if set(bodies) & set(p.loops):
+        local = max(_own_seconds(p, chip))
+        seconds += p.executions * max(0.0, local - comm["async"].get(p.computation, 0.0))
+    spare[bodies] = seconds
+  return spare
 
 
 def _bubble_fraction(exp) -> float:
   p = getattr(exp.model, "pipeline", None)
   if p is None or p.stages <= 1:
     return 0.0
-  return (p.stages - 1) / (p.microbatches * p.circular_repeats + p.stages - 1)
+  return schedule.bubble_fraction(p.stages, p.microbatches, p.circular_repeats, p.delay_shift)
 
 
 def format_prediction(pr: Prediction) -> list[str]:
