@@ -50,7 +50,7 @@ import numpy as np
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir
-from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, stepmodel
+from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, stepmodel
 from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -109,9 +109,14 @@ def _parse_oom(message: str) -> tuple[int | None, int | None]:
   return sizes[0], sizes[1]
 
 
-def hint(mem: dict, hbm: int | None) -> str:
+def hint(mem: dict, hbm: int | None, exp: Experiment | None = None, buffers: list | None = None) -> str:
+  """What to try when the program does not fit: with the buffer list, the unused levers
+  ranked by the bytes each frees (trainer/perf/levers.py); else the general advice."""
   state = (mem.get("params") or 0) + (mem.get("optimizer_state") or 0)
   where = "weights and optimizer state" if hbm and state > hbm / 2 else "activations (temp)"
+  if exp is not None and buffers and (ranked := levers.rank(exp, mem, buffers)):
+    short = f" (short by {_gib(mem['total'] - hbm)})" if hbm and mem.get("total") else ""
+    return f"most memory goes to {where}{short}. " + levers.hint(ranked)
   return (f"most memory goes to {where}. Try: shard weights over more devices "
           f"(sharding.preset=fsdp or 2d, a larger -1 axis in mesh.ici), rematerialize "
           f"(model.remat=full), split the batch (train.microbatches=N), bf16 params "
@@ -136,7 +141,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
       "hbm_bytes_per_device": usable_hbm_bytes(mesh, chip) or (chip.hbm_bytes if chip else None),
       "error": None}
   start, cpu_start = time.perf_counter(), time.process_time()
-  compiled, buffers = compile_with_buffers(setup)
+  compiled, buffers = compile_with_buffers(setup, top=24)  # the report prints 12 of each space
   out["buffers"] = [dataclasses.asdict(b) for b in buffers]
   if isinstance(compiled, Exception):
     e = compiled
@@ -149,7 +154,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
                flops_loop_bodies_once=None, bytes_accessed_per_device=None,
                model_flops_per_step=model_flops, flops_convention=CONVENTION, collectives={},
                predicted=None, error=str(e).splitlines()[0])
-    out["hint"] = hint(mem, out["hbm_bytes_per_device"])
+    out["hint"] = hint(mem, out["hbm_bytes_per_device"], exp, out["buffers"])
     return write(out, job_dir)
   out["compile_seconds"] = time.perf_counter() - start
   out["compile_cpu_seconds"] = time.process_time() - cpu_start  # all threads; robust to a busy host
@@ -173,7 +178,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              model_flops_per_step=model_flops, flops_convention=CONVENTION,
              collectives=report.collective_summary(hlo),
              predicted=_brief(predicted.as_dict()) if predicted else None,
-             hint=None if fits is not False else hint(mem, hbm))
+             hint=None if fits is not False else hint(mem, hbm, exp, out["buffers"]))
   if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)
