@@ -27,10 +27,13 @@ import glob
 import os
 import re
 
-# Memory colors of the TPU compiler's buffer assignment (its memory-usage report names them:
-# 0 default = HBM, 1 vmem, 2 smem, 4 host); colors not listed are reported by number.
-DEVICE, HOST = 0, 4
-_SPACES = {0: "device", 1: "vmem", 2: "smem", 4: "host"}
+# Memory colors of the TPU compiler's buffer assignment: 0 HBM, 1 vmem, 2 smem, and 5 the
+# host memory that offloaded activations go to (jax's pinned_host; layout tag S(5)): its temp
+# allocation is exactly memory_analysis().host_temp_size_in_bytes (17,301,504 B on
+# tests/test_offload.py's step, libtpu 0.0.42.1; the compiler's own report calls color 5
+# "cmem" and color 4 "host", which held only a few s32[2] there). Others: by number.
+DEVICE, HOST = 0, 5
+_SPACES = {0: "device", 1: "vmem", 2: "smem", 5: "host"}
 
 _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(?:, color (\d+))?, (.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^{ >]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
@@ -152,9 +155,13 @@ def read(dump_dir: str, top: int = 12, spaces: tuple[int, ...] = (DEVICE, HOST),
     sized = ((max(v[1] for v in vals), vals) for (c, _), vals in blocks.items() if c == color)
     mine = sorted((b for b in sized if b[0] >= min_bytes), key=lambda b: -b[0])[:top]
     for size, vals in mine:
-      name, _, shape = max(vals, key=lambda v: (v[1], not v[0].startswith(("while", "wide.", "param"))))
+      # Named by its largest value; op_name and source from the largest that has metadata
+      # (loop phis and the offload's copies carry none).
+      ranked = sorted(vals, key=lambda v: -v[1])
+      name, _, shape = ranked[0]
       dtype, dims = _array(shape)
-      op_name, source = sources(name)
+      op_name, source = next((m for m in map(sources, (v[0] for v in ranked if v[1] == size)) if m[0]),
+                             ("", ""))
       out.append(Buffer(size, _SPACES.get(color, f"color {color}"), dtype, dims, name,
                         op_name, source, len(vals)))
   return out
