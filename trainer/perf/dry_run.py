@@ -263,7 +263,9 @@ def format_report(r: dict) -> str:
   lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}{usable}")
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
-  lines += buffers_lib.format_table([buffers_lib.Buffer(**b) for b in r.get("buffers") or []])
+  copy = (r.get("shallow") or {}).get("layers") if r.get("compile_path") == "shallow" else None
+  lines += buffers_lib.format_table([buffers_lib.Buffer(**b) for b in r.get("buffers") or []],
+                                    source=f"the {copy[-1]}-layer shallow copy" if copy else None)
   if r["flops_per_device"] is not None:
     lines.append(f"  FLOPs: hardware (compiled program, loops x trip count) {r['flops_per_device']:.4g} "
                  f"per device; model ({r['flops_convention']}) {r['model_flops_per_step']:.4g} per step")
