@@ -83,6 +83,8 @@ def test_offload_moves_the_saved_layer_inputs_to_host_on_a_tpu_compile():
   assert _saved_inputs_on_device(off_hlo) == 0 < inputs
 
 
+@pytest.mark.slow   # one more TPU compile (98 s on the loaded 2-core VM); the default suite
+                    # checks the layer inputs' placement above
 def test_offload_proj_puts_the_named_tensors_in_host_memory():
   """remat='offload_proj' on a TPU compile: the buffer list's host blocks are the tensors the
   policy names, stacked over the layers, per chip: the layer input and the out projection
