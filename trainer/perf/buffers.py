@@ -41,8 +41,6 @@ _VALUE = re.compile(r"^ value: <\d+ ([^{ >]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", re.M)
 _META = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\d+)')
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16": 2, "s16": 2,
-                "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,14 +182,6 @@ def read(dump_dir: str, top: int = 12, spaces: tuple[int, ...] = (DEVICE, HOST),
       out.append(Buffer(size, _SPACES.get(color, f"color {color}"), dtype, dims, name,
                         op_name, source, len(vals)))
   return out
-
-
-def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-  """Unpadded bytes of an array of this HLO dtype and shape."""
-  n = _DTYPE_BYTES.get(dtype, 0)
-  for d in shape:
-    n *= d
-  return n
 
 
 def _gib(b: int) -> str:
