@@ -95,6 +95,9 @@ class TransformerConfig:
   remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch" | "offload" | "offload_proj"
   attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention) | "flash" | "auto"
   z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
+  # Logits and loss in chunks of this many positions of the sequence, each chunk's logits
+  # recomputed in the backward pass: no [tokens, vocab] f32 array lives at once. 0 = all at once.
+  loss_chunk: int = 0
   mlp: str = "gated"                  # "gated" (act(x W_gate) * x W_up) | "plain" (act(x W_in), T5/GPT)
   parallel_block: bool = False        # x + attn(norm(x)) + mlp(norm(x)) (GPT-J/PaLM) instead of in turn
   # 8-bit training of the q/k/v/out, MLP and expert matmuls (embedding, logits, norms and
@@ -154,6 +157,7 @@ class TransformerConfig:
     _require(self.quantization in QUANTIZATION_CHOICES,
              f"model.quantization={self.quantization!r}: use one of {QUANTIZATION_CHOICES}")
     _require(self.z_loss >= 0, f"model.z_loss={self.z_loss} must be >= 0 (0 turns it off)")
+    _require(self.loss_chunk >= 0, f"model.loss_chunk={self.loss_chunk} must be >= 0 (0: the loss in one piece)")
     _require(self.mlp in ("gated", "plain"), f"model.mlp={self.mlp!r}: use 'gated' or 'plain'")
     _require(self.context_parallel in ("allgather", "ring"),
              f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")

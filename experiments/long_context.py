@@ -76,6 +76,23 @@ def llama3_70b_8k():
   return _llama3(80, 8192, 64, 28672, topology="v6e:16x16", ici=(256, 1), per_chip=1, remat="offload")
 
 
+@register("lm.mistral_7b_8k", "Mistral-7B shapes at 8192 tokens, FSDP on TPU v6e-8 (6 seqs/chip, MaxText's "
+          "recipe's batch): offloaded layer inputs, chunked loss")
+def mistral_7b_8k():
+  # MaxText's published v6e-8 recipe trains 6 x 8192 per chip (offloading the layer input and
+  # the q/k/v/out projections). Dry runs, 2026-11-26 (docs/scale.md, "Where the memory goes"):
+  # offload_proj with the loss in one piece 33.27 GiB of 31.25 (the [6, 8192, 32000] f32 logits
+  # and their gradient: 8.8 GiB); offload_proj + loss_chunk 30.84 GiB, 0.41 spare, its 42 GiB
+  # of host round trips 2.6 s longer than the step's compute; offload + loss_chunk 28.30 GiB,
+  # 12 GiB on host hidden under compute, 5.142 s predicted (51.1% MFU).
+  cfg = _llama3(32, 4096, 32, 14336, topology="v6e:2x4", ici=(8, 1), per_chip=6, remat="offload")
+  cfg.model.vocab_size = 32000
+  cfg.model.rope_theta = 1_000_000.0   # Mistral-7B v0.2+; no sliding window
+  cfg.model.norm_eps = 1e-5
+  cfg.model.loss_chunk = 1024
+  return cfg
+
+
 @register("lm.llama3_8b_32k", "Llama-3.1-8B shapes at 32768 tokens on TPU v6e-64: data 16 x context 4 "
           "(all-gather K/V, flash kernel), FSDP over both")
 def llama3_8b_32k():

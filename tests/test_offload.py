@@ -83,6 +83,25 @@ def test_offload_moves_the_saved_layer_inputs_to_host_on_a_tpu_compile():
   assert _saved_inputs_on_device(off_hlo) == 0 < inputs
 
 
+@pytest.mark.slow   # one more TPU compile (98 s on the loaded 2-core VM); the default suite
+                    # checks the layer inputs' placement above
+def test_offload_proj_puts_the_named_tensors_in_host_memory():
+  """remat='offload_proj' on a TPU compile: the buffer list's host blocks are the tensors the
+  policy names, stacked over the layers, per chip: the layer input and the out projection
+  [8, 2, 384, 256], the query [8, 2, 384, 4 heads, 64], key and value [8, 2, 384, 2 kv heads,
+  64]; and they are all of the program's host memory."""
+  pytest.importorskip("libtpu")
+  from shardax.trainer.perf import dry_run
+  _, setup = dry_run.prepare(_build(*TPU, "model.remat='offload_proj'"))
+  compiled, buffers = dry_run.compile_with_buffers(setup, top=20)
+  host = sorted((b.dtype, b.shape) for b in buffers if b.space == "host")
+  stack = (LAYERS, 2, SEQ)
+  assert host == sorted([("bf16", stack + (WIDTH,))] * 2 + [("bf16", stack + (4, 64))]
+                        + [("bf16", stack + (2, 64))] * 2), host
+  assert sum(b.bytes for b in buffers if b.space == "host") == dry_run.host_temp_bytes(compiled)
+  assert not [b for b in buffers if b.space == "device" and b.shape[:3] == stack]
+
+
 def test_host_transfers_are_priced_at_the_host_link_and_hide_under_enough_compute():
   chip = chips.lookup("TPU v6e")
   assert chip.host_bandwidth == 1.5e10 and chips.lookup("NVIDIA H100 80GB HBM3").host_bandwidth > 0

@@ -2,7 +2,8 @@
 
 Compiles the real train step from abstract shapes (nothing allocated) on the
 experiment's mesh (a TPU topology too, with `mesh.topology`) and reads the compiled
-program: per-parameter placement, per-device memory, FLOPs, and each collective
+program: per-parameter placement, per-device memory and its largest buffers
+(trainer/perf/buffers.py), FLOPs, and each collective
 with the model source line that caused it (HLO metadata). Activation shardings
 come from tracing the forward pass: every `shard(x, logical_axes)` the model makes
 is a sharding constraint in the jaxpr, with its shape, spec and source line, so
@@ -24,7 +25,7 @@ import shardax
 from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
 from shardax.trainer import jobdir
-from shardax.trainer.perf import dry_run
+from shardax.trainer.perf import buffers as buffers_lib, dry_run
 from shardax.trainer import decode
 from shardax.trainer import step as step_lib
 
@@ -90,7 +91,9 @@ def format_activations(rows: list[Activation]) -> str:
 
 def explain(exp: Experiment, job_dir: str | None = None) -> str:
   mesh, setup = dry_run.prepare(exp)
-  compiled = dry_run.compile_step(setup)
+  compiled, buffers = dry_run.compile_with_buffers(setup)
+  if isinstance(compiled, Exception):  # does not fit: --mode=dry_run says by how much, and why
+    raise compiled
   activations = activation_table(setup)
   rows = report.param_table(setup.abstract["params"], setup.shardings["params"], setup.param_axes)
   hlo = compiled.as_text()
@@ -102,6 +105,7 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
            "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
            *filter(None, [decode.cache_summary(exp, mesh, setup.rules)]),
+           *buffers_lib.format_table(buffers),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
            report.format_collectives(summary), ""]
   for c in report.collectives(hlo):
@@ -112,7 +116,8 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
     jobdir.write_text(jobdir.path(job_dir) / "explain.txt", text + "\n")
     jobdir.write_text(jobdir.path(job_dir) / "explain.json", json.dumps({"params": [r.__dict__ for r in rows],
                  "activations": [dataclasses.asdict(a) for a in activations],
-                 "memory": memory, "collectives": summary,
+                 "memory": memory, "buffers": [dataclasses.asdict(b) for b in buffers],
+                 "collectives": summary,
                  "collective_ops": [dataclasses.asdict(c) for c in report.collectives(hlo)],
                  "flops_per_device": report.flops(compiled)}, indent=2, default=str))
   return text

@@ -22,6 +22,10 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
   model_flops_per_step  the model's formula (`flops_per_example(data) x global_batch`;
                     for the LM: 6N + causal-halved attention, trainer/perf/flops.py);
                     flops_convention says so.
+  buffers           the largest blocks of the program's device (HBM) and host temp memory,
+                    each named by the value that needs it (size, shape, dtype, HLO
+                    instruction, op_name, source line), read from XLA's buffer assignment
+                    (trainer/perf/buffers.py); also when the compiler refuses the program.
   collectives       per kind: count and bytes per step, loops unrolled.
   predicted         the step-time model (trainer/perf/stepmodel.py, assumptions in its
                     docstring): step_seconds, mfu (model FLOPs), hfu (compiled FLOPs),
@@ -32,9 +36,11 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
+import tempfile
 import time
 from typing import Any
 
@@ -44,7 +50,7 @@ import numpy as np
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir
-from shardax.trainer.perf import chips, costs as costs_lib, stepmodel
+from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, stepmodel
 from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -59,10 +65,32 @@ def prepare(exp: Experiment):
   return mesh, state_lib.create(exp, mesh)
 
 
-def compile_step(setup):
-  """The compiled train step (AOT, from abstract shapes) under the experiment's mesh and rules."""
+def compile_step(setup, dump_dir: str | None = None):
+  """The compiled train step (AOT, from abstract shapes) under the experiment's mesh and rules;
+  with `dump_dir`, XLA also writes its buffer assignment there (trainer/perf/buffers.py)."""
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
-    return step_lib.compile_train_step(setup)
+    if dump_dir is None:
+      return step_lib.compile_train_step(setup)
+    lowered = step_lib.train_step_fn(setup).lower(setup.abstract, step_lib.abstract_batch(setup))
+    cache = jax.config.jax_enable_compilation_cache
+    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would write no dump
+    try:
+      return lowered.compile(compiler_options=buffers_lib.dump_options(dump_dir))
+    finally:
+      jax.config.update("jax_enable_compilation_cache", cache)
+
+
+def compile_with_buffers(setup, top: int = 12):
+  """(compiled step or the compiler's RESOURCE_EXHAUSTED error, its largest temp buffers):
+  the buffer list is read also when the compiler refuses the program for its size."""
+  with tempfile.TemporaryDirectory(prefix="shardax-buffers-") as dump:
+    try:
+      compiled = compile_step(setup, dump)
+    except Exception as e:  # the TPU compiler refuses programs that exceed HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      compiled = e
+    return compiled, buffers_lib.read(dump, top)
 
 
 def _shard_bytes(abstract: Any) -> int:
@@ -81,9 +109,14 @@ def _parse_oom(message: str) -> tuple[int | None, int | None]:
   return sizes[0], sizes[1]
 
 
-def hint(mem: dict, hbm: int | None) -> str:
+def hint(mem: dict, hbm: int | None, exp: Experiment | None = None, buffers: list | None = None) -> str:
+  """What to try when the program does not fit: with the buffer list, the unused levers
+  ranked by the bytes each frees (trainer/perf/levers.py); else the general advice."""
   state = (mem.get("params") or 0) + (mem.get("optimizer_state") or 0)
   where = "weights and optimizer state" if hbm and state > hbm / 2 else "activations (temp)"
+  if exp is not None and buffers and (ranked := levers.rank(exp, mem, buffers)):
+    short = f" (short by {_gib(mem['total'] - hbm)})" if hbm and mem.get("total") else ""
+    return f"most memory goes to {where}{short}. " + levers.hint(ranked)
   return (f"most memory goes to {where}. Try: shard weights over more devices "
           f"(sharding.preset=fsdp or 2d, a larger -1 axis in mesh.ici), rematerialize "
           f"(model.remat=full), split the batch (train.microbatches=N), bf16 params "
@@ -108,11 +141,10 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
       "hbm_bytes_per_device": usable_hbm_bytes(mesh, chip) or (chip.hbm_bytes if chip else None),
       "error": None}
   start, cpu_start = time.perf_counter(), time.process_time()
-  try:
-    compiled = compile_step(setup)
-  except Exception as e:  # the TPU compiler refuses programs that exceed HBM
-    if "RESOURCE_EXHAUSTED" not in str(e):
-      raise
+  compiled, buffers = compile_with_buffers(setup, top=24)  # the report prints 12 of each space
+  out["buffers"] = [dataclasses.asdict(b) for b in buffers]
+  if isinstance(compiled, Exception):
+    e = compiled
     required, available = _parse_oom(str(e))
     out["compile_seconds"] = time.perf_counter() - start
     out["compile_cpu_seconds"] = time.process_time() - cpu_start
@@ -122,7 +154,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
                flops_loop_bodies_once=None, bytes_accessed_per_device=None,
                model_flops_per_step=model_flops, flops_convention=CONVENTION, collectives={},
                predicted=None, error=str(e).splitlines()[0])
-    out["hint"] = hint(mem, out["hbm_bytes_per_device"])
+    out["hint"] = hint(mem, out["hbm_bytes_per_device"], exp, out["buffers"])
     return write(out, job_dir)
   out["compile_seconds"] = time.perf_counter() - start
   out["compile_cpu_seconds"] = time.process_time() - cpu_start  # all threads; robust to a busy host
@@ -146,7 +178,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              model_flops_per_step=model_flops, flops_convention=CONVENTION,
              collectives=report.collective_summary(hlo),
              predicted=_brief(predicted.as_dict()) if predicted else None,
-             hint=None if fits is not False else hint(mem, hbm))
+             hint=None if fits is not False else hint(mem, hbm, exp, out["buffers"]))
   if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)
@@ -231,6 +263,9 @@ def format_report(r: dict) -> str:
   lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}{usable}")
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
+  copy = (r.get("shallow") or {}).get("layers") if r.get("compile_path") == "shallow" else None
+  lines += buffers_lib.format_table([buffers_lib.Buffer(**b) for b in r.get("buffers") or []],
+                                    source=f"the {copy[-1]}-layer shallow copy" if copy else None)
   if r["flops_per_device"] is not None:
     lines.append(f"  FLOPs: hardware (compiled program, loops x trip count) {r['flops_per_device']:.4g} "
                  f"per device; model ({r['flops_convention']}) {r['model_flops_per_step']:.4g} per step")

@@ -178,7 +178,7 @@ def _derive(out: dict, exp: Experiment) -> dict:
   """
   mem, hbm = out["bytes_per_device"], out["hbm_bytes_per_device"]
   out["fits"] = None if hbm is None or mem.get("total") is None else bool(mem["total"] <= hbm)
-  out["hint"] = None if out["fits"] is not False else dry_run_lib.hint(mem, hbm)
+  out["hint"] = None if out["fits"] is not False else dry_run_lib.hint(mem, hbm, exp, out.get("buffers"))
   chip, p = chips.lookup(out["device_kind"]), out.get("predicted")
   if chip and p and p["step_seconds"]:
     step, n = p["step_seconds"], out["num_devices"]

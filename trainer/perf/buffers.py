@@ -1,0 +1,204 @@
+"""Where a compiled program's memory goes: its largest buffers, read from XLA's buffer assignment.
+
+The compile is asked to dump its buffer assignment (`dump_options`: XLA's `xla_dump_to`
+with text dumps); XLA writes it after scheduling, also when the TPU compiler then refuses
+the program for exceeding HBM, so a dry run that does not fit still says why. From the dump:
+
+  *after_optimizations-buffer-assignment.txt  every allocation (size, memory color, kind:
+      parameter, output, preallocated-temp, ...) and the HLO values placed in it, each with
+      its offset and size: the temporaries of one memory space share one preallocated-temp
+      allocation, and values at one offset take turns in that block of memory;
+  *after_optimizations.txt  the scheduled HLO: each instruction's metadata (op_name, and
+      the stack frame that gives the model's source file and line).
+
+`read(dump_dir)` groups each temp allocation's values by offset into blocks (a block's size
+is its largest value), largest first: the heap the compiler laid out, whose size is the
+temp figure of `memory_analysis()` (TPU: also the "HLO temporaries" of its out-of-memory
+message). Each block is named by its largest value: shape, dtype, the instruction, op_name,
+source line. Why blocks and not the values live at one instant: XLA's own "peak" in the
+live-range dump (HloLiveRange) undercounts TPU programs (4.1 GB of 19.4 GiB on a small LM
+step, 2026-11-26); the block layout is what the allocator actually reserved.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import re
+
+# Memory colors of the TPU compiler's buffer assignment: 0 HBM, 1 vmem, 2 smem, and 5 the
+# host memory that offloaded activations go to (jax's pinned_host; layout tag S(5)): its temp
+# allocation is exactly memory_analysis().host_temp_size_in_bytes (17,301,504 B on
+# tests/test_offload.py's step, libtpu 0.0.42.1; the compiler's own report calls color 5
+# "cmem" and color 4 "host", which held only a few s32[2] there). Others: by number.
+DEVICE, HOST = 0, 5
+_SPACES = {0: "device", 1: "vmem", 2: "smem", 5: "host"}
+
+_ALLOC = re.compile(r"^allocation (\d+): size (\d+)(?:, color (\d+))?, (.*):$")
+_VALUE = re.compile(r"^ value: <\d+ ([^{ >]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
+                    r"\(size=(\d+),offset=(\d+)\): (.*)$")
+_ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", re.M)
+_META = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\d+)')
+
+
+@dataclasses.dataclass(frozen=True)
+class Buffer:
+  """One block of a memory space's temp heap and the value that needs it most."""
+  bytes: int
+  space: str                 # "device" (HBM), "host" (offloaded), ...
+  dtype: str                 # of the largest value in the block ("tuple" for a tuple buffer)
+  shape: tuple[int, ...]     # per device
+  instruction: str           # the HLO instruction that defines that value
+  op_name: str               # jax's name for the op (metadata), "" if none
+  source: str                # file:line function of the model code that made it, "" if none
+  values: int                # how many HLO values take turns in this block
+
+
+def dump_options(dump_dir: str) -> dict:
+  """`compiler_options` for `lowered.compile(...)` that make XLA write the buffer assignment."""
+  return {"xla_dump_to": dump_dir, "xla_dump_hlo_as_text": True}
+
+
+def _module_files(dump_dir: str) -> tuple[str, str] | None:
+  """(buffer assignment, scheduled HLO) of the largest module in the dump, or None."""
+  found = glob.glob(os.path.join(dump_dir, "*after_optimizations-buffer-assignment.txt"))
+  if not found:
+    return None
+  assignment = max(found, key=os.path.getsize)
+  hlo = assignment.replace("-buffer-assignment.txt", ".txt")
+  return assignment, hlo if os.path.exists(hlo) else ""
+
+
+def _temp_values(text: str) -> dict[tuple[int, int], list[tuple[str, int, str]]]:
+  """{(color, offset): [(instruction, size, shape text)]} over the preallocated-temp allocations."""
+  blocks: dict[tuple[int, int], list[tuple[str, int, str]]] = {}
+  color = None
+  for line in text.splitlines():
+    if m := _ALLOC.match(line):
+      color = int(m.group(3) or 0) if "preallocated-temp" in m.group(4) else None
+    elif color is not None and (v := _VALUE.match(line)):
+      name, _, size, offset, shape = v.groups()
+      blocks.setdefault((color, int(offset)), []).append((name, int(size), shape))
+  return blocks
+
+
+class _Sources:
+  """op_name and source line of each instruction, from the scheduled HLO's metadata."""
+
+  def __init__(self, hlo: str):
+    self.meta = {name: dict(_META.findall(body)) for name, body in _INSTR.findall(hlo)}
+    self.frames = _stack_frames(hlo)
+
+  def __call__(self, instruction: str) -> tuple[str, str]:
+    meta = self.meta.get(instruction) or self.meta.get(instruction.split(".remat")[0]) or {}
+    op_name = meta.get("op_name", "").strip('"').replace("\\'", "'")
+    if "source_file" in meta:
+      source = f"{_short(meta['source_file'].strip(chr(34)))}:{meta.get('source_line', '?')}"
+    else:
+      source = self.frames.get(int(meta.get("stack_frame_id", 0)), "")
+    return op_name, source
+
+
+# Frames that wrap every matmul or annotation: the source shown is the first frame outside them.
+_GENERIC = ("layers/quantization.py", "layers/linear.py", "sharding/")
+
+
+def _stack_frames(hlo: str) -> dict[int, str]:
+  """{stack frame id: 'file.py:line function'} from the module's FileNames / FunctionNames /
+  FileLocations / StackFrames tables (jax >= 0.7 writes metadata as stack_frame_id): the
+  innermost shardax frame outside the generic matmul/annotation wrappers (_GENERIC), so a
+  dot reads as the layer that made it. The printed parent_frame_id is the parent's id + 1
+  (1: none), seen on libtpu 0.0.42.1 dumps: parent - 1 walks attend -> logits -> forward ->
+  loss_and_metrics -> the train step."""
+  def table(name):
+    m = re.search(rf"^{name}\n(.*?)(?:\n\n|\n(?=[A-Z%]))", hlo, re.S | re.M)
+    return [l.split(None, 1) for l in (m.group(1).splitlines() if m else []) if l.strip()]
+  files = {int(i): s.strip().strip('"') for i, s in table("FileNames")}
+  funcs = {int(i): s.strip().strip('"') for i, s in table("FunctionNames")}
+  locations = {int(i): dict(re.findall(r"(\w+)=(\d+)", s)) for i, s in table("FileLocations")}
+  frames = {}
+  for i, s in table("StackFrames"):
+    f = dict(re.findall(r"(\w+)=(\d+)", s))
+    loc = locations.get(int(f.get("file_location_id", 0)), {})
+    if loc:
+      path = files.get(int(loc["file_name_id"]), "?")
+      frames[int(i)] = (path, f"{_short(path)}:{loc['line']} {funcs.get(int(loc['function_name_id']), '')}".strip(),
+                        int(f.get("parent_frame_id", 1)) - 1)
+  out = {}
+  for i in frames:
+    chain, j = [], i
+    while j in frames and len(chain) < 64:
+      chain.append(frames[j])
+      j = frames[j][2] if frames[j][2] != j else 0
+    model = [c for c in chain if "/shardax/" in c[0] and "site-packages" not in c[0]
+             and not any(g in c[0] for g in _GENERIC)]
+    out[i] = (model or chain)[0][1]
+  return out
+
+
+def _short(path: str) -> str:
+  """A source path relative to the shardax package, else the file's last two parts."""
+  parts = path.split("/")
+  if "shardax" in parts:
+    return "/".join(parts[len(parts) - parts[::-1].index("shardax"):])
+  return "/".join(parts[-2:])
+
+
+def _array(shape: str) -> tuple[str, tuple[int, ...]]:
+  if m := _ARRAY.match(shape):
+    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
+  return "tuple", ()
+
+
+def read(dump_dir: str, top: int = 12, spaces: tuple[int, ...] = (DEVICE, HOST),
+         min_bytes: int = 64 * 2**10) -> list[Buffer]:
+  """The `top` largest temp blocks (of at least `min_bytes`) of each memory color in
+  `spaces`, largest first; [] when the dump holds no buffer assignment (e.g. the compile
+  came from a cache)."""
+  files = _module_files(dump_dir)
+  if files is None:
+    return []
+  with open(files[0]) as f:
+    blocks = _temp_values(f.read())
+  hlo = ""
+  if files[1]:
+    with open(files[1]) as f:
+      hlo = f.read()
+  sources = _Sources(hlo)
+  out = []
+  for color in spaces:
+    sized = ((max(v[1] for v in vals), vals) for (c, _), vals in blocks.items() if c == color)
+    mine = sorted((b for b in sized if b[0] >= min_bytes), key=lambda b: -b[0])[:top]
+    for size, vals in mine:
+      # Named by its largest value; op_name and source from the largest that has metadata
+      # (loop phis and the offload's copies carry none).
+      ranked = sorted(vals, key=lambda v: -v[1])
+      name, _, shape = ranked[0]
+      dtype, dims = _array(shape)
+      op_name, source = next((m for m in map(sources, (v[0] for v in ranked if v[1] == size)) if m[0]),
+                             ("", ""))
+      out.append(Buffer(size, _SPACES.get(color, f"color {color}"), dtype, dims, name,
+                        op_name, source, len(vals)))
+  return out
+
+
+def _gib(b: int) -> str:
+  return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"
+
+
+def format_table(buffers: list[Buffer], limit: int = 12, source: str | None = None) -> list[str]:
+  """Lines for the printed report: one per block, per memory space (`source`: which
+  compile they come from, when not the program the report is about)."""
+  lines = []
+  of = source or "compiled program"
+  for space in dict.fromkeys(b.space for b in buffers):
+    rows = [b for b in buffers if b.space == space][:limit]
+    lines.append(f"  largest {space} temp buffers ({of}'s buffer assignment, per device):")
+    for b in rows:
+      shape = f"{b.dtype}[{','.join(map(str, b.shape))}]"
+      shared = f" (+{b.values - 1} sharing)" if b.values > 1 else ""
+      op = b.op_name.removeprefix("jit(step)/")
+      lines.append(f"    {_gib(b.bytes):>10}  {shape:<28} {b.source or '-':<44} {op[:60]}{shared}")
+  return lines
