@@ -66,8 +66,10 @@ from typing import Any
 
 from shardax.trainer.perf import chips as chips_lib
 from shardax.trainer.perf import costs as costs_lib
+from shardax.trainer.perf import error_bar
 from shardax.trainer.perf import flops as flops_lib
 from shardax.trainer.perf import links
+from shardax.trainer.perf import mxu as mxu_lib
 from shardax.trainer.perf import ops
 
 
@@ -94,11 +96,13 @@ def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Predicti
   chip = chip or chips_lib.lookup(mesh.devices.flat[0].device_kind)
   if chip is None:
     return None
-  return from_costs(costs_lib.of_compiled(compiled), mesh, exp, chip)
+  cost = costs_lib.of_compiled(compiled)
+  return from_costs(cost, mesh, exp, chip, mxu_lib.by_piece(compiled.as_text(), cost.owner))
 
 
-def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Prediction:
-  """`predict` from loop-aware costs already read from the program."""
+def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dict | None = None) -> Prediction:
+  """`predict` from loop-aware costs already read from the program; `mxu`: each piece's dot
+  utilization per MXU tile (trainer/perf/mxu.py `by_piece`), None where not read (taken as 1)."""
   n = int(mesh.size)
   comm = _collective_times(costs, mesh, chip)
   pieces, totals = [], collections.Counter()
@@ -107,7 +111,10 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
     for kind, dtype, f in p.ops:
       if kind == "xla":
         eight_bit[dtype] += p.executions * f
-    compute = ops.seconds("xla", "bf16", p.flops, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
+    use = mxu_lib.piece_utilization(mxu, p.computation, chip.mxu_dim)   # padding to the MXU tile
+    totals["mxu_flops"] += p.executions * p.flops
+    totals["mxu_spent"] += p.executions * p.flops / use
+    compute = ops.seconds("xla", "bf16", p.flops / use, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
     memory = p.bytes_accessed / chip.hbm_bandwidth
     local = max(compute, memory)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
@@ -130,7 +137,9 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
                       "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},
       "bubble_seconds": bubble,
       "recompute_factor": costs.flops * n / model_flops if model_flops else None,
-      "matmul_efficiency": chip.matmul_efficiency, "dcn_bandwidth": chip.dcn_bandwidth,
+      "matmul_efficiency": chip.matmul_efficiency,
+      "mxu_utilization": totals["mxu_flops"] / totals["mxu_spent"] if totals["mxu_spent"] else 1.0,
+      "dcn_bandwidth": chip.dcn_bandwidth,
       "eight_bit_flops": {d: {"flops": f, "peak": ops.peak(chip, d)} for d, f in eight_bit.items()},
       "pieces": pieces}
   return Prediction(
@@ -200,11 +209,16 @@ def format_prediction(pr: Prediction) -> list[str]:
   lines = [stand_in_line(pr)] if pr.stand_in_for else []
   lines += [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
            f"{pr.step_seconds:.4g} s, {pr.tokens_per_second_per_device:,.1f} tokens/s/device",
+           "  " + error_bar.for_chip(chips_lib.CHIPS[pr.chip])["line"] if pr.chip in chips_lib.CHIPS else "",
            f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
            f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
            f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
            f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
            f"bubble {b['bubble_seconds']:.4g} s"]
+  lines = [l for l in lines if l]
+  if b.get("mxu_utilization", 1.0) < 0.995:
+    lines.append(f"    MXU tiles: the program's dot shapes use {b['mxu_utilization']:.0%} of the matrix units' "
+                 f"multiply-adds (padding to the MXU side; trainer/perf/mxu.py)")
   for dtype, e in sorted(b.get("eight_bit_flops", {}).items()):
     lines.append(f"    8-bit dots: {e['flops']:.4g} FLOPs per device on {dtype} operands, priced at "
                  f"{e['peak'] / 1e12:,.0f} T/s peak")

@@ -1,0 +1,107 @@
+"""Where the predicted step goes, per row and chip family, and what the compiler did.
+
+    PYTHONPATH=... python benchmarks/chip_breakdown.py [--rows ID,ID] [--on v5e,v6e] [--compile]
+
+For each calibration row (published-runs/calibration.json, the rows benchmarks/calibrate.py
+compiles and caches) it prints the predicted step split into compute, HBM, ICI, DCN and
+exposed collectives, the MXU utilization of the program's dot shapes (trainer/perf/mxu.py)
+and the compiled program's structure (trainer/perf/program.py: fusions, dots, collectives
+by kind, how many async, bytes per step). `--on GEN` also prices each row's model on another
+chip generation: the same model, per-device batch and tensor parallelism, on one
+`GEN:16x16` slice of 256 chips with FSDP over the rest (a Pax/MaxText-style dense layout),
+compiled for that topology with libtpu, 3 layers deepened as the calibration does, and
+cached under benchmarks/calibration/retargeted/. Only shapes come from the rows; no published
+step time of the target chip is read. Rows whose cache lacks the program summary (compiled
+before it was read) print '-' for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import calibrate  # noqa: E402  (the calibration's compile/predict path, reused)
+
+RETARGETED = os.path.join(calibrate.CACHE, "retargeted")
+_NAMES = {"v5e": "TPU v5e", "v6e": "TPU v6e", "v5p": "TPU v5p", "v4": "TPU v4"}
+
+
+def retarget(row: dict, gen: str, chips: int = 256) -> dict:
+  """`row`'s model on one `gen` slice of `chips` chips: tensor parallelism kept, FSDP over the
+  rest, the published per-device batch (so the global batch scales with the chips)."""
+  if gen not in _NAMES:
+    raise ValueError(f"--on {gen!r}: known generations {', '.join(_NAMES)}")
+  r = copy.deepcopy(row)
+  tensor = int((r["sharding"].get("ici") or {}).get("tensor", 1) or 1)
+  r["id"] = f"{row['id']}@{gen}-{chips}"
+  r["hardware"].update(accelerator=_NAMES[gen], chips_per_slice=chips, num_slices=1, total_chips=chips)
+  r["sharding"] = {"ici": {"data": 1, "fsdp": chips // tensor, "tensor": tensor}, "dcn": None}
+  per_device = r["training"]["per_device_batch"]
+  r["training"]["global_batch_seqs"] = int(per_device * chips)
+  return r
+
+
+def split(pr) -> dict:
+  """Seconds per step: compute, HBM, ICI, DCN (priced), exposed collectives, the step."""
+  b, c = pr.breakdown, pr.breakdown["collectives"]
+  links = c["by_link"]
+  return {"step": pr.step_seconds, "compute": b["compute_seconds"], "hbm": b["memory_seconds"],
+          "ici": sum(v for k, v in links.items() if k != "dcn"), "dcn": links.get("dcn", 0.0),
+          "exposed": c["exposed_seconds"], "mxu": b.get("mxu_utilization", 1.0), "mfu": pr.mfu}
+
+
+def line(rid: str, chip: str, chips: int, s: dict, entry: dict) -> str:
+  from shardax.trainer.perf import program
+  prog = entry.get("program")
+  return (f"| {rid} | {chip} | {chips} | {s['step']:.2f} s | {s['compute']:.2f} | {s['hbm']:.2f} | "
+          f"{s['ici']:.2f} | {s['dcn']:.2f} | {s['exposed']:.2f} | {s['mxu']:.2f} | {s['mfu']:.0%} | "
+          f"{program.format_summary(prog) if prog else '-'} |")
+
+
+HEADER = ("| row | chip | chips | predicted step | compute s | HBM s | ICI s | DCN s | exposed s | "
+          "MXU use | MFU | compiled program |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def entry_for(row: dict, cache: str, compile_missing: bool, layers: int) -> dict | None:
+  path = os.path.join(cache, f"{row['id']}.json")
+  if os.path.exists(path):
+    return json.load(open(path))
+  if not compile_missing:
+    return None
+  old, calibrate.CACHE = calibrate.CACHE, cache
+  try:
+    return calibrate.compile_row(row, layers)
+  finally:
+    calibrate.CACHE = old
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--runs", default="/work/shared/published-runs/calibration.json")
+  p.add_argument("--rows", default="")
+  p.add_argument("--on", default="", help="comma-separated generations to retarget the rows to (v5e, v6e)")
+  p.add_argument("--compile", action="store_true", help="compile retargeted rows whose cache is missing")
+  p.add_argument("--layers", type=int, default=3)
+  a = p.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rows = json.load(open(a.runs))
+  if a.rows:
+    rows = [r for r in rows if r["id"] in a.rows.split(",")]
+  print(HEADER)
+  for row in rows:
+    targets = [(row, calibrate.CACHE)] + [(retarget(row, g), RETARGETED) for g in a.on.split(",") if g]
+    for r, cache in targets:
+      entry = entry_for(r, cache, a.compile and cache == RETARGETED, a.layers)
+      if entry is None:
+        print(f"| {r['id']} | | | not compiled (--compile) | | | | | | | | |")
+        continue
+      pr = calibrate.predict_row(r, entry)
+      print(line(r["id"], pr.chip, r["hardware"]["total_chips"], split(pr), entry), flush=True)
+
+
+if __name__ == "__main__":
+  main()
