@@ -42,20 +42,29 @@ def _build(row: dict, layers: int | None):
 
 def compile_row(row: dict, layers: int) -> dict:
   """Compile the shallow copy of `row` and cache its loop-aware costs."""
-  from shardax.trainer.perf import costs, dry_run, mxu, program
+  from shardax.trainer.perf import dry_run
   exp = _build(row, layers)
   mesh, setup = dry_run.prepare(exp)
   start, cpu = time.perf_counter(), time.process_time()
-  compiled = dry_run.compile_step(setup)
-  hlo = compiled.as_text()
-  if hlo_dir := os.environ.get("CALIBRATE_HLO_DIR"):   # keep the program to inspect (large)
+  hlo = dry_run.compile_step(setup).as_text()
+  seconds = time.perf_counter() - start, time.process_time() - cpu
+  if hlo_dir := os.environ.get("CALIBRATE_HLO_DIR"):   # keep the program to inspect or re-read (large)
     import gzip
     os.makedirs(hlo_dir, exist_ok=True)
     with gzip.open(os.path.join(hlo_dir, f"{row['id']}.txt.gz"), "wt") as f:
       f.write(hlo)
+  return cache_entry(row, layers, hlo, seconds)
+
+
+def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] = (0.0, 0.0)) -> dict:
+  """What the step model needs of a compiled shallow copy (its loop-aware costs, the MXU read of
+  its dots, the program summary), written to CACHE/<row id>.json: from a fresh compile, or from
+  a program kept by CALIBRATE_HLO_DIR when how programs are read changes."""
+  from shardax.trainer.perf import costs, mxu, program
+  exp = _build(row, layers)
   cost = costs.of_hlo_text(hlo)
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
-           "compile_seconds": time.perf_counter() - start, "compile_cpu_seconds": time.process_time() - cpu,
+           "compile_seconds": seconds[0], "compile_cpu_seconds": seconds[1],
            "num_params_shallow": _params(exp), "attention": exp.model.attention, "remat": exp.model.remat,
            "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner), "program": program.summary(hlo)}
   os.makedirs(CACHE, exist_ok=True)

@@ -30,18 +30,18 @@ RETARGETED = os.path.join(calibrate.CACHE, "retargeted")
 _NAMES = {"v5e": "TPU v5e", "v6e": "TPU v6e", "v5p": "TPU v5p", "v4": "TPU v4"}
 
 
-def retarget(row: dict, gen: str, chips: int = 256) -> dict:
+def retarget(row: dict, gen: str, chips: int = 256, per_device: int | None = None) -> dict:
   """`row`'s model on one `gen` slice of `chips` chips: tensor parallelism kept, FSDP over the
-  rest, the published per-device batch (so the global batch scales with the chips)."""
+  rest, the published per-device batch or `per_device` (the global batch scales with the chips)."""
   if gen not in _NAMES:
     raise ValueError(f"--on {gen!r}: known generations {', '.join(_NAMES)}")
   r = copy.deepcopy(row)
   tensor = int((r["sharding"].get("ici") or {}).get("tensor", 1) or 1)
-  r["id"] = f"{row['id']}@{gen}-{chips}"
+  per_device = per_device or r["training"]["per_device_batch"]
+  r["id"] = f"{row['id']}@{gen}-{chips}" + (f"-b{per_device}" if per_device != r["training"]["per_device_batch"] else "")
   r["hardware"].update(accelerator=_NAMES[gen], chips_per_slice=chips, num_slices=1, total_chips=chips)
   r["sharding"] = {"ici": {"data": 1, "fsdp": chips // tensor, "tensor": tensor}, "dcn": None}
-  per_device = r["training"]["per_device_batch"]
-  r["training"]["global_batch_seqs"] = int(per_device * chips)
+  r["training"].update(per_device_batch=per_device, global_batch_seqs=int(per_device * chips))
   return r
 
 
@@ -66,17 +66,40 @@ HEADER = ("| row | chip | chips | predicted step | compute s | HBM s | ICI s | D
           "MXU use | MFU | compiled program |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
 
 
-def entry_for(row: dict, cache: str, compile_missing: bool, layers: int) -> dict | None:
+def entry_for(row: dict, cache: str, compile_missing: bool, layers: int, reread: str = "") -> dict | None:
+  """The cached entry of `row` (re-derived from its kept program under `reread`, a
+  CALIBRATE_HLO_DIR); else, with `compile_missing`, a fresh compile."""
+  import gzip
   path = os.path.join(cache, f"{row['id']}.json")
-  if os.path.exists(path):
-    return json.load(open(path))
-  if not compile_missing:
-    return None
+  kept = os.path.join(reread, f"{row['id']}.txt.gz") if reread else ""
   old, calibrate.CACHE = calibrate.CACHE, cache
   try:
-    return calibrate.compile_row(row, layers)
+    if kept and os.path.exists(kept):
+      with gzip.open(kept, "rt") as f:
+        return calibrate.cache_entry(row, layers, f.read())
+    if os.path.exists(path):
+      return json.load(open(path))
+    return calibrate.compile_row(row, layers) if compile_missing else None
   finally:
     calibrate.CACHE = old
+
+
+def fitting(row: dict, gen: str, cache: str, layers: int, reread: str, compile_missing: bool):
+  """The retargeted row and its entry (None: not compiled), the per-device batch halved until the
+  shallow copy fits the target chip's HBM (the compiler refuses a program that does not:
+  RESOURCE_EXHAUSTED) or, without `compile_missing`, until a cached compile is found."""
+  batch = row["training"]["per_device_batch"]
+  while batch >= 1:
+    r = retarget(row, gen, per_device=batch)
+    try:
+      if entry := entry_for(r, cache, compile_missing, layers, reread):
+        return r, entry
+    except Exception as e:   # jax's JaxRuntimeError: the compile ran out of HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      print(f"{r['id']}: does not fit {gen}'s HBM at per-device batch {batch}; halving", file=sys.stderr)
+    batch //= 2
+  return retarget(row, gen), None
 
 
 def main():
@@ -86,6 +109,7 @@ def main():
   p.add_argument("--on", default="", help="comma-separated generations to retarget the rows to (v5e, v6e)")
   p.add_argument("--compile", action="store_true", help="compile retargeted rows whose cache is missing")
   p.add_argument("--layers", type=int, default=3)
+  p.add_argument("--reread", default="", help="a CALIBRATE_HLO_DIR: re-derive retargeted entries from the kept programs")
   a = p.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   rows = json.load(open(a.runs))
@@ -93,9 +117,12 @@ def main():
     rows = [r for r in rows if r["id"] in a.rows.split(",")]
   print(HEADER)
   for row in rows:
-    targets = [(row, calibrate.CACHE)] + [(retarget(row, g), RETARGETED) for g in a.on.split(",") if g]
-    for r, cache in targets:
-      entry = entry_for(r, cache, a.compile and cache == RETARGETED, a.layers)
+    targets = [(row, calibrate.CACHE, None)] + [(row, RETARGETED, g) for g in a.on.split(",") if g]
+    for r, cache, gen in targets:
+      if gen:
+        r, entry = fitting(r, gen, cache, a.layers, a.reread, a.compile)
+      else:
+        entry = entry_for(r, cache, False, a.layers)
       if entry is None:
         print(f"| {r['id']} | | | not compiled (--compile) | | | | | | | | |")
         continue
