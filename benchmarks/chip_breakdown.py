@@ -102,6 +102,20 @@ def fitting(row: dict, gen: str, cache: str, layers: int, reread: str, compile_m
   return retarget(row, gen), None
 
 
+def chip_table() -> str:
+  """The TPU rows of the chip table with each figure's source (docs/scale.md)."""
+  from shardax.trainer.perf import chips
+  fields = ("peak_bf16_flops", "peak_int8_flops", "hbm_bytes", "hbm_bandwidth", "cores_per_chip", "mxus_per_core",
+            "mxu_dim", "clock_hz", "ici_links_per_chip", "ici_link_bandwidth", "dcn_bandwidth", "matmul_efficiency")
+  tpus = [c for c in chips.CHIPS.values() if c.torus_dims]
+  lines = ["| field | " + " | ".join(c.name for c in tpus) + " |", "|---|" + "---|" * len(tpus)]
+  for f in fields:
+    lines.append(f"| {f} | " + " | ".join(f"{getattr(c, f):.4g}" for c in tpus) + " |")
+  sources = sorted({src for c in tpus for src in c.sources.values()})
+  lines += ["", "Sources (per field and row: `chips.CHIPS[name].sources`):"] + [f"* {s}" for s in sources]
+  return "\n".join(lines)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--runs", default="/work/shared/published-runs/calibration.json")
@@ -110,8 +124,12 @@ def main():
   p.add_argument("--compile", action="store_true", help="compile retargeted rows whose cache is missing")
   p.add_argument("--layers", type=int, default=3)
   p.add_argument("--reread", default="", help="a CALIBRATE_HLO_DIR: re-derive retargeted entries from the kept programs")
+  p.add_argument("--chips", action="store_true", help="print the TPU chip table with its sources and stop")
   a = p.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if a.chips:
+    print(chip_table())
+    return
   rows = json.load(open(a.runs))
   if a.rows:
     rows = [r for r in rows if r["id"] in a.rows.split(",")]

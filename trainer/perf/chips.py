@@ -251,7 +251,7 @@ def _sources(chip: Chip, physics: dict) -> dict:
   """Field -> source for one row: its datasheet page for the datasheet figures, the comments
   above for the link, network and host figures, `_PHYSICS` for the matrix hardware."""
   tpu = chip.torus_dims > 0
-  links = (_TPU + {"TPU v5 lite": "v5e", "TPU v6 lite": "v6e"}.get(chip.name, "") + " / " + _SCALING_BOOK
+  links = (chip.source + " / " + _SCALING_BOOK
            if tpu else chip.source + " (NVLink, one way = half the bidirectional figure)")
   return {"peak_bf16_flops": chip.source, "hbm_bytes": chip.source, "hbm_bandwidth": chip.source,
           "ici_bandwidth": chip.source, "ici_link_bandwidth": links,

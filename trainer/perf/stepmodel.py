@@ -15,7 +15,8 @@ Assumptions
      the share of the datasheet peak that large bf16 matmuls reach (MXU/tensor core
      pipeline fill, operand movement HBM->VMEM/SMEM, layout copies): one number per chip
      family, not per model (chips.py MATMUL_EFFICIENCY: 0.8 on TPU, 0.73 measured on an
-     H100). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
+     H100), divided on a TPU by what the program's dot shapes leave of its MXUs (padding to
+     the chip's MXU side, 128 or 256: trainer/perf/mxu.py; 1 where every dim fills it). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
      GPUs) are priced from their operands at their own measured efficiency. Elementwise
      work is counted as FLOPs at the matmul rate: it is a few percent of a Transformer's
      FLOPs, and its memory traffic is in the next term.
@@ -34,7 +35,8 @@ Assumptions
      does not hide them): they sit at the end of the backward pass, where little compute
      is left to run under them.
   4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
-     scheduler placed) overlap the compute of the piece they run in: in a scanned
+     scheduler placed, or the TPU compiler's async collective fusions: report.collectives)
+     overlap the compute of the piece they run in: in a scanned
      layer, the next layer's weight all-gather runs behind this layer's matmuls. They
      are hidden up to the piece's own compute time; the rest is exposed. So are the
      collective-permutes of the TPU compiler's windowed einsum loops (a matmul split
