@@ -42,6 +42,8 @@ def retarget(row: dict, gen: str, chips: int = 256, per_device: int | None = Non
   r["hardware"].update(accelerator=_NAMES[gen], chips_per_slice=chips, num_slices=1, total_chips=chips)
   r["sharding"] = {"ici": {"data": 1, "fsdp": chips // tensor, "tensor": tensor}, "dcn": None}
   r["training"].update(per_device_batch=per_device, global_batch_seqs=int(per_device * chips))
+  if "cudnn" in str(r["training"].get("attention_kernel", "")).lower():   # a GPU row: XLA attention on the TPU
+    r["training"]["attention_kernel"] = "plain XLA dot-product attention (retargeted from a GPU row)"
   return r
 
 

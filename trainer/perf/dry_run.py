@@ -146,8 +146,10 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              bytes_accessed_per_device=cost.bytes_accessed,
              model_flops_per_step=model_flops, flops_convention=CONVENTION,
              collectives=report.collective_summary(hlo),
-             predicted=_brief(predicted.as_dict()) if predicted else None, mxu_utilization_by_piece=mxu,
+             predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm))
+  if out["predicted"]:  # the MXU read per piece, for a depth extrapolation from this report (JSON keys)
+    out["predicted"]["breakdown"]["mxu_by_piece"] = {p: {str(t): u for t, u in v.items()} for p, v in mxu.items()}
   if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)

@@ -35,6 +35,7 @@ _DOT = re.compile(r"\s(dot|convolution)\(([^)]*)\)")
 _DIMS = {k: re.compile(k + r"=\{([\d,]*)\}") for k in
          ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")}
 _LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
+_WINDOW = re.compile(r"window=\{size=([\dx]+)")
 TILES = (128, 256)
 
 
@@ -78,7 +79,13 @@ def dot_shape(line: str, shapes: dict[str, str]) -> tuple[int, int, int, float] 
   lhs_l, rhs_l, _ = labels.groups()
   k, n = rhs[rhs_l.index("i")], rhs[rhs_l.index("o")]
   m = math.prod(v for d, v in enumerate(lhs) if lhs_l[d] not in "f")   # batch and spatial positions
-  return m, k, n, 2.0 * m * k * n
+  flops = 2.0 * m * k * n
+  # A dot the compiler rewrote with a window (its contraction split into i x taps, e.g. 64 x 2
+  # for a 128-deep dot): the taps accumulate into the same outputs, so the depth the array
+  # sees is i x taps, not i (reading it as i would call a 128-deep dot half empty).
+  if window := _WINDOW.search(line):
+    k *= math.prod(int(v) for v in window.group(1).split("x"))
+  return m, k, n, flops
 
 
 def by_piece(hlo_text: str, owner: dict[str, str], tiles=TILES) -> dict[str, dict[int, float]]:
