@@ -110,3 +110,15 @@ def test_v5e_async_collective_fusions_are_one_async_transfer_each():
     if name.startswith("v5e"):
       assert any(c.is_async for c in found)
   assert moved["v5e:2x2"] == moved["v5p:2x2x1"] > 0
+
+
+def test_a_dot_written_as_a_windowed_convolution_contracts_over_its_taps():
+  """From a compiled v5e program (the MID model of test_dry_run at batch 64): a 128-deep dot
+  written as 64 input features x a window of 2 taps. Read as 64 deep it was 'half empty' on a
+  128 MXU (the step model priced it 2x slow); the taps accumulate into the same outputs."""
+  hlo = """  %a = bf16[1,1024,2,64]{3,2,1,0} parameter(0)
+  %b = bf16[2,64,2048,1]{3,2,1,0} parameter(1)
+  ROOT %convolution.228 = bf16[8,128,2048,1]{2,1,0,3} convolution(%a, %b), window={size=2x1}, dim_labels=1b0f_0io1->1bf0"""
+  lines = hlo.splitlines()
+  m, k, n, _ = mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))
+  assert (k, n) == (128, 2048) and mxu.utilization(m, k, n, 128) == 1.0
