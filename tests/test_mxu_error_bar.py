@@ -122,3 +122,13 @@ def test_a_dot_written_as_a_windowed_convolution_contracts_over_its_taps():
   lines = hlo.splitlines()
   m, k, n, _ = mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))
   assert (k, n) == (128, 2048) and mxu.utilization(m, k, n, 128) == 1.0
+
+
+def test_a_padded_window_dim_is_a_diagonal_not_depth():
+  """From the same program: attention over 4 heads written as a window whose heads dim is
+  padded (3_3: one real tap per output) beside an unpadded 2-tap split of a 128-deep dot."""
+  hlo = """  %a = bf16[128,8,2,64,4]{4,3,2,1,0} parameter(0)
+  %b = bf16[2,64,4,128,1]{4,3,2,1,0} parameter(1)
+  ROOT %convolution.222 = bf16[8,128,4,128,1]{3,1,4,2,0} convolution(%a, %b), window={size=1x4x2 pad=0_0x3_3x0_0 rhs_reversal=0x1x0}, dim_labels=0b2f1_2i1o0->0b1f2"""
+  lines = hlo.splitlines()
+  assert mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))[1] == 128

@@ -36,6 +36,7 @@ _DIMS = {k: re.compile(k + r"=\{([\d,]*)\}") for k in
          ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")}
 _LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
 _WINDOW = re.compile(r"window=\{size=([\dx]+)")
+_PAD = re.compile(r"window=\{[^}]*\bpad=([\d_x]+)")
 TILES = (128, 256)
 
 
@@ -78,14 +79,17 @@ def dot_shape(line: str, shapes: dict[str, str]) -> tuple[int, int, int, float] 
     return None
   lhs_l, rhs_l, _ = labels.groups()
   k, n = rhs[rhs_l.index("i")], rhs[rhs_l.index("o")]
-  m = math.prod(v for d, v in enumerate(lhs) if lhs_l[d] not in "f")   # batch and spatial positions
-  flops = 2.0 * m * k * n
-  # A dot the compiler rewrote with a window (its contraction split into i x taps, e.g. 64 x 2
-  # for a 128-deep dot): the taps accumulate into the same outputs, so the depth the array
-  # sees is i x taps, not i (reading it as i would call a 128-deep dot half empty).
+  m_rows = math.prod(v for d, v in enumerate(lhs) if lhs_l[d] not in "f")   # batch and spatial positions
+  flops = 2.0 * m_rows * k * n
+  # A dot the compiler rewrote with a window: an unpadded window dim splits the contraction
+  # (64 features x 2 taps for a 128-deep dot; the taps accumulate into the same outputs, so the
+  # array sees i x taps), while a padded one is a batch-like dim written as a diagonal (the
+  # heads of attention: one real tap per output), which adds no depth.
   if window := _WINDOW.search(line):
-    k *= math.prod(int(v) for v in window.group(1).split("x"))
-  return m, k, n, flops
+    sizes = [int(v) for v in window.group(1).split("x")]
+    pads = (m.group(1).split("x") if (m := _PAD.search(line)) else ["0_0"] * len(sizes))
+    k *= math.prod(size for size, pad in zip(sizes, pads) if pad == "0_0")
+  return m_rows, k, n, flops
 
 
 def by_piece(hlo_text: str, owner: dict[str, str], tiles=TILES) -> dict[str, dict[int, float]]:
