@@ -132,3 +132,15 @@ def test_a_padded_window_dim_is_a_diagonal_not_depth():
   ROOT %convolution.222 = bf16[8,128,4,128,1]{3,1,4,2,0} convolution(%a, %b), window={size=1x4x2 pad=0_0x3_3x0_0 rhs_reversal=0x1x0}, dim_labels=0b2f1_2i1o0->0b1f2"""
   lines = hlo.splitlines()
   assert mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))[1] == 128
+
+
+def test_strided_dilated_window_dims_are_diagonals_not_depth():
+  """Llama-2 7B's QK^T ('bqkgd,bskd->bkgqs') as libtpu compiled it for v6e: heads and kv
+  groups as a 4 x 32 window with stride and lhs dilation, over a 128-deep contraction: half
+  of a 256 MXU (counted as depth, it read 16384 deep and full)."""
+  hlo = """  %q = bf16[4,4096,32,128]{1,3,2,0} parameter(0)
+  %k = bf16[4,4096,32,128]{1,3,2,0} parameter(1)
+  ROOT %convolution-base-dilated.23 = f32[4,32,4096,4096]{3,2,1,0} convolution(%q, %k), window={size=4x32 stride=3x31 lhs_dilate=4x32}, dim_labels=0b1f_0o1i->01bf"""
+  lines = hlo.splitlines()
+  m, k, n, _ = mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))
+  assert k == 128 and mxu.utilization(m, k, n, 256) == 0.5

@@ -35,8 +35,7 @@ _DOT = re.compile(r"\s(dot|convolution)\(([^)]*)\)")
 _DIMS = {k: re.compile(k + r"=\{([\d,]*)\}") for k in
          ("lhs_contracting_dims", "rhs_contracting_dims", "lhs_batch_dims", "rhs_batch_dims")}
 _LABELS = re.compile(r"dim_labels=(\w+)_(\w+)->(\w+)")
-_WINDOW = re.compile(r"window=\{size=([\dx]+)")
-_PAD = re.compile(r"window=\{[^}]*\bpad=([\d_x]+)")
+_WINDOW = re.compile(r"window=\{size=[^}]*\}")
 TILES = (128, 256)
 
 
@@ -85,10 +84,16 @@ def dot_shape(line: str, shapes: dict[str, str]) -> tuple[int, int, int, float] 
   # (64 features x 2 taps for a 128-deep dot; the taps accumulate into the same outputs, so the
   # array sees i x taps), while a padded one is a batch-like dim written as a diagonal (the
   # heads of attention: one real tap per output), which adds no depth.
+  # Strided or dilated window dims are diagonals too (attention's heads and kv groups: the
+  # compiled 'bqkgd,bskd->bkgqs' is a window of 4 x 32 taps with stride 3x31 and lhs_dilate 4x32
+  # over a 128-deep contraction).
   if window := _WINDOW.search(line):
-    sizes = [int(v) for v in window.group(1).split("x")]
-    pads = (m.group(1).split("x") if (m := _PAD.search(line)) else ["0_0"] * len(sizes))
-    k *= math.prod(size for size, pad in zip(sizes, pads) if pad == "0_0")
+    attrs = dict(f.split("=", 1) for f in window.group(0)[len("window={"):-1].split() if "=" in f)
+    sizes = [int(v) for v in attrs["size"].split("x")]
+    plain = lambda key, one: attrs.get(key, "x".join([one] * len(sizes))).split("x")
+    k *= math.prod(size for size, pad, stride, ld, rd in zip(sizes, plain("pad", "0_0"), plain("stride", "1"),
+                                                            plain("lhs_dilate", "1"), plain("rhs_dilate", "1"))
+                   if (pad, stride, ld, rd) == ("0_0", "1", "1", "1"))
   return m_rows, k, n, flops
 
 
