@@ -42,20 +42,31 @@ def _build(row: dict, layers: int | None):
 
 def compile_row(row: dict, layers: int) -> dict:
   """Compile the shallow copy of `row` and cache its loop-aware costs."""
-  from shardax.trainer.perf import costs, dry_run
+  from shardax.trainer.perf import dry_run
   exp = _build(row, layers)
   mesh, setup = dry_run.prepare(exp)
   start, cpu = time.perf_counter(), time.process_time()
-  compiled = dry_run.compile_step(setup)
-  if hlo_dir := os.environ.get("CALIBRATE_HLO_DIR"):   # keep the program to inspect (large)
+  hlo = dry_run.compile_step(setup).as_text()
+  seconds = time.perf_counter() - start, time.process_time() - cpu
+  if hlo_dir := os.environ.get("CALIBRATE_HLO_DIR"):   # keep the program to inspect or re-read (large)
     import gzip
     os.makedirs(hlo_dir, exist_ok=True)
     with gzip.open(os.path.join(hlo_dir, f"{row['id']}.txt.gz"), "wt") as f:
-      f.write(compiled.as_text())
+      f.write(hlo)
+  return cache_entry(row, layers, hlo, seconds)
+
+
+def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] = (0.0, 0.0)) -> dict:
+  """What the step model needs of a compiled shallow copy (its loop-aware costs, the MXU read of
+  its dots, the program summary), written to CACHE/<row id>.json: from a fresh compile, or from
+  a program kept by CALIBRATE_HLO_DIR when how programs are read changes."""
+  from shardax.trainer.perf import costs, mxu, program
+  exp = _build(row, layers)
+  cost = costs.of_hlo_text(hlo)
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
-           "compile_seconds": time.perf_counter() - start, "compile_cpu_seconds": time.process_time() - cpu,
+           "compile_seconds": seconds[0], "compile_cpu_seconds": seconds[1],
            "num_params_shallow": _params(exp), "attention": exp.model.attention, "remat": exp.model.remat,
-           "costs": costs.to_json(costs.of_compiled(compiled))}
+           "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner), "program": program.summary(hlo)}
   os.makedirs(CACHE, exist_ok=True)
   with open(os.path.join(CACHE, f"{row['id']}.json"), "w") as f:
     json.dump(entry, f)
@@ -84,10 +95,15 @@ def predict_row(row: dict, entry: dict):
   mesh = make_mesh(exp.mesh)
   kind = calibration.gpu_kind(row) if calibration.is_gpu(row) else mesh.devices.flat[0].device_kind
   chip = chips.lookup(kind, exp.mesh.network)
-  pr = stepmodel.from_costs(deep, mesh, exp, chip)
+  pr = stepmodel.from_costs(deep, mesh, exp, chip, entry.get("mxu"))
   if entry.get("attention") == "flash":   # a Pallas call is 0 FLOPs in XLA's costs: add the kernel's time
     return stepmodel.with_flash_kernel(pr, exp, mesh, chip)
   return pr
+
+
+def _published(row: dict) -> float:
+  from shardax.experiments import calibration
+  return calibration.published_step_seconds(row)
 
 
 def ratio(predicted: float, published: float) -> str:
@@ -192,6 +208,10 @@ def main():
       unread.add(row["id"])
     results[row["id"]] = predict_row(row, entry)
   text, errors = table(rows, results, unread, stale)
+  if not a.rows:   # the whole table: the dry run's error bar reads it (trainer/perf/error_bar.py)
+    from shardax.trainer.perf import error_bar
+    error_bar.write({r["id"]: (results[r["id"]].chip, results[r["id"]].step_seconds / _published(r))
+                     for r in rows if hasattr(results.get(r["id"]), "step_seconds")})
   print(text)
   if errors:
     summary = (f"{len(errors)} of {len(rows)} rows: error factor max(pred/pub, pub/pred) median "

@@ -218,9 +218,19 @@ def _increment(body: list[str], index: int | None) -> int:
   return 1
 
 
+# The TPU compiler's asynchronous form on some generations (v5e in this libtpu; v4, v5p, v6e
+# write -start/-done pairs or keep the op synchronous): an "async collective fusion" splits one
+# collective into a start fusion (custom call AsyncCollectiveStart), slices fused into compute
+# fusions, and a done fusion (AsyncCollectiveDone); each part repeats the collective op with
+# the whole result shape, the same channel_id and an async_collective_fusion_config.
+_ASYNC_FUSION = re.compile(r'"async_collective_fusion_config"')
+_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
+
+
 def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
   """Every collective op in compiled HLO text (`num_devices`: the module's partitions, read
-  from its header when not given; only `replica_groups={}` needs it)."""
+  from its header when not given; only `replica_groups={}` needs it). The parts of one async
+  collective fusion are one asynchronous collective."""
   if num_devices is None:
     num_devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text.split("\n", 1)[0])) else 1
   result_bytes: dict[str, int] = {}
@@ -254,8 +264,14 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
   frames = _stack_frames(hlo_text) if parsed else {}
   runs = _executions(calls, entry) if entry else {}
-  found = []
+  found, fused_channels = [], set()
   for name, kind, is_start, comp, rest in parsed:
+    fused = _ASYNC_FUSION.search(rest)   # one part of the TPU compiler's async collective fusion
+    if fused:
+      channel = m.group(1) if (m := _CHANNEL.search(rest)) else name
+      if channel in fused_channels:      # its start, its slices inside a compute fusion, its done:
+        continue                         # one transfer, counted once
+      fused_channels.add(channel)
     if is_start is None:  # a megascale send: its tuple's first element is the buffer it sends
       found.append(_megascale(name, kind, _bytes(result_bytes_text[name].split("u32[]")[0]), rest,
                               runs.get(comp, 1) if entry else 1, comp))
@@ -273,7 +289,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
     groups = replica_groups.attribute(rest)
     found.append(Collective(name, kind, nbytes, replica_groups.group_size(rest, num_devices, kind), op_name, source,
-                            runs.get(comp, 1) if entry else 1, comp, is_start, groups,
+                            runs.get(comp, 1) if entry else 1, comp, is_start or bool(fused), groups,
                             compute_between=between.compute.get(name, 0),
                             loops_between=tuple(between.loops.get(name, ())),
                             concurrent_with=tuple(sorted(between.concurrent.get(name, ())))))

@@ -216,17 +216,24 @@ def test_a_gpu_row_is_timed_on_its_gpu_and_its_cluster_network():
     calibration.from_row(r, num_layers=2)
 
 
+@pytest.mark.slow   # the TPU compiler takes ~50 s on this tiny MoE step (the capacity dispatch; dropless ~120 s)
 @needs_libtpu
 def test_a_moe_row_compiles_and_is_predicted_through_the_calibration_path(tmp_path, monkeypatch):
   """A Mixtral-shaped row cut to a tiny width: `compile_row` read `exp.model.d_model` of an
   MoE config that kept it under `model.transformer` and crashed (AttributeError) before the
-  one-config change; now it compiles for v6e:16x16 and `predict_row` prices the step."""
+  one-config change; now it compiles for a v6e-4 slice with the experts over all 4 chips and
+  `predict_row` prices the step, its expert all-to-alls included, with the program summary and
+  the MXU read cached beside the costs."""
   cal = _calibrate()
   monkeypatch.setattr(cal, "CACHE", str(tmp_path))
   row = _mixtral_on_v6e(_row())
+  row["hardware"].update(chips_per_slice=4, total_chips=4)
+  row["sharding"] = {"ici": {"data": 1, "fsdp": 1, "tensor": 1, "expert": 4}, "dcn": None}
   row["model"].update(d_model=256, num_heads=4, num_kv_heads=2, head_dim=64, d_ff=256, vocab_size=1024)
-  row["training"].update(global_batch_seqs=256, seq_len=256)
+  row["training"].update(global_batch_seqs=8, seq_len=256)
   entry = cal.compile_row(row, 1)
-  assert entry["num_params_shallow"] > 0 and os.path.exists(tmp_path / f"{row['id']}.json")
+  assert entry["topology"] == "v6e:2x2" and os.path.exists(tmp_path / f"{row['id']}.json")
+  assert "all-to-all" in entry["program"]["collectives"] and entry["mxu"]
   predicted = cal.predict_row(row, entry)
   assert predicted.step_seconds > 0 and predicted.breakdown["compute_seconds"] > 0
+  assert predicted.breakdown["collectives"]["by_kind"]["all-to-all"] > 0

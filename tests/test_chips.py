@@ -39,3 +39,30 @@ def test_tpu7x_is_priced_per_device_at_half_its_chip():
   c = chips.lookup("TPU7x")
   assert (c.peak_bf16_flops, c.peak_fp8_flops, c.hbm_bytes) == (2307e12 / 2, 4614e12 / 2, 96 * 2**30)
   assert (c.torus_dims, c.devices_per_chip) == (3, 2)
+
+
+def test_every_chip_row_sources_every_field():
+  """One table: each row gives each figure with where it comes from; a figure left at 0 says why."""
+  for c in chips.CHIPS.values():
+    missing = [f for f in chips.SOURCED_FIELDS if not c.sources.get(f)]
+    assert not missing, f"{c.name}: no source for {missing}"
+    unexplained = [f for f in chips.SOURCED_FIELDS if not getattr(c, f)
+                   and not c.sources[f].startswith(("n/a", "not published", "no "))]
+    assert not unexplained, f"{c.name}: {unexplained} are 0 without saying why"
+
+
+def test_tpu_peaks_agree_with_their_mxu_geometry_where_a_clock_is_published():
+  """2 FLOPs x multiply-adds per cycle (cores x MXUs x side^2) x clock is the datasheet peak per
+  chip: a row with the wrong MXU count, side or per-device split fails here."""
+  checked = 0
+  for c in chips.CHIPS.values():
+    if c.torus_dims and c.clock_hz:
+      peak = 2 * c.cores_per_chip * c.mxus_per_core * c.mxu_dim ** 2 * c.clock_hz
+      assert peak == pytest.approx(c.peak_bf16_flops * c.devices_per_chip, rel=0.01), c.name
+      checked += 1
+  assert checked >= 2   # v3 and v4 publish their clocks
+
+
+def test_v6e_has_256_wide_mxus_and_the_earlier_tpus_128():
+  assert chips.lookup("TPU v6 lite").mxu_dim == 256
+  assert {chips.lookup(k).mxu_dim for k in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v5")} == {128}

@@ -89,9 +89,14 @@ def base():
   return predicted("train.global_batch=32", "mesh.topology='v5e:2x4'", "mesh.ici=(8,1)")
 
 
-def test_twice_the_batch_takes_longer_but_not_more_than_twice(base):
+def test_twice_the_batch_takes_longer_and_twice_the_compute(base):
+  """No upper bound on the step ratio on v5e: libtpu schedules the two programs differently (at
+  batch 32 the FSDP all-gathers run in async collective fusions, hidden under compute; at 64
+  they are synchronous, and its fusions read 2.4x the HBM bytes), so the step grows 2.8x. The
+  bound 2.05x held before only because batch 32's async all-gathers were read as three
+  synchronous ones each (report.collectives)."""
   twice = predicted("train.global_batch=64", "mesh.topology='v5e:2x4'", "mesh.ici=(8,1)")[0]
-  assert base[0].step_seconds < twice.step_seconds < 2.05 * base[0].step_seconds
+  assert base[0].step_seconds < twice.step_seconds
   assert twice.breakdown["compute_seconds"] == pytest.approx(2 * base[0].breakdown["compute_seconds"], rel=0.1)
 
 

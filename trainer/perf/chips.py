@@ -31,8 +31,18 @@ their two cores as one "megacore" device, so per device = per chip.
                    cross-granule collective at once. Sources below.
   devices_per_chip 2 for TPU v3 (each TensorCore is a jax device; the two share a
                    chip and talk through it), else 1.
-  matmul_efficiency  the fraction of peak a large bf16 matmul fused by XLA reaches;
-                   the step-time model's one per-chip efficiency (see stepmodel.py).
+  matmul_efficiency  the fraction of peak a large bf16 matmul fused by XLA reaches when no
+                   dim pads (see stepmodel.py); what padding to the MXU tile costs a given
+                   program is computed from its dot shapes (trainer/perf/mxu.py, `mxu_dim`).
+  cores_per_chip, mxus_per_core, mxu_dim, clock_hz  the matrix hardware per chip: TPU
+                   TensorCores, MXUs per core and the MXU's side (a mxu_dim x mxu_dim systolic
+                   array); GPUs: SMs, tensor cores per SM, mxu_dim 0 (no weight-stationary
+                   array to pad to). 0 where no page read gives the figure (see `sources`).
+  ici_links_per_chip  TPU ICI ports of a chip (4 on the 2D tori, 6 on the 3D tori); GPUs 0.
+  sources          field -> where its number comes from (a URL, a paper, or a derivation);
+                   tests/test_chips.py checks every row names one for every field.
+Vector-unit throughput is not a field: the step model prices elementwise work at the matmul
+rate and its memory traffic at the HBM rate (stepmodel.py, assumption 1), so no row needs it.
 
 Sources are the vendors' pages (Cloud TPU system-architecture pages, NVIDIA
 datasheets), as read in 2026; each row names its page.
@@ -64,6 +74,12 @@ class Chip:
   host_bandwidth: float = 0.0         # bytes/s one way between a device and its host's memory
   peak_int8_flops: float = 0.0
   peak_fp8_flops: float = 0.0
+  cores_per_chip: int = 0
+  mxus_per_core: int = 0
+  mxu_dim: int = 0
+  clock_hz: float = 0.0
+  ici_links_per_chip: int = 0
+  sources: dict = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
 
 _TPU = "https://cloud.google.com/tpu/docs/"
@@ -183,6 +199,84 @@ _EIGHT_BIT = {"TPU v4": (275e12, 0.0), "TPU v5 lite": (393e12, 0.0), "TPU v5": (
 CHIPS = {name: dataclasses.replace(c, peak_int8_flops=_EIGHT_BIT.get(name, (0.0, 0.0))[0],
                                    peak_fp8_flops=_EIGHT_BIT.get(name, (0.0, 0.0))[1])
          for name, c in CHIPS.items()}
+
+# The matrix hardware of each chip: (cores per chip, MXUs per core, MXU side, clock Hz, ICI ports
+# per chip), with where each came from. A clock is given only where a source states it; where it
+# does, tests/test_chips.py checks 2 x cores x MXUs x side^2 x clock against the peak above.
+_V3_PAPER = ("Jouppi et al., 'A Domain-Specific Supercomputer for Training Deep Neural Networks', "
+             "CACM 63(7), 2020, https://doi.org/10.1145/3360307 (TPU v3: 2 TensorCores of 2 MXUs, 940 MHz)")
+_V4_PAPER = ("Jouppi et al., 'TPU v4: An Optically Reconfigurable Supercomputer for Machine Learning', "
+             "ISCA 2023, https://doi.org/10.1145/3579371.3589350 (2 TensorCores of 4 MXUs, 1050 MHz, 6 ICI links)")
+_ARCH = ("https://cloud.google.com/tpu/docs/system-architecture-tpu-vm ('an MXU is 256 x 256 (v6e) or "
+         "128 x 128 (earlier versions) multiply-accumulators')")
+_H100_WP = ("NVIDIA H100 Tensor Core GPU Architecture whitepaper (https://resources.nvidia.com/"
+            "en-us-tensor-core): 132 SMs (SXM5), 114 (PCIe), 4 tensor cores per SM")
+_A100_WP = ("NVIDIA A100 Tensor Core GPU Architecture whitepaper (https://images.nvidia.com/aem-dam/en-zz/"
+            "Solutions/data-center/nvidia-ampere-architecture-whitepaper.pdf): 108 SMs, 4 tensor cores, 1410 MHz")
+_NO_ARRAY = "n/a: GPU tensor cores take small fragments and the GEMM kernel picks its tiles; no array pads"
+_UNREAD = "not published on the pages read (left 0: nothing uses it)"
+_PHYSICS = {
+    "TPU v3": ((2, 2, 128, 940e6, 4), {"cores_per_chip": _V3_PAPER, "mxus_per_core": _V3_PAPER,
+               "mxu_dim": _ARCH, "clock_hz": _V3_PAPER, "ici_links_per_chip": _TPU + "v3 (2D torus, 4 ports)"}),
+    "TPU v4": ((2, 4, 128, 1050e6, 6), dict.fromkeys(("cores_per_chip", "mxus_per_core", "clock_hz",
+               "ici_links_per_chip"), _V4_PAPER) | {"mxu_dim": _ARCH}),
+    "TPU v5 lite": ((1, 4, 128, 0.0, 4), {"cores_per_chip": _TPU + "v5e ('each v5e chip contains one TensorCore')",
+                    "mxus_per_core": _TPU + "v5e ('four matrix-multiply units')", "mxu_dim": _ARCH,
+                    "clock_hz": _UNREAD, "ici_links_per_chip": _TPU + "v5e ('ICI ports per chip: 4')"}),
+    "TPU v5": ((2, 4, 128, 0.0, 6), {"cores_per_chip": _TPU + "v5p (the topology table: 8 cores per 4 chips)",
+               "mxus_per_core": _TPU + "v5p ('each TensorCore has four MXUs')", "mxu_dim": _ARCH,
+               "clock_hz": _UNREAD, "ici_links_per_chip": _TPU + "v5p (3D torus: 6 neighbours)"}),
+    "TPU v6 lite": ((1, 2, 256, 0.0, 4), {"cores_per_chip": _TPU + "v6e ('each v6e chip contains one TensorCore')",
+                    "mxus_per_core": _TPU + "v6e ('two 256x256 matrix-multiply units')",
+                    "mxu_dim": _TPU + "v6e ('256x256 matrix-multiply units')", "clock_hz": _UNREAD,
+                    "ici_links_per_chip": _TPU + "v6e ('ICI ports per chip: 4')"}),
+    "TPU7x": ((2, 0, 0, 0.0, 6), {"cores_per_chip": _TPU + "tpu7x (two TensorCores, each a jax device)",
+              "mxus_per_core": _UNREAD, "mxu_dim": _UNREAD + "; no padding priced", "clock_hz": _UNREAD,
+              "ici_links_per_chip": _TPU + "tpu7x (3D torus: 6 neighbours)"}),
+}
+for _name, _sms, _clock in (("NVIDIA A100-SXM4-80GB", 108, 1410e6), ("NVIDIA A100-SXM4-40GB", 108, 1410e6),
+                            ("NVIDIA A100 80GB PCIe", 108, 1410e6), ("NVIDIA A100-PCIE-40GB", 108, 1410e6),
+                            ("NVIDIA H100 80GB HBM3", 132, 0.0), ("NVIDIA H100 PCIe", 114, 0.0),
+                            ("NVIDIA H100 NVL", 132, 0.0), ("NVIDIA H200", 132, 0.0), ("NVIDIA B200", 0, 0.0)):
+  _wp = _A100_WP if "A100" in _name else _H100_WP if _sms else _UNREAD
+  _PHYSICS[_name] = ((_sms, 4 if _sms else 0, 0, _clock, 0), {
+      "cores_per_chip": _wp, "mxus_per_core": _wp, "mxu_dim": _NO_ARRAY,
+      "clock_hz": _wp if _clock else _UNREAD + " (boost clocks differ by SKU)",
+      "ici_links_per_chip": "n/a: NVLink through NVSwitch, any peer at full rate (ici_link_bandwidth)"})
+
+_SCALING_BOOK = "https://jax-ml.github.io/scaling-book/tpus ('How to scale your model', part 2)"
+
+
+def _sources(chip: Chip, physics: dict) -> dict:
+  """Field -> source for one row: its datasheet page for the datasheet figures, the comments
+  above for the link, network and host figures, `_PHYSICS` for the matrix hardware."""
+  tpu = chip.torus_dims > 0
+  links = (chip.source + " / " + _SCALING_BOOK
+           if tpu else chip.source + " (NVLink, one way = half the bidirectional figure)")
+  return {"peak_bf16_flops": chip.source, "hbm_bytes": chip.source, "hbm_bandwidth": chip.source,
+          "ici_bandwidth": chip.source, "ici_link_bandwidth": links,
+          "torus_dims": links if tpu else "n/a: NVSwitch (0)", "wraparound_from": links if tpu else "n/a (0)",
+          "dcn_bandwidth": links if tpu else "https://cloud.google.com/compute/docs/gpus (A3 High: 4 x 200 Gbps "
+                                             "NICs per 8 GPUs; NETWORKS for others)",
+          "devices_per_chip": "libtpu's topology description (tests/test_chips.py)" if tpu else "one GPU, one device",
+          "host_bandwidth": _SCALING_BOOK if tpu else chip.source + " (PCIe generation x16, one way)",
+          "peak_int8_flops": chip.source if chip.peak_int8_flops else "no int8 units listed: priced at bf16 (0)",
+          "peak_fp8_flops": chip.source if chip.peak_fp8_flops else "no fp8 units listed: priced at bf16 (0)",
+          "matmul_efficiency": ("docs/scale.md 'Checked against published runs' (0.8: large unpadded matmuls, "
+                                "set before the published rows were compared)" if tpu else
+                                "docs/performance.md 'On one H100 GPU' (0.73, measured 2026-11-23)"),
+          **physics}
+
+
+def _with_physics(chip: Chip) -> Chip:
+  (cores, mxus, side, clock, ports), physics = _PHYSICS[chip.name]
+  chip = dataclasses.replace(chip, cores_per_chip=cores, mxus_per_core=mxus, mxu_dim=side, clock_hz=clock,
+                             ici_links_per_chip=ports)
+  return dataclasses.replace(chip, sources=_sources(chip, physics))
+
+
+CHIPS = {name: _with_physics(c) for name, c in CHIPS.items()}
+SOURCED_FIELDS = tuple(f.name for f in dataclasses.fields(Chip) if f.name not in ("name", "source", "sources"))
 
 # Other spellings jax reports for the same parts (driver and form-factor variants).
 _PREFIXES = (

@@ -50,7 +50,7 @@ import numpy as np
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir
-from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, stepmodel
+from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
 from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -169,7 +169,8 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   cost = costs_lib.of_hlo_text(hlo)
   if costs_out is not None:
     costs_out.append(cost)
-  predicted = stepmodel.from_costs(cost, mesh, exp, chip) if chip else None
+  mxu = mxu_lib.by_piece(hlo, cost.owner)   # the dots' padding to each MXU tile, per piece
+  predicted = stepmodel.from_costs(cost, mesh, exp, chip, mxu) if chip else None
   if predicted and "tpu_custom_call" in hlo and "splash" in hlo:
     predicted = stepmodel.with_flash_kernel(predicted, exp, mesh, chip)
   out.update(bytes_per_device=mem, fits=fits, flops_per_device=cost.flops,
@@ -179,6 +180,8 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
              collectives=report.collective_summary(hlo),
              predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm, exp, out["buffers"]))
+  if out["predicted"]:  # the MXU read per piece, for a depth extrapolation from this report (JSON keys)
+    out["predicted"]["breakdown"]["mxu_by_piece"] = {p: {str(t): u for t, u in v.items()} for p, v in mxu.items()}
   if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)

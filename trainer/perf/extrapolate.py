@@ -210,7 +210,7 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
   if chip is not None:
     mesh = make_mesh(exp.mesh)
-    predicted = stepmodel.from_costs(deep, mesh, exp, chip)
+    predicted = stepmodel.from_costs(deep, mesh, exp, chip, ((b.get("predicted") or {}).get("breakdown") or {}).get("mxu_by_piece"))
     if "flash_kernel_seconds" in ((b.get("predicted") or {}).get("breakdown") or {}):
       # the shallow copy ran the Pallas flash kernel (0 FLOPs in XLA's costs): the full
       # depth's kernel time, as the full compile's dry run adds it

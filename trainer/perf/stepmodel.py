@@ -15,7 +15,8 @@ Assumptions
      the share of the datasheet peak that large bf16 matmuls reach (MXU/tensor core
      pipeline fill, operand movement HBM->VMEM/SMEM, layout copies): one number per chip
      family, not per model (chips.py MATMUL_EFFICIENCY: 0.8 on TPU, 0.73 measured on an
-     H100). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
+     H100), divided on a TPU by what the program's dot shapes leave of its MXUs (padding to
+     the chip's MXU side, 128 or 256: trainer/perf/mxu.py; 1 where every dim fills it). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
      GPUs) are priced from their operands at their own measured efficiency. Elementwise
      work is counted as FLOPs at the matmul rate: it is a few percent of a Transformer's
      FLOPs, and its memory traffic is in the next term.
@@ -34,7 +35,8 @@ Assumptions
      does not hide them): they sit at the end of the backward pass, where little compute
      is left to run under them.
   4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
-     scheduler placed) overlap the compute of the piece they run in: in a scanned
+     scheduler placed, or the TPU compiler's async collective fusions: report.collectives)
+     overlap the compute of the piece they run in: in a scanned
      layer, the next layer's weight all-gather runs behind this layer's matmuls. They
      are hidden up to the piece's own compute time; the rest is exposed. So are the
      collective-permutes of the TPU compiler's windowed einsum loops (a matmul split
@@ -68,8 +70,10 @@ from shardax.pipeline import schedule
 from shardax.sharding import replica_groups
 from shardax.trainer.perf import chips as chips_lib
 from shardax.trainer.perf import costs as costs_lib
+from shardax.trainer.perf import error_bar
 from shardax.trainer.perf import flops as flops_lib
 from shardax.trainer.perf import links
+from shardax.trainer.perf import mxu as mxu_lib
 from shardax.trainer.perf import ops
 
 
@@ -96,21 +100,26 @@ def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Predicti
   chip = chip or chips_lib.lookup(mesh.devices.flat[0].device_kind)
   if chip is None:
     return None
-  return from_costs(costs_lib.of_compiled(compiled), mesh, exp, chip)
+  cost = costs_lib.of_compiled(compiled)
+  return from_costs(cost, mesh, exp, chip, mxu_lib.by_piece(compiled.as_text(), cost.owner))
 
 
-def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Prediction:
-  """`predict` from loop-aware costs already read from the program."""
+def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dict | None = None) -> Prediction:
+  """`predict` from loop-aware costs already read from the program; `mxu`: each piece's dot
+  utilization per MXU tile (trainer/perf/mxu.py `by_piece`), None where not read (taken as 1)."""
   n = int(mesh.size)
   comm = _collective_times(costs, mesh, chip)
-  spare = _spare_compute(costs, comm, chip)
+  spare = _spare_compute(costs, comm, chip, mxu)
   pieces, totals = [], collections.Counter()
   eight_bit = collections.Counter()   # XLA's 8-bit dots (model.quantization): FLOPs by operand type
   for p in costs.pieces:
     for kind, dtype, f in p.ops:
       if kind == "xla":
         eight_bit[dtype] += p.executions * f
-    compute, memory = _own_seconds(p, chip)
+    use = mxu_lib.piece_utilization(mxu, p.computation, chip.mxu_dim)   # padding to the MXU tile
+    totals["mxu_flops"] += p.executions * p.flops
+    totals["mxu_spent"] += p.executions * p.flops / use
+    compute, memory = _own_seconds(p, chip, use)
     local = max(compute, memory)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
     spans = comm["spanning"].get(p.computation, {})
@@ -136,7 +145,9 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip) -> Predi
                       "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},
       "bubble_seconds": bubble,
       "recompute_factor": costs.flops * n / model_flops if model_flops else None,
-      "matmul_efficiency": chip.matmul_efficiency, "dcn_bandwidth": chip.dcn_bandwidth,
+      "matmul_efficiency": chip.matmul_efficiency,
+      "mxu_utilization": totals["mxu_flops"] / totals["mxu_spent"] if totals["mxu_spent"] else 1.0,
+      "dcn_bandwidth": chip.dcn_bandwidth,
       "eight_bit_flops": {d: {"flops": f, "peak": ops.peak(chip, d)} for d, f in eight_bit.items()},
       "pieces": pieces}
   return Prediction(
@@ -238,13 +249,14 @@ def _overlaps(c) -> bool:
   return c.is_async
 
 
-def _own_seconds(p: costs_lib.Piece, chip: chips_lib.Chip) -> tuple[float, float]:
-  """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2)."""
-  compute = ops.seconds("xla", "bf16", p.flops, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
+def _own_seconds(p: costs_lib.Piece, chip: chips_lib.Chip, use: float = 1.0) -> tuple[float, float]:
+  """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2); `use`: the
+  share of the MXU its dots fill (trainer/perf/mxu.py)."""
+  compute = ops.seconds("xla", "bf16", p.flops / use, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
   return compute, p.bytes_accessed / chip.hbm_bandwidth
 
 
-def _spare_compute(costs: costs_lib.Costs, comm: dict, chip: chips_lib.Chip) -> dict[tuple, float]:
+def _spare_compute(costs: costs_lib.Costs, comm: dict, chip: chips_lib.Chip, mxu: dict | None) -> dict[tuple, float]:
   """Per tuple of loop bodies that async permutes span: seconds per step of those loops'
   compute (every piece nested in them) left after hiding their own async collectives."""
   spare = {}
@@ -252,7 +264,7 @@ def _spare_compute(costs: costs_lib.Costs, comm: dict, chip: chips_lib.Chip) -> 
     seconds = 0.0
     for p in costs.pieces:
       if set(bodies) & set(p.loops):
-        local = max(_own_seconds(p, chip))
+        local = max(_own_seconds(p, chip, mxu_lib.piece_utilization(mxu, p.computation, chip.mxu_dim)))
         seconds += p.executions * max(0.0, local - comm["async"].get(p.computation, 0.0))
     spare[bodies] = seconds
   return spare
@@ -271,11 +283,16 @@ def format_prediction(pr: Prediction) -> list[str]:
   lines = [stand_in_line(pr)] if pr.stand_in_for else []
   lines += [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
            f"{pr.step_seconds:.4g} s, {pr.tokens_per_second_per_device:,.1f} tokens/s/device",
+           "  " + error_bar.for_chip(chips_lib.CHIPS[pr.chip])["line"] if pr.chip in chips_lib.CHIPS else "",
            f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
            f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
            f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
            f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
            f"bubble {b['bubble_seconds']:.4g} s"]
+  lines = [l for l in lines if l]
+  if b.get("mxu_utilization", 1.0) < 0.995:
+    lines.append(f"    MXU tiles: the program's dot shapes use {b['mxu_utilization']:.0%} of the matrix units' "
+                 f"multiply-adds (padding to the MXU side; trainer/perf/mxu.py)")
   for dtype, e in sorted(b.get("eight_bit_flops", {}).items()):
     lines.append(f"    8-bit dots: {e['flops']:.4g} FLOPs per device on {dtype} operands, priced at "
                  f"{e['peak'] / 1e12:,.0f} T/s peak")

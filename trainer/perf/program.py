@@ -1,0 +1,45 @@
+"""What the compiler made of a step, in counts a reader can compare across chip families.
+
+`summary(hlo_text)`: fusions by kind (kLoop elementwise, kInput reductions, kOutput
+matmul/convolution fusions, kCustom), the dots and dot-like convolutions left, and the
+collectives by kind: how many, how many are asynchronous (`-start`/`-done` pairs the
+latency-hiding scheduler can overlap with compute: trainer/perf/stepmodel.py assumption 4)
+and their bytes per step (loop trip counts applied). The step model's inputs (FLOPs, bytes
+accessed) are in trainer/perf/costs.py; this is the structure beside them, read once per
+compile and cached with the calibration rows (benchmarks/calibrate.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import re
+
+from shardax.sharding import report
+
+_FUSION = re.compile(r"\sfusion\(.*?kind=(k\w+)")
+_DOT = re.compile(r"\s(?:dot|convolution)\(")
+
+
+def summary(hlo_text: str) -> dict:
+  fusions, dots = collections.Counter(), 0
+  for line in hlo_text.splitlines():
+    if m := _FUSION.search(line):
+      fusions[m.group(1)] += 1
+    elif _DOT.search(line) and "=" in line:
+      dots += 1
+  kinds: dict[str, dict] = {}
+  for c in report.collectives(hlo_text):
+    k = kinds.setdefault(c.kind + (" (DCN)" if c.link == "dcn" else ""), {"count": 0, "async": 0, "bytes": 0})
+    k["count"] += 1
+    k["async"] += int(c.is_async)
+    k["bytes"] += c.bytes * c.executions
+  return {"fusions": dict(fusions), "dots": dots, "collectives": kinds}
+
+
+def format_summary(s: dict) -> str:
+  """One line: 'fusions 412 (kLoop 300, kOutput 90, ...), dots 120; all-gather 12 (12 async, 3.1 GB), ...'."""
+  f = s.get("fusions", {})
+  fusions = f"fusions {sum(f.values())} ({', '.join(f'{k} {v}' for k, v in sorted(f.items()))})"
+  colls = "; ".join(f"{k} {v['count']} ({v['async']} async, {v['bytes'] / 1e9:.3g} GB/step)"
+                    for k, v in sorted(s.get("collectives", {}).items()))
+  return f"{fusions}, dots {s.get('dots', 0)}; {colls or 'no collectives'}"
