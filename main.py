@@ -239,7 +239,10 @@ def main(argv) -> None:
                       f"use it with --mode=dry_run, --mode=explain or --mode=plan")
     _set_cpu_devices(exp)
     from shardax.trainer import compile_cache   # before the first compile, in every mode
-    cache_dir = compile_cache.enable(exp.train.compilation_cache_dir, os.path.expanduser(FLAGS.job_dir))
+    # A topology's programs are compiled for TPUs that are not here: jax cannot read such an
+    # entry back ("PjRtCompiler must be constructed with a Client"), so none is written.
+    cache_dir = compile_cache.enable("" if exp.mesh.topology else exp.train.compilation_cache_dir,
+                                     os.path.expanduser(FLAGS.job_dir))
     from shardax.trainer import distributed
     joined = distributed.initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id,
                                     heartbeat_timeout_s=FLAGS.heartbeat_timeout_s,

@@ -72,7 +72,7 @@ def enable(setting: str | None, job_dir: str) -> str | None:
   directory = resolve(setting, job_dir)
   if directory is None:
     jax.config.update("jax_enable_compilation_cache", False)
-    logging.info("compilation cache: off (train.compilation_cache_dir='')")
+    logging.info("compilation cache: off")
     return None
   jax.config.update("jax_enable_compilation_cache", True)
   jax.config.update("jax_compilation_cache_dir", directory)

@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import dataclasses
 import glob
+import hashlib
+import json
 import os
 import re
 
@@ -202,3 +204,24 @@ def format_table(buffers: list[Buffer], limit: int = 12, source: str | None = No
       op = b.op_name.removeprefix("jit(step)/")
       lines.append(f"    {_gib(b.bytes):>10}  {shape:<28} {b.source or '-':<44} {op[:60]}{shared}")
   return lines
+
+
+def remembered(dump_dir: str, top: int, program: str | None) -> list[Buffer]:
+  """`read(dump_dir, top)`, kept beside jax's persistent compilation cache under a hash of the
+  compiled `program` text: a step the cache reads back writes no dump, and this returns the
+  list its first compile wrote. Without a cache (or a program) it is `read`."""
+  import jax
+  cache = jax.config.jax_compilation_cache_dir if jax.config.jax_enable_compilation_cache else None
+  if not cache or program is None or "://" in cache:
+    return read(dump_dir, top)
+  path = os.path.join(cache, "shardax-buffers", hashlib.sha256(program.encode()).hexdigest() + f"-{top}.json")
+  listed = read(dump_dir, top)
+  if listed or _module_files(dump_dir) is not None:   # compiled here: remember the list
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+      json.dump([dataclasses.asdict(b) for b in listed], f)
+    return listed
+  if os.path.exists(path):   # read back from the cache: the list of its first compile
+    with open(path) as f:
+      return [Buffer(**{**b, "shape": tuple(b["shape"])}) for b in json.load(f)]
+  return listed

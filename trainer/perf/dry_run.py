@@ -65,32 +65,35 @@ def prepare(exp: Experiment):
   return mesh, state_lib.create(exp, mesh)
 
 
-def compile_step(setup, dump_dir: str | None = None):
-  """The compiled train step (AOT, from abstract shapes) under the experiment's mesh and rules;
-  with `dump_dir`, XLA also writes its buffer assignment there (trainer/perf/buffers.py)."""
+def compile_step(setup):
+  """The compiled train step (AOT, from abstract shapes) under the experiment's mesh and rules."""
+  return _compile(setup, None)[0]
+
+
+def _compile(setup, dump_dir: str | None):
+  """(compiled step or, with `dump_dir`, the compiler's RESOURCE_EXHAUSTED error; the lowered
+  program's text). With `dump_dir` XLA also writes its buffer assignment there (buffers.py)."""
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
     if dump_dir is None:
-      return step_lib.compile_train_step(setup)
+      return step_lib.compile_train_step(setup), None
     lowered = step_lib.train_step_fn(setup).lower(setup.abstract, step_lib.abstract_batch(setup))
-    cache = jax.config.jax_enable_compilation_cache
-    jax.config.update("jax_enable_compilation_cache", False)  # a cache hit would write no dump
+    text = lowered.as_text()
     try:
-      return lowered.compile(compiler_options=buffers_lib.dump_options(dump_dir))
-    finally:
-      jax.config.update("jax_enable_compilation_cache", cache)
+      return lowered.compile(compiler_options=buffers_lib.dump_options(dump_dir)), text
+    except Exception as e:  # the TPU compiler refuses programs that exceed HBM
+      if "RESOURCE_EXHAUSTED" not in str(e):
+        raise
+      return e, text
 
 
 def compile_with_buffers(setup, top: int = 12):
   """(compiled step or the compiler's RESOURCE_EXHAUSTED error, its largest temp buffers):
-  the buffer list is read also when the compiler refuses the program for its size."""
+  the buffer list is read also when the compiler refuses the program for its size. A step read
+  back from the persistent compilation cache writes no dump: its list is the one kept beside
+  the cache when it was compiled (buffers.remembered, keyed by the lowered program)."""
   with tempfile.TemporaryDirectory(prefix="shardax-buffers-") as dump:
-    try:
-      compiled = compile_step(setup, dump)
-    except Exception as e:  # the TPU compiler refuses programs that exceed HBM
-      if "RESOURCE_EXHAUSTED" not in str(e):
-        raise
-      compiled = e
-    return compiled, buffers_lib.read(dump, top)
+    compiled, program = _compile(setup, dump)
+    return compiled, buffers_lib.remembered(dump, top, program)
 
 
 def _shard_bytes(abstract: Any) -> int:
