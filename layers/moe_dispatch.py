@@ -231,11 +231,14 @@ def resolve_impl(impl: str) -> str:
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
              *, buffer: float | None = None, exchange: str = "auto", impl: str = "auto",
-             quantization: str = "none", overflow: str = "error") -> tuple[jax.Array, jax.Array]:
+             quantization: str = "none", overflow: str = "error", chunks: int = 1
+             ) -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
   [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules.
   `overflow`: 'error' poisons y when copies did not fit (below), 'drop' leaves them out (their
-  rows never travel: 0 from the experts)."""
+  rows never travel: 0 from the experts). `chunks`: each device's tokens in that many pieces,
+  each exchanged and multiplied on its own (the exchange of one can run under another's
+  expert matmuls); per token the same result."""
   b, l, m = x.shape
   e = weights[0].shape[0]
   impl = resolve_impl(impl)
@@ -260,11 +263,16 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
     bl, ll = x.shape[:2]
     args = (x.reshape(bl * ll, m), index.reshape(bl * ll, -1), gates.reshape(bl * ll, -1))
     if expert:
-      y, overflow = dropless_expert_parallel(*args, (w_gate, w_up, wo), act, axes=expert,
-                                             n=math.prod(mesh.shape[a] for a in expert),
-                                             num_experts=e, buffer=buffer, exchange=mode, impl=impl,
-                                             quantization=quantization)
-      overflow = jax.lax.psum(overflow, token_axes)
+      t = bl * ll
+      if t % chunks:
+        raise ValueError(f"model.moe.dispatch_chunks={chunks} must divide each device's {t} tokens")
+      pieces = [dropless_expert_parallel(*(a[j * t // chunks:(j + 1) * t // chunks] for a in args),
+                                         (w_gate, w_up, wo), act, axes=expert,
+                                         n=math.prod(mesh.shape[a] for a in expert), num_experts=e,
+                                         buffer=buffer, exchange=mode, impl=impl, quantization=quantization)
+                for j in range(chunks)]
+      y = jnp.concatenate([p[0] for p in pieces]) if chunks > 1 else pieces[0][0]
+      overflow = jax.lax.psum(sum(p[1] for p in pieces), token_axes)
     else:
       y, overflow = dropless_local(*args, (w_gate, w_up, wo), act, impl, quantization), jnp.zeros((), jnp.int32)
     if mlp:
