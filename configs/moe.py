@@ -75,7 +75,9 @@ class MoEConfig:
                     blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
   grouped_matmul:   the dropless expert matmul: 'ragged_dot' (jax.lax.ragged_dot; a grouped
                     kernel on TPU/GPU), 'tiled' (batched matmuls over one-expert row tiles;
-                    XLA:CPU runs ragged_dot as E dense matmuls), 'auto' (tiled on CPU).
+                    XLA:CPU runs ragged_dot as E dense matmuls), 'megablox' (megablox's
+                    Pallas gmm/tgmm kernels, TPU; the weight gradient visits only filled
+                    row tiles), 'auto' (tiled on CPU).
   dispatch_chunks:  split each MoE layer's dispatch into this many independent pieces, each
                     its own all-to-all, expert FFN and all-to-all back, so a scheduler can
                     run the exchange of one piece under the expert matmuls of another
@@ -136,8 +138,9 @@ class MoEConfig:
              f"model.moe.dispatch={self.dispatch!r} drops by capacity_factor: leave it 'error'")
     _require(self.expert_exchange in ("auto", "ragged", "padded"),
              f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
-    _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled"),
-             f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot' or 'tiled'")
+    _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled", "megablox"),
+             f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot', 'tiled' "
+             f"or 'megablox'")
     _require(self.dispatch_chunks >= 1, f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1")
     if self.dispatch == "capacity":
       gshard = self.top_k == 2 and self.score == "softmax" and self.renormalize and self.gate_scale == 1.0
