@@ -22,6 +22,11 @@ empty slots too; on a GPU the cuBLAS calls are not counted), the step's memory, 
 capacity path's dropped-token fraction; then the ratio dropless/capacity of tokens/s as
 the median of back-to-back pairs (each dropless step against the capacity step next to it,
 which saw the same machine load).
+
+`--chunks N --dispatch D` instead compares one dispatch D in one piece against N pieces
+(`model.moe.dispatch_chunks`, each its own all-to-all and expert FFN) on every device the
+process has (8 simulated CPU devices: `--set mesh.num_cpu_devices=8`, experts 8-way):
+    python benchmarks/moe_dispatch.py --chunks 2 --dispatch capacity --set mesh.num_cpu_devices=8
 """
 
 from __future__ import annotations
@@ -101,7 +106,11 @@ def main() -> None:
   ap.add_argument("--warmup", type=int, default=3)
   ap.add_argument("--steps", type=int, default=5, help="timed steps per dispatch per round")
   ap.add_argument("--rounds", type=int, default=6)
+  ap.add_argument("--chunks", type=int, default=0, help="compare dispatch_chunks=1 against this")
+  ap.add_argument("--dispatch", default="capacity", help="with --chunks: the dispatch compared")
   args = ap.parse_args()
+  if args.chunks:
+    return compare_chunks(args)
 
   devices = jax.devices()[:1]
   runners = {d: Runner(build(args.exp, d, args.capacity_factor, args.overrides), devices)
@@ -131,6 +140,28 @@ def main() -> None:
           f"(compile {r.compile_s:.1f} s)")
   print(f"dropless / capacity tokens/s: {np.median(pairs):.3f} (median of {len(pairs)} back-to-back pairs; "
         f"ratio of medians {np.median(runners['capacity'].times) / np.median(runners['dropless'].times):.3f})")
+
+
+def compare_chunks(args) -> None:
+  """One piece (old) against `args.chunks` pieces (new), ABBA, on all devices."""
+  names = ("chunks=1", f"chunks={args.chunks}")
+  runners = {}
+  for name, n in zip(names, (1, args.chunks)):
+    exp = build(args.exp, args.dispatch, args.capacity_factor,
+                args.overrides + [f"model.moe.dispatch_chunks={n}"])
+    runners[name] = Runner(exp, None)
+  for r in runners.values():
+    r.run(args.warmup, record=False)
+  for k in range(args.rounds):
+    for name in (names if k % 2 == 0 else names[::-1]):
+      runners[name].run(args.steps)
+  exp = runners[names[0]].exp
+  print(f"{args.exp}, {args.dispatch} dispatch, mesh {dict(runners[names[0]].setup.mesh.shape)}, "
+        f"load {os.getloadavg()[0]:.1f}; {args.rounds} ABBA rounds x {args.steps} steps")
+  meds = {n: float(np.median(r.times)) for n, r in runners.items()}
+  for n, med in meds.items():
+    print(f"{n:<9} step {med * 1e3:8.1f} ms median")
+  print(f"new / old step time (ratio of medians): {meds[names[1]] / meds[names[0]]:.3f}")
 
 
 if __name__ == "__main__":

@@ -75,7 +75,16 @@ class MoEConfig:
                     blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
   grouped_matmul:   the dropless expert matmul: 'ragged_dot' (jax.lax.ragged_dot; a grouped
                     kernel on TPU/GPU), 'tiled' (batched matmuls over one-expert row tiles;
-                    XLA:CPU runs ragged_dot as E dense matmuls), 'auto' (tiled on CPU).
+                    XLA:CPU runs ragged_dot as E dense matmuls), 'megablox' (megablox's
+                    Pallas gmm/tgmm kernels, TPU; the weight gradient visits only filled
+                    row tiles), 'auto' (tiled on CPU).
+  dispatch_chunks:  split each MoE layer's dispatch into this many independent pieces, each
+                    its own all-to-all, expert FFN and all-to-all back, so a scheduler can
+                    run the exchange of one piece under the expert matmuls of another
+                    (capacity: over the C slots of every expert, which must divide by it;
+                    dropless: over each device's tokens). Same outputs as 1 (the default)
+                    up to float summation order; a dropless buffer below the bound is per
+                    piece.
   """
   num_experts: int = 8
   d_ff: int = 512
@@ -99,6 +108,7 @@ class MoEConfig:
   expert_overflow: str = "error"
   expert_exchange: str = "auto"
   grouped_matmul: str = "auto"
+  dispatch_chunks: int = 1
 
   def __post_init__(self):
     _require(self.num_experts >= 2, f"model.moe.num_experts={self.num_experts} must be >= 2 (top-2 gating)")
@@ -128,8 +138,10 @@ class MoEConfig:
              f"model.moe.dispatch={self.dispatch!r} drops by capacity_factor: leave it 'error'")
     _require(self.expert_exchange in ("auto", "ragged", "padded"),
              f"model.moe.expert_exchange={self.expert_exchange!r}: use 'auto', 'ragged' or 'padded'")
-    _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled"),
-             f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot' or 'tiled'")
+    _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled", "megablox"),
+             f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot', 'tiled' "
+             f"or 'megablox'")
+    _require(self.dispatch_chunks >= 1, f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1")
     if self.dispatch == "capacity":
       gshard = self.top_k == 2 and self.score == "softmax" and self.renormalize and self.gate_scale == 1.0
       _require(gshard and self.bias_update_rate == 0,

@@ -195,7 +195,7 @@ def _pod_moe(cfg, topology: str, ici: tuple[int, int], global_batch: int, seq_le
 
 
 @register("moe.mixtral_8x7b", "Mixtral-8x7B-shaped MoE LM (46.7B params, 12.9B active): 32 layers, "
-          "top-2 of 8 experts, dropless; TPU v5p-256 (128 chips, 16 data x 8 expert)")
+          "top-2 of 8 experts, dropless; TPU v5p-256 (128 chips, FSDP, all experts on every chip)")
 def mixtral_8x7b():
   """Mixtral 8x7B's shapes (arXiv 2401.04088): d_model 4096, 32 heads of 128, 8 KV heads,
   every FFN 8 experts of gated d_ff 14336, top-2 renormalized softmax gates; rope theta 1e6."""
@@ -214,7 +214,17 @@ def mixtral_8x7b():
   m.top_k = 2
   m.dispatch = "dropless"
   m.aux_loss_weight = 1e-2
-  return _pod_moe(cfg, "v5p:4x4x8", (16, 8), global_batch=256, seq_len=4096)
+  # MaxText's layout for it: no expert parallelism. Every chip runs all 8 experts on its own
+  # tokens (no all-to-all, no receive buffer: the grouped matmuls see exactly T x k rows),
+  # the expert weights FSDP-split over all 128 chips and gathered per layer like a dense
+  # FFN's; megablox's kernels, whose weight gradient visits only filled row tiles (XLA's
+  # ragged_dot gradient is a dense matmul over all 8 experts x every row); splash attention.
+  m.grouped_matmul = "megablox"
+  t.attention = "flash"
+  cfg = _pod_moe(cfg, "v5p:4x4x8", (128,), global_batch=256, seq_len=4096)
+  cfg.mesh.axes = ("data",)
+  cfg.sharding.rules = (("batch", "data"), ("embed", "data"))
+  return cfg
 
 
 @register("moe.deepseek_v3", "DeepSeek-V3-shaped MoE LM (675B params): 61 layers (3 dense), "

@@ -121,7 +121,7 @@ class MoEFeedForward(nnx.Module):
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
                                         impl=cfg.grouped_matmul, quantization=self.quantization,
-                                        overflow=cfg.expert_overflow)
+                                        overflow=cfg.expert_overflow, chunks=cfg.dispatch_chunks)
     stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics}
     if cfg.expert_overflow == "drop":   # a fraction of the batch's token copies, logged, not raised on
       stats["dropped_copies"] = overflow.astype(jnp.float32) / r.index.size
@@ -143,6 +143,21 @@ class MoEFeedForward(nnx.Module):
     dispatch = shard(gating.dispatch.astype(dt), GSEC)
     combine = shard(gating.combine.astype(dt), GSEC)
 
+    c, n = dispatch.shape[-1], cfg.dispatch_chunks
+    if c % n:
+      raise ValueError(f"model.moe.dispatch_chunks={n} must divide the capacity C={c} "
+                       f"(model.moe.capacity_factor, min_capacity, group_size)")
+    # Piece j takes slots [j C/n, (j+1) C/n) of every expert: its own all-to-alls and FFN,
+    # independent of the other pieces (the FFN works row by row), so they can overlap.
+    y = sum(self._slots(xg, dispatch[..., j * c // n:(j + 1) * c // n],
+                        combine[..., j * c // n:(j + 1) * c // n]) for j in range(n))
+    y = shard(y, ("batch", None, "embed"))
+    stats = {"aux_loss": gating.aux_loss, "z_loss": gating.z_loss, **gating.metrics}
+    return y.reshape(x.shape), stats
+
+  def _slots(self, xg: jax.Array, dispatch: jax.Array, combine: jax.Array) -> jax.Array:
+    """The experts' output [g, s, m] for the capacity slots `dispatch`/`combine` [g, s, e, c']."""
+    dt = self.dtype
     expert_in = shard(jnp.einsum("gsec,gsm->egcm", dispatch, xg.astype(dt)), EGCM)
     ein = functools.partial(quant.einsum, self.quantization)
     gate = ein("egcm,emh->egch", expert_in, self.wi_gate[...].astype(dt))
@@ -150,6 +165,4 @@ class MoEFeedForward(nnx.Module):
     hidden = shard(self.act(gate) * up, EGCH)
     expert_out = shard(ein("egch,ehm->egcm", hidden, self.wo[...].astype(dt)), EGCM)
     expert_out = shard(jnp.swapaxes(expert_out, 0, 1), GECM)            # [g, e, c, m]
-    y = shard(jnp.einsum("gecm,gsec->gsm", expert_out, combine), ("batch", None, "embed"))
-    stats = {"aux_loss": gating.aux_loss, "z_loss": gating.z_loss, **gating.metrics}
-    return y.reshape(x.shape), stats
+    return shard(jnp.einsum("gecm,gsec->gsm", expert_out, combine), ("batch", None, "embed"))

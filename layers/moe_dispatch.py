@@ -61,7 +61,7 @@ from shardax.sharding.annotate import current_mesh_shape
 from shardax.sharding.target import target_platform
 
 EXCHANGES = ("auto", "ragged", "padded")
-IMPLS = ("auto", "ragged_dot", "tiled")
+IMPLS = ("auto", "ragged_dot", "tiled", "megablox")
 
 
 def _count(ids: jax.Array, n: int) -> jax.Array:
@@ -76,10 +76,35 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable
   `quantization`: the three matmuls in 8 bits (layers/quantization.py)."""
   if impl == "tiled":
     return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act, quantization=quantization)
+  if impl == "megablox":
+    return megablox_ffn(xs, sizes, w_gate, w_up, wo, act)
   rd = functools.partial(quant.ragged_dot, quantization)
   gate = rd(xs, w_gate, sizes)
   up = rd(xs, w_up, sizes)
   return rd((act(gate) * up).astype(xs.dtype), wo, sizes)
+
+
+def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) -> jax.Array:
+  """`grouped_ffn` with megablox's Pallas kernels (MaxText's sparse matmul): gmm forward and
+  for the input gradient, tgmm for the weight gradient. Both visit only the row tiles that
+  hold a group's rows (a dynamic grid), where XLA's TPU lowering of ragged_dot's weight
+  gradient is a dense masked matmul over every group x every row (E x the work with all
+  experts local). Rows are padded to whole tiles; rows past sum(sizes) come out 0. CPU runs
+  the kernels in Pallas' interpreter (slow: tests only)."""
+  from jax.experimental.pallas.ops.tpu.megablox import gmm
+  r, m = xs.shape
+  rows = -(-r // tile) * tile
+  valid = (jnp.arange(rows) < jnp.sum(sizes))[:, None]
+  # The kernels leave rows outside every group unwritten, forward and backward: each input
+  # and output goes through a select, so neither values nor gradients of those rows leak.
+  keep = lambda v: jnp.where(valid, v, 0)
+  interpret = target_platform() == "cpu"
+  mm = lambda a, w: keep(gmm(a, w, sizes, preferred_element_type=xs.dtype,
+                             tiling=(tile, min(tile * 4, a.shape[1]), min(tile * 4, w.shape[2])),
+                             interpret=interpret))
+  x = keep(jnp.pad(xs, ((0, rows - r), (0, 0))))
+  hidden = keep((act(mm(x, w_gate)) * mm(x, w_up)).astype(xs.dtype))
+  return mm(hidden, wo)[:r]
 
 
 def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128,
@@ -231,11 +256,14 @@ def resolve_impl(impl: str) -> str:
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
              *, buffer: float | None = None, exchange: str = "auto", impl: str = "auto",
-             quantization: str = "none", overflow: str = "error") -> tuple[jax.Array, jax.Array]:
+             quantization: str = "none", overflow: str = "error", chunks: int = 1
+             ) -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
   [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules.
   `overflow`: 'error' poisons y when copies did not fit (below), 'drop' leaves them out (their
-  rows never travel: 0 from the experts)."""
+  rows never travel: 0 from the experts). `chunks`: each device's tokens in that many pieces,
+  each exchanged and multiplied on its own (the exchange of one can run under another's
+  expert matmuls); per token the same result."""
   b, l, m = x.shape
   e = weights[0].shape[0]
   impl = resolve_impl(impl)
@@ -260,11 +288,16 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
     bl, ll = x.shape[:2]
     args = (x.reshape(bl * ll, m), index.reshape(bl * ll, -1), gates.reshape(bl * ll, -1))
     if expert:
-      y, overflow = dropless_expert_parallel(*args, (w_gate, w_up, wo), act, axes=expert,
-                                             n=math.prod(mesh.shape[a] for a in expert),
-                                             num_experts=e, buffer=buffer, exchange=mode, impl=impl,
-                                             quantization=quantization)
-      overflow = jax.lax.psum(overflow, token_axes)
+      t = bl * ll
+      if t % chunks:
+        raise ValueError(f"model.moe.dispatch_chunks={chunks} must divide each device's {t} tokens")
+      pieces = [dropless_expert_parallel(*(a[j * t // chunks:(j + 1) * t // chunks] for a in args),
+                                         (w_gate, w_up, wo), act, axes=expert,
+                                         n=math.prod(mesh.shape[a] for a in expert), num_experts=e,
+                                         buffer=buffer, exchange=mode, impl=impl, quantization=quantization)
+                for j in range(chunks)]
+      y = jnp.concatenate([p[0] for p in pieces]) if chunks > 1 else pieces[0][0]
+      overflow = jax.lax.psum(sum(p[1] for p in pieces), token_axes)
     else:
       y, overflow = dropless_local(*args, (w_gate, w_up, wo), act, impl, quantization), jnp.zeros((), jnp.int32)
     if mlp:

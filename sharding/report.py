@@ -50,6 +50,11 @@ _ALIAS = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* (?:copy|bitcast)\(
 _LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
 
 
+# Matmul work an async all-to-all can run under (the TPU compiler's dots are convolutions
+# or output fusions; grouped matmuls are Mosaic kernels).
+_MATMUL = re.compile(r"\s(?:convolution|dot)\(|kind=kOutput|tpu_custom_call")
+
+
 def _bytes(text: str) -> int:
   total = 0
   for dtype, dims in _SHAPE.findall(text):
@@ -238,6 +243,8 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
   loop_trips = trip_counts(hlo_text)
   parsed, comps = [], hlo_text_lib.split(hlo_text)
+  open_a2a: dict[str, set[str]] = {}   # all-to-all starts not yet done, per computation
+  overlapped: set[str] = set()         # those with a matmul between start and done
   entry = comps.entry
   between = _Between()
   for comp, line in comps.lines():
@@ -258,10 +265,16 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     if b := _BRANCHES.search(rest):
       calls[comp].extend((x.strip().lstrip("%"), 1) for x in b.group(1).split(","))
     kind = op.removesuffix("-start")
-    if kind in COLLECTIVE_KINDS:
+    if kind in COLLECTIVE_KINDS or kind == "ragged-all-to-all":
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
+      if kind == "all-to-all" and op.endswith("-start"):
+        open_a2a.setdefault(comp, set()).add(name)
+    elif op == "all-to-all-done":
+      open_a2a.get(comp, set()).difference_update(_OPERAND.findall(rest.split(")", 1)[0]))
     elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
       parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
+    if open_a2a.get(comp) and _MATMUL.search(line):  # a matmul runs while these are in flight
+      overlapped |= open_a2a[comp]
   frames = _stack_frames(hlo_text) if parsed else {}
   runs = _executions(calls, entry) if entry else {}
   found, fused_channels = [], set()
@@ -277,11 +290,18 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
                               runs.get(comp, 1) if entry else 1, comp))
       continue
     operands = _operands(rest)
+    ragged = kind == "ragged-all-to-all"
+    if ragged:  # it sends its input rows (operand 0), not the receive buffer (operand 1)
+      first = _OPERAND.findall(operands)[:1]
+      operands = result_bytes_text.get(first[0], "") if first else operands
+      kind, is_start = "all-to-all", False
     operand_b = _bytes(operands) or sum(result_bytes.get(o, 0) for o in _OPERAND.findall(operands))
     result_b = result_bytes[name]
     if is_start:  # async start returns (operands..., results..., context): keep the results
       result_b = max(result_b - operand_b, 0)
-    nbytes = operand_b if kind == "reduce-scatter" else max(result_b, operand_b)
+    nbytes = operand_b if kind == "reduce-scatter" or ragged else max(result_b, operand_b)
+    if kind == "all-to-all" and is_start and name not in overlapped:
+      is_start = False   # an async all-to-all with no matmul under it hides nothing
     op_name = m.group(1) if (m := _OP_NAME.search(rest)) else ""
     if m := _SOURCE.search(rest):
       source = f"{m.group(1)}:{m.group(2)}"

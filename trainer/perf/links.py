@@ -19,8 +19,12 @@ read where they sit: TPU torus coordinates, the TensorCore on a v3 chip, the sli
 Time of one execution, B the full buffer (sharding/report.py), g the group size:
   all-gather, reduce-scatter   B (g-1)/g / bw
   all-reduce                   2 B (g-1)/g / bw     (reduce-scatter + all-gather)
-  all-to-all                   B (g-1)/g / bw x max(1, g/4) on a torus ring (data
-                               travels g/4 hops on average), x 1 through a switch
+  all-to-all                   B (g-1)/g / bw x hops on a torus, x 1 through a switch:
+                               hops = the mean distance a byte travels, the sum over the
+                               torus dims the group spans of k/4 for k members along the dim
+                               (a ring's; a 1D group of g: g/4, as before). Not g/4 for a
+                               group over several dims: 2048 v3 cores on a 32x32 torus are
+                               8 + 8 hops apart on average, not 512.
   collective-permute           B / one link
 plus a fixed latency per op (5 us ICI, 50 us DCN): small next to the transfers of
 real models, but it keeps thousands of tiny ops from reading as free.
@@ -99,6 +103,14 @@ def ici_bandwidth(chip: Chip, r: Route) -> float:
   return sum(per_link * (2 if wraps(size, full) else 1) for size, full in r.dims) or per_link
 
 
+def _hops(r: Route, g: int) -> float:
+  """Mean torus distance between two members of the group `r` (at least 1): k/4 per dim of k
+  members (a ring's, both ways round; an open chain's k/3 is not used, so 1D groups keep the
+  figure they had). The bytes of an all-to-all travel that far on average, over the links
+  whose bandwidth `ici_bandwidth` sums; dims add, they do not multiply."""
+  return max(1.0, sum(k / 4 for k, _ in r.dims) if r.dims else g / 4)
+
+
 def across_granules(size: int) -> Route:
   """The route of a transfer between `size` granules, one member in each: a multi-slice TPU
   program's megascale send (report.Collective.link == "dcn"), whose in-slice part the
@@ -126,7 +138,7 @@ def seconds_by_link(kind: str, nbytes: float, r: Route, chip: Chip) -> dict[str,
   factor = {"all-reduce": 2.0}.get(kind, 1.0)
   if r.ici_size > 1:
     g = r.ici_size
-    spread = max(1.0, g / 4) if kind == "all-to-all" and chip.torus_dims else 1.0
+    spread = _hops(r, g) if kind == "all-to-all" and chip.torus_dims else 1.0
     out["ici"] = factor * nbytes * (g - 1) / g / ici_bandwidth(chip, r) * spread + ICI_LATENCY
   if r.dcn_size > 1:
     g = r.dcn_size

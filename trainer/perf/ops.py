@@ -58,6 +58,9 @@ _SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r"|pred|s32|u32|s64)\[([\d,]*)\]
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul[\w$]*)"')
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
 _CONFIG = re.compile(r"backend_config=(\{.*\})\s*$")
+# The TPU compiler's grouped matmul (jax.lax.ragged_dot): a Mosaic kernel, `tpu_custom_call`
+# named ragged-dot-*, tagged ragged_dot_tiling; megablox's gmm/tgmm kernels likewise.
+_GROUPED = re.compile(r'custom_call_target="tpu_custom_call".*(?:ragged_dot_tiling=|op_name="[^"]*(?:ragged-dot-|gmm))')
 
 
 def family(chip: Chip) -> str:
@@ -163,7 +166,24 @@ def custom_call_ops(lines, shapes: dict[str, str] | None = None) -> list[tuple[s
       out.append(("gemm", *gemm_flops(line, shapes)))
     elif f := _FMHA.search(line):
       out.append(("attention", *attention_flops(line, f.group(1), shapes)))
+    elif _GROUPED.search(line) and (flops := grouped_matmul_flops(line)):
+      out.append(("gemm", *flops))
   return out
+
+
+def grouped_matmul_flops(line: str) -> tuple[str, float] | None:
+  """(operand dtype, FLOPs) of a TPU grouped-matmul kernel (ragged_dot's forward and its
+  input gradient), which XLA's cost analysis prices at 0: the kernel's own declared cost
+  (`cost_estimate.flops`, 2 x rows x K x N over the whole row buffer). Its grid is dynamic
+  (it visits the row tiles that hold a group's rows), so this is what it runs when every
+  row of the buffer is filled: the upper bound, and what a full receive buffer costs."""
+  flops = float(_config(line, "custom_call_config").get("cost_estimate", {}).get("flops", 0) or 0)
+  if not flops:
+    return None
+  inside = re.search(r"operand_layout_constraints=\{(.*?)\}\s*,\s*[a-z_]+=", line)
+  floats = [t for t, _ in _shapes(inside.group(1) if inside else line.split("custom-call(", 1)[1])
+            if t not in ("s32", "u32", "s64", "pred")]
+  return (floats[0] if floats else "bf16"), flops
 
 
 _DOT = re.compile(r"\s(dot|convolution)\(([^)]*)\)")
