@@ -243,8 +243,6 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
   loop_trips = trip_counts(hlo_text)
   parsed, comps = [], hlo_text_lib.split(hlo_text)
-  open_a2a: dict[str, set[str]] = {}   # all-to-all starts not yet done, per computation
-  overlapped: set[str] = set()         # those with a matmul between start and done
   entry = comps.entry
   between = _Between()
   for comp, line in comps.lines():
@@ -267,14 +265,8 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     kind = op.removesuffix("-start")
     if kind in COLLECTIVE_KINDS or kind == "ragged-all-to-all":
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
-      if kind == "all-to-all" and op.endswith("-start"):
-        open_a2a.setdefault(comp, set()).add(name)
-    elif op == "all-to-all-done":
-      open_a2a.get(comp, set()).difference_update(_OPERAND.findall(rest.split(")", 1)[0]))
     elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
       parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
-    if open_a2a.get(comp) and _MATMUL.search(line):  # a matmul runs while these are in flight
-      overlapped |= open_a2a[comp]
   frames = _stack_frames(hlo_text) if parsed else {}
   runs = _executions(calls, entry) if entry else {}
   found, fused_channels = [], set()
@@ -300,7 +292,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     if is_start:  # async start returns (operands..., results..., context): keep the results
       result_b = max(result_b - operand_b, 0)
     nbytes = operand_b if kind == "reduce-scatter" or ragged else max(result_b, operand_b)
-    if kind == "all-to-all" and is_start and name not in overlapped:
+    if kind == "all-to-all" and is_start and not between.matmuls.get(name):
       is_start = False   # an async all-to-all with no matmul under it hides nothing
     op_name = m.group(1) if (m := _OP_NAME.search(rest)) else ""
     if m := _SOURCE.search(rest):
@@ -326,6 +318,7 @@ class _Between:
   def __init__(self):
     self.open: dict[str, list[str]] = collections.defaultdict(list)  # computation -> open starts
     self.compute: dict[str, int] = collections.Counter()
+    self.matmuls: dict[str, int] = collections.Counter()   # of those, the matmul work (_MATMUL)
     self.loops: dict[str, list[str]] = collections.defaultdict(list)
     self.concurrent: dict[str, set[str]] = collections.defaultdict(set)
 
@@ -335,8 +328,10 @@ class _Between:
         self.open[comp].remove(m.group(1))
     elif op in _COMPUTE_OPS:
       body = re.search(r"body=%?([\w.\-]+)", rest) if op == "while" else None
+      matmul = op in ("convolution", "dot") or bool(_MATMUL.search(rest))
       for start in self.open[comp]:
         self.compute[start] += 1
+        self.matmuls[start] += matmul
         if body:
           self.loops[start].append(body.group(1))
     if op.endswith("-start"):

@@ -15,7 +15,7 @@ HLO = "\n".join([
     "  %mm = bf16[64,128]{1,0} convolution(%p, %w), dim_labels=bf_io->bf",
     "  %d1 = bf16[64,128]{1,0} all-to-all-done(%s1)",
     "  %s2 = " + A2A.format(t="bf16[64,128]{1,0}", x="d1", c=2),
-    "  %neg = bf16[64,128]{1,0} negate(%mm)",
+    "  %neg = bf16[64,128]{1,0} fusion(%mm), kind=kLoop, calls=%negate_fusion",
     "  %d2 = bf16[64,128]{1,0} all-to-all-done(%s2)",
     "  %buf = bf16[256,128]{1,0} broadcast(bf16[] constant(0)), dimensions={}",
     "  %off = s32[4]{0} constant({0, 16, 32, 48})",
@@ -28,7 +28,7 @@ HLO = "\n".join([
 def test_only_an_all_to_all_with_a_matmul_in_flight_counts_as_async():
   got = {c.name: c for c in report.collectives(HLO)}
   assert got["s1"].is_async            # the convolution runs between s1 and its done
-  assert not got["s2"].is_async        # only a negate: nothing to hide it behind
+  assert not got["s2"].is_async        # only an elementwise fusion: no matmul to hide it behind
   assert got["s1"].bytes == got["s2"].bytes and abs(got["s1"].bytes - 64 * 128 * 2) <= 8  # + context
 
 
