@@ -238,6 +238,8 @@ def main(argv) -> None:
       raise UserError(f"mesh.topology={exp.mesh.topology!r} describes TPUs that are not here; "
                       f"use it with --mode=dry_run, --mode=explain or --mode=plan")
     _set_cpu_devices(exp)
+    from shardax.sharding import libtpu_flags
+    libtpu_flags.apply(exp.mesh.libtpu_flags)   # libtpu reads them once, when jax first loads it
     from shardax.trainer import compile_cache   # before the first compile, in every mode
     # A topology's programs are compiled for TPUs that are not here: jax cannot read such an
     # entry back ("PjRtCompiler must be constructed with a Client"), so none is written.

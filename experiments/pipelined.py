@@ -6,6 +6,7 @@ The mesh gets a `stage` axis and the preset a ("stage", "stage") rule (`pp_dp`,
 
 from shardax.configs import register
 from shardax.experiments import lm
+from shardax.sharding import libtpu_flags
 
 
 @register("lm.tiny_pipelined", "lm.tiny as 2 pipeline stages x 4 microbatches over a (stage, data) mesh; CPU")
@@ -67,6 +68,9 @@ def gpt3_175b_pipelined():
   cfg.mesh.ici = (4, -1, 4)
   cfg.mesh.topology = "v4:8x8x8"
   cfg.mesh.num_cpu_devices = None
+  # pp_2d gathers each stage's weights over `data` in every iteration: async, the gathers
+  # run under the stage body's matmuls (sharding/libtpu_flags.py, docs/pipeline.md)
+  cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_WEIGHT_GATHER
   cfg.sharding.preset = "pp_2d"
   cfg.train.global_batch = 1536
   cfg.train.microbatches = 2  # 2 x 768 rows through the pipeline: halves the activations
@@ -98,4 +102,5 @@ def gpt3_175b_4slices():
   cfg.mesh.topology = "v5e:16x16"
   cfg.mesh.dcn = (4, 1, 1)
   cfg.mesh.ici = (1, -1, 8)
+  cfg.mesh.libtpu_flags = ()   # measured on v4 only; v5e's async form is another (docs/pipeline.md)
   return cfg

@@ -35,6 +35,8 @@ class MeshConfig:
   network: the data-center network between granules, by name, for the step-time model
     (trainer/perf/chips.NETWORKS: "a3-high", "a3-mega", "a3-ultra", "a4", "infiniband-ndr",
     "infiniband-hdr"); None: the chip's default (TPU: its hosts' NICs; GPU: A3 High).
+  libtpu_flags: TPU compiler flags the CLI adds to LIBTPU_INIT_ARGS before jax starts
+    (sharding/libtpu_flags.py; a flag the user set there keeps the user's value).
   """
   ici: tuple[int, ...] = (-1, 1)
   dcn: tuple[int, ...] = ()
@@ -42,6 +44,7 @@ class MeshConfig:
   num_cpu_devices: int | None = None
   topology: str | None = None
   network: str | None = None
+  libtpu_flags: tuple[str, ...] = ()
 
   def __post_init__(self):
     ici, dcn = tuple(self.ici), tuple(self.dcn)
@@ -56,6 +59,8 @@ class MeshConfig:
     if self.network is not None and self.network not in NETWORKS:
       raise ValueError(f"mesh.network={self.network!r} is not a network the step-time model knows; "
                        f"use one of {sorted(NETWORKS)} or leave it unset (None) for the chip's default")
+    from shardax.sharding import libtpu_flags
+    libtpu_flags.check(self.libtpu_flags)
     for name, shape in (("ici", ici), ("dcn", dcn)):
       if sum(1 for s in shape if s == -1) > 1 or any(s == 0 or s < -1 for s in shape):
         raise ValueError(f"mesh.{name}={shape}: sizes must be positive, with at most one -1")

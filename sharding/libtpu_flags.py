@@ -1,0 +1,56 @@
+"""TPU compiler flags an experiment asks for (`mesh.libtpu_flags`), set before libtpu loads.
+
+libtpu reads `LIBTPU_INIT_ARGS` once, when the process first loads it (jax's platform
+probe at start-up, or the first topology description), so the CLI applies an experiment's
+flags before it touches a backend; later changes in the same process do nothing.
+A flag the user already put in `LIBTPU_INIT_ARGS` keeps the user's value.
+
+`ASYNC_WEIGHT_GATHER` is for programs that gather weights inside a loop (the `pp_2d`
+pipeline re-gathers each stage's weights over `data` every iteration). This libtpu
+writes those all-gathers synchronously unless asked; with this flag the compiled
+v4 program has `all-gather-start`/`-done` pairs with the stage body's matmuls between
+them (tests/test_pipeline.py), which the step model then counts as hidden under that
+compute. On lm.gpt3_175b_pipelined (16-layer copy, v4:8x8x8, compile effort 0) the
+exposed collectives fall from 3.62 s to 1.97 s a step (docs/pipeline.md). Adding
+`--xla_tpu_overlap_compute_collective_tc=true` changed nothing there (same 10.28 s step);
+`--xla_tpu_enable_async_collective_fusion*` (MaxText's v4/v5p choice) hid as much but added
+49% to the program's HBM traffic (9.2 -> 13.7 TB accessed), a slower step (13.68 s against
+11.87 s). All three do nothing at compile effort -1 (jax's O0): dry runs of these programs
+need the default effort to show the overlap.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import MutableMapping, Sequence
+
+ASYNC_WEIGHT_GATHER = ("--xla_enable_async_all_gather=true",)
+
+
+class LibtpuFlagError(ValueError):
+  pass
+
+
+def _name(flag: str) -> str:
+  if not flag.startswith("--") or len(flag) < 3:
+    raise LibtpuFlagError(f"mesh.libtpu_flags: {flag!r} is not a flag; write it as "
+                          f"'--name=value', e.g. {ASYNC_WEIGHT_GATHER[0]!r}")
+  return flag[2:].split("=", 1)[0]
+
+
+def check(flags: Sequence[str]) -> None:
+  """Raises LibtpuFlagError naming a malformed entry of mesh.libtpu_flags."""
+  if isinstance(flags, str):
+    raise LibtpuFlagError(f"mesh.libtpu_flags={flags!r} must be a tuple of flags, e.g. {ASYNC_WEIGHT_GATHER!r}")
+  for f in flags:
+    _name(f)
+
+
+def apply(flags: Sequence[str], environ: MutableMapping[str, str] = os.environ) -> str:
+  """Appends `flags` to LIBTPU_INIT_ARGS, except those the user already set; returns it."""
+  current = environ.get("LIBTPU_INIT_ARGS", "").split()
+  named = {_name(f) for f in current if f.startswith("--")}
+  added = [f for f in flags if _name(f) not in named]
+  if added:
+    environ["LIBTPU_INIT_ARGS"] = " ".join(current + added)
+  return environ.get("LIBTPU_INIT_ARGS", "")
