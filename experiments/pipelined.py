@@ -44,6 +44,8 @@ def gpt3_175b_pipelined():
   rows (train.microbatches=2), 64 rows per pipeline microbatch: with the whole
   batch at once the dry run needed 36.2 GiB per chip (temp 32.3 GiB, much of it
   the head's logits, which every stage group computes for the whole batch).
+  The stage weights' per-iteration gathers over `data` are async (`mesh.libtpu_flags`,
+  visible at the default compile effort only) and the loss is chunked (`loss_chunk`).
   Built abstractly and lowered by dry runs; not meant to be compiled on a CPU host.
   """
   cfg = lm.tiny()
@@ -59,6 +61,9 @@ def gpt3_175b_pipelined():
   m.dtype = "bfloat16"
   m.param_dtype = "float32"
   m.remat = "full"
+  # the logits a sequence chunk at a time: frees ~2 GiB per chip, which the default-effort
+  # compile with async weight gathers needs (28.95 GiB; 32.1 GiB without, over 30.75)
+  m.loss_chunk = 256
   m.pipeline.stages = 4
   m.pipeline.microbatches = 12
   m.pipeline.circular_repeats = 4
@@ -102,5 +107,8 @@ def gpt3_175b_4slices():
   cfg.mesh.topology = "v5e:16x16"
   cfg.mesh.dcn = (4, 1, 1)
   cfg.mesh.ici = (1, -1, 8)
-  cfg.mesh.libtpu_flags = ()   # measured on v4 only; v5e's async form is another (docs/pipeline.md)
+  # as measured for docs/scale.md's 4-slice rows: the v4 experiment's async weight gathers
+  # and chunked loss (2026-11-26) were not tried on v5e, whose async form is another
+  cfg.mesh.libtpu_flags = ()
+  cfg.model.loss_chunk = 0
   return cfg
