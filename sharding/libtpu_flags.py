@@ -15,8 +15,8 @@ exposed collectives fall from 3.62 s to 1.97 s a step (docs/pipeline.md). Adding
 `--xla_tpu_overlap_compute_collective_tc=true` changed nothing there (same 10.28 s step);
 `--xla_tpu_enable_async_collective_fusion*` (MaxText's v4/v5p choice) hid as much but added
 49% to the program's HBM traffic (9.2 -> 13.7 TB accessed), a slower step (13.68 s against
-11.87 s). All three do nothing at compile effort -1 (jax's O0): dry runs of these programs
-need the default effort to show the overlap.
+11.87 s). At compile effort -1 (jax's O0) neither the flag alone nor the fusion set
+changed the program's prediction: dry runs need the default effort to show the overlap.
 """
 
 from __future__ import annotations
