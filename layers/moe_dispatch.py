@@ -277,6 +277,8 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
   batch, length = mesh_axes(("batch", "length"), (b, l))
   token_axes = batch + length                          # every device: its own tokens only
   expert, embed, mlp = mesh_axes(("expert", "embed", "mlp"), weights[0].shape)
+  if m % math.prod(mesh.shape[a] for a in embed):
+    embed = ()                 # an uneven split (sharding.allow_uneven): the weights enter whole
   if not set(expert) <= set(token_axes):
     raise ValueError(
         f"dropless MoE dispatch under expert parallelism needs the tokens split over the expert "
