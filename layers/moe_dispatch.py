@@ -44,7 +44,8 @@ naming `model.moe.expert_buffer`. (A host callback raising inside the SPMD progr
 would leave the other devices waiting in the next all-to-all.) Weights split over
 'mlp' (tensor parallel) stay split: the partial outputs are summed over those axes.
 Weights split over 'embed' (FSDP) enter split and are all-gathered inside, like a dense
-layer's: their gradients leave by reduce-scatter, not an all-reduce of every weight.
+layer's: their gradients leave by reduce-scatter, not an all-reduce of every weight (the
+TPU compiler may still lower that reduce-scatter as all-reduce + slice: docs/moe.md).
 """
 
 from __future__ import annotations
