@@ -43,6 +43,9 @@ metrics as `moe/expert_buffer_overflow`, on which the training loop raises an er
 naming `model.moe.expert_buffer`. (A host callback raising inside the SPMD program
 would leave the other devices waiting in the next all-to-all.) Weights split over
 'mlp' (tensor parallel) stay split: the partial outputs are summed over those axes.
+Weights split over 'embed' (FSDP) enter split and are all-gathered inside, like a dense
+layer's: their gradients leave by reduce-scatter, not an all-reduce of every weight (the
+TPU compiler may still lower that reduce-scatter as all-reduce + slice: docs/moe.md).
 """
 
 from __future__ import annotations
@@ -274,7 +277,9 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
     return y.reshape(x.shape), jnp.zeros((), jnp.int32)
   batch, length = mesh_axes(("batch", "length"), (b, l))
   token_axes = batch + length                          # every device: its own tokens only
-  expert, _, mlp = mesh_axes(("expert", None, "mlp"), weights[0].shape)
+  expert, embed, mlp = mesh_axes(("expert", "embed", "mlp"), weights[0].shape)
+  if m % math.prod(mesh.shape[a] for a in embed):
+    embed = ()                 # an uneven split (sharding.allow_uneven): the weights enter whole
   if not set(expert) <= set(token_axes):
     raise ValueError(
         f"dropless MoE dispatch under expert parallelism needs the tokens split over the expert "
@@ -282,9 +287,15 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
         f"use a preset like 'expert' or 'expert_axis', or model.moe.dispatch='capacity'")
   mode = resolve_exchange(exchange)
   tokens, w_in, w_out = P(batch or None, length or None, None), \
-      P(expert or None, None, mlp or None), P(expert or None, mlp or None, None)
+      P(expert or None, embed or None, mlp or None), P(expert or None, mlp or None, embed or None)
 
   def body(x, index, gates, w_gate, w_up, wo):
+    if embed:
+      # FSDP: the weights enter split over the embed axes and are gathered here, as a dense
+      # layer's are; the transpose of this gather is a reduce-scatter of their gradients.
+      # (Entering whole, the gradients were summed by an all-reduce of every weight.)
+      gather = lambda w, dim: jax.lax.all_gather(w, embed, axis=dim, tiled=True)
+      w_gate, w_up, wo = gather(w_gate, 1), gather(w_up, 1), gather(wo, 2)
     bl, ll = x.shape[:2]
     args = (x.reshape(bl * ll, m), index.reshape(bl * ll, -1), gates.reshape(bl * ll, -1))
     if expert:

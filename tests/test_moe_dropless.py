@@ -393,3 +393,26 @@ def test_megablox_grouped_ffn_equals_ragged_dot_with_its_gradients():
   np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
   for g, w in zip(got[1], want[1]):
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
+
+
+def test_dropless_fsdp_gathers_expert_weights_and_reduce_scatters_their_gradients(reference_run):
+  """moe.mixtral_8x7b's layout on 8 devices: no expert parallelism, every expert weight
+  FSDP-split over `data` (preset fsdp). Equal to one device (loss, every gradient), and the
+  expert weights' gradients leave by reduce-scatter: no all-reduce as large as an expert
+  weight's shard. Before, the weights entered the dispatch's shard_map whole, and each
+  layer's backward all-reduced every expert weight's full gradient."""
+  params, batch, ref_loss, ref_grads, _ = reference_run
+  setup = setup_for(tiny_dropless("fsdp", (8,), ("data",)))
+  (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
+  np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
+  for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
+  # XLA:CPU leaves the dense layers' gradients as all-reduces (the TPU compiler makes them
+  # reduce-scatters: tests/test_moe_exchange.py), so here only the dispatch's are checked.
+  colls = report.collectives(compiled.as_text())
+  expert_shard = min(int(np.prod(a.shape[-3:])) * 4 // 8 for p, a in
+                     jax.tree.leaves_with_path(setup.abstract["params"]) if "wi_gate" in jax.tree_util.keystr(p))
+  summed = [c for c in colls if c.kind == "all-reduce" and "shard_map" in c.op_name and c.bytes >= expert_shard]
+  assert not summed, summed
+  scattered = [c for c in colls if c.kind == "reduce-scatter" and "moe_dispatch.py" in c.source]
+  assert len(scattered) == 3 and all(c.executions == 2 for c in scattered), scattered  # 3 weights x 2 layers

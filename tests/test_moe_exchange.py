@@ -11,10 +11,13 @@ receive buffer of the no-overflow size, and send the results back into the T x k
 
 import re
 
+import jax
+
 import pytest
 
 pytest.importorskip("libtpu")
 
+from shardax.sharding import report  # noqa: E402
 from shardax.trainer.perf import dry_run  # noqa: E402
 from test_moe_dropless import tiny_dropless  # noqa: E402
 
@@ -31,3 +34,24 @@ def test_tpu_step_moves_tokens_by_ragged_all_to_all_into_the_no_overflow_buffer(
   hlo = dry_run.compile_step(setup).as_text()
   ops = re.findall(r"= (\w+)\[(\d+),[^\]]*\]\S* ragged-all-to-all\(", hlo)
   assert {(dt, int(rows)) for dt, rows in ops} == {("f32", 256), ("s32", 256), ("f32", 64)}, ops
+
+
+def test_tpu_fsdp_step_reduce_scatters_the_expert_weight_gradients():
+  """moe.mixtral_8x7b's layout (no expert parallelism, expert weights FSDP-split over every
+  chip) on a v5e:2x2: the expert weights' gradients leave the backward by reduce-scatter, and
+  no all-reduce carries an expert weight. Before (2026-11-26), the weights entered the
+  dispatch's shard_map whole, and the backward all-reduced the three expert weights' full
+  gradients (f32[8,32,32] here). Not checked here: on 16 and 128 v5p chips the TPU compiler
+  itself lowers these reduce-scatters (and the dense layers') to all-reduces (docs/moe.md)."""
+  exp = tiny_dropless("fsdp", (4,), ("data",), "mesh.topology='v5e:2x2'",
+                      "model.moe.first_dense_layers=0", "model.moe.num_shared_experts=0")
+  _, setup = dry_run.prepare(exp)
+  hlo = dry_run.compile_step(setup).as_text()
+  shapes = {"f32[{}]".format(",".join(map(str, a.shape[-3:]))) for p, a in
+            jax.tree_util.tree_leaves_with_path(setup.abstract["params"])
+            if any(w in jax.tree_util.keystr(p) for w in ("wi_gate", "wi_up", "wo"))}
+  assert shapes == {"f32[8,32,32]"}, shapes
+  ops = lambda kind: [l for l in hlo.splitlines() if re.search(rf" {kind}(-start)?\(", l)]
+  assert not [l for l in ops("all-reduce") if shapes & set(re.findall(r"f32\[[\d,]+\]", l))]
+  scattered = [c for c in report.collectives(hlo) if c.kind == "reduce-scatter" and "moe_dispatch.py" in c.source]
+  assert len(scattered) == 3, scattered           # w_gate, w_up, wo (both layers: one scanned body)
