@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 
+from shardax import configs
 from shardax.sharding import make_mesh, replica_groups, use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -59,3 +60,17 @@ def coordinates(mesh_shape: dict[str, int]) -> dict[str, np.ndarray]:
 def pairs(collective, num_devices: int) -> list[tuple[int, int]]:
   """(source, target) partition ids of a report.Collective that is a collective-permute."""
   return [tuple(p) for p in replica_groups.groups(collective.replica_groups, num_devices)]
+
+
+def tiny_lm(layers: int, batch: int, stages=1, micro=1, repeats=1, ici=(1, 1), axes=("data", "model"),
+            preset="dp", extra=()):
+  """A tiny lm.tiny (d_model 32, 16 positions, synthetic data) with the pipeline schedule,
+  mesh and preset given; `extra`: more overrides."""
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, [
+      f"model.num_layers={layers}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+      "model.max_len=16", "data.seq_len=16", f"train.global_batch={batch}", "data.source='synthetic'",
+      f"model.pipeline.stages={stages}", f"model.pipeline.microbatches={micro}",
+      f"model.pipeline.circular_repeats={repeats}",
+      f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", *extra])
+  return configs.build(cfg)

@@ -14,27 +14,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardax import configs, pipeline
+from shardax import pipeline
 from shardax.layers import quantization
 from shardax.sharding import use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
-from meshtools import loss_and_grads, setup_for
+from meshtools import loss_and_grads, setup_for, tiny_lm
 
 L, BATCH, H = 4, 8, 16  # H: DenseGeneral's default quantization_history
 
 
 def experiment(stages=1, micro=1, repeats=1, accumulate=1, quant="fp8_delayed", dtype="float32",
                ici=(1, 1), axes=("data", "model"), preset="dp", extra=()):
-  cfg = configs.get("lm.tiny")
-  configs.apply_overrides(cfg, [
-      f"model.num_layers={L}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
-      "model.max_len=16", "data.seq_len=16", f"train.global_batch={BATCH}", "data.source='synthetic'",
-      f"model.quantization={quant!r}", f"model.dtype={dtype!r}",
-      f"model.pipeline.stages={stages}", f"model.pipeline.microbatches={micro}",
-      f"model.pipeline.circular_repeats={repeats}", f"train.microbatches={accumulate}",
-      f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", *extra])
-  return configs.build(cfg)
+  return tiny_lm(L, BATCH, stages, micro, repeats, ici, axes, preset,
+                 extra=[f"model.quantization={quant!r}", f"model.dtype={dtype!r}",
+                        f"train.microbatches={accumulate}", *extra])
 
 
 def histories(tree) -> dict:

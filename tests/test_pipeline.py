@@ -24,7 +24,7 @@ from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 from shardax.trainer.perf import costs as costs_lib
-from meshtools import coordinates, loss_and_grads, pairs, setup_for
+from meshtools import coordinates, loss_and_grads, pairs, setup_for, tiny_lm
 
 L, BATCH = 8, 16
 # name: (stages, microbatches, repeats, mesh ici, mesh axes, preset)
@@ -38,14 +38,8 @@ CASES = {
 
 
 def experiment(stages=1, micro=1, repeats=1, ici=(1, 1), axes=("data", "model"), preset="dp", delay=False):
-  cfg = configs.get("lm.tiny")
-  configs.apply_overrides(cfg, [
-      f"model.num_layers={L}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
-      "model.max_len=16", "data.seq_len=16", f"train.global_batch={BATCH}", "data.source='synthetic'",
-      f"model.pipeline.stages={stages}", f"model.pipeline.microbatches={micro}",
-      f"model.pipeline.circular_repeats={repeats}", f"model.pipeline.delay_shift={delay}",
-      f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}"])
-  return configs.build(cfg)
+  return tiny_lm(L, BATCH, stages, micro, repeats, ici, axes, preset,
+                 extra=[f"model.pipeline.delay_shift={delay}"])
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +127,8 @@ def test_each_device_holds_one_stage_of_the_layer_weights(pipelined):
 
 def compiled_step(stages, micro, layers, batch=128, remat=None):
   """AOT-compiled loss+grads of an (L layers, S=stages, M=micro, R=1) pp_dp model on (stage=4, data=2)."""
-  cfg = configs.get("lm.tiny")
-  configs.apply_overrides(cfg, [
-      f"model.num_layers={layers}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
-      "model.max_len=16", "data.seq_len=16", f"train.global_batch={batch}", "data.source='synthetic'",
-      f"model.pipeline.stages={stages}", f"model.pipeline.microbatches={micro}",
-      "sharding.preset='pp_dp'", "mesh.ici=(4, 2)", "mesh.axes=('stage', 'data')"]
-      + ([f"model.remat={remat!r}"] if remat else []))
-  setup = setup_for(configs.build(cfg))
+  setup = setup_for(tiny_lm(layers, batch, stages, micro, ici=(4, 2), axes=("stage", "data"), preset="pp_dp",
+                            extra=[f"model.remat={remat!r}"] if remat else []))
   fn = jax.jit(lambda p, b: step_lib.grads_and_loss(setup, p, b)[:2],
                in_shardings=(setup.shardings["params"], setup.batch_sharding),
                out_shardings=(setup.replicated, setup.shardings["params"]))
