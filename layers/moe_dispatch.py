@@ -101,7 +101,11 @@ def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) ->
   # The kernels leave rows outside every group unwritten, forward and backward: each input
   # and output goes through a select, so neither values nor gradients of those rows leak.
   keep = lambda v: jnp.where(valid, v, 0)
-  interpret = target_platform() == "cpu"
+  platform = target_platform()
+  if platform not in ("tpu", "cpu"):   # a Mosaic TPU kernel: no GPU lowering
+    raise ValueError(f"model.moe.grouped_matmul='megablox' runs on TPUs (and CPUs, interpreted), "
+                     f"not on {platform}; use 'auto' (jax.lax.ragged_dot there)")
+  interpret = platform == "cpu"
   mm = lambda a, w: keep(gmm(a, w, sizes, preferred_element_type=xs.dtype,
                              tiling=(tile, min(tile * 4, a.shape[1]), min(tile * 4, w.shape[2])),
                              interpret=interpret))
