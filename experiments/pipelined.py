@@ -40,12 +40,16 @@ def gpt3_175b_pipelined():
   The schedule and the model axis are `--mode=plan`'s best of stages {4, 8} x model
   axis {4, 8} x microbatches {3S, 4S} x repeats {3, 4} with bubble <= 7% (docs/scale.md);
   until 2026-11-26 it was 8 stages x 2 repeats x 24 microbatches at model=8 (12.7% bubble).
-  Global batch 1536 x 2048 tokens (GPT-3's 3.2M) as 2 accumulation steps of 768
-  rows (train.microbatches=2), 64 rows per pipeline microbatch: with the whole
-  batch at once the dry run needed 36.2 GiB per chip (temp 32.3 GiB, much of it
-  the head's logits, which every stage group computes for the whole batch).
+  Global batch 1536 x 2048 tokens (GPT-3's 3.2M) in one pass, 128 rows per pipeline
+  microbatch (4 per data shard). pp_2d gathers each stage's weights over `data` for every
+  microbatch, so the rows per microbatch set the matmul work per gathered byte: 2
+  accumulation steps of 768 rows (as registered until 2026-11-26, when the whole batch
+  did not fit) gather twice as often, 63.78 s against 44.85 s. What made the whole
+  batch fit: the splash kernel (`attention='flash'`: no [2048, 2048] f32 scores), the
+  stage weights' gradients reduce-scattered per visit (pipeline/loop.py `weight_axes`:
+  4.75 GiB less temp) and the loss a chunk at a time (`loss_chunk`).
   The stage weights' per-iteration gathers over `data` are async (`mesh.libtpu_flags`,
-  visible at the default compile effort only) and the loss is chunked (`loss_chunk`).
+  visible at the default compile effort only).
   Built abstractly and lowered by dry runs; not meant to be compiled on a CPU host.
   """
   cfg = lm.tiny()
@@ -61,8 +65,8 @@ def gpt3_175b_pipelined():
   m.dtype = "bfloat16"
   m.param_dtype = "float32"
   m.remat = "full"
-  # the logits a sequence chunk at a time: frees ~2 GiB per chip, which the default-effort
-  # compile with async weight gathers needs (28.95 GiB; 32.1 GiB without, over 30.75)
+  m.attention = "flash"   # the splash kernel on TPU (layers/flash.py)
+  # the logits a sequence chunk at a time: ~2 GiB less per chip (24.15 GiB in all, of 30.75)
   m.loss_chunk = 256
   m.pipeline.stages = 4
   m.pipeline.microbatches = 12
@@ -78,7 +82,7 @@ def gpt3_175b_pipelined():
   cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_WEIGHT_GATHER
   cfg.sharding.preset = "pp_2d"
   cfg.train.global_batch = 1536
-  cfg.train.microbatches = 2  # 2 x 768 rows through the pipeline: halves the activations
+  cfg.train.microbatches = 1
   cfg.train.steps = 100_000
   cfg.optimizer.learning_rate = 6e-5
   cfg.optimizer.warmup_steps = 375
@@ -111,4 +115,6 @@ def gpt3_175b_4slices():
   # and chunked loss (2026-11-26) were not tried on v5e, whose async form is another
   cfg.mesh.libtpu_flags = ()
   cfg.model.loss_chunk = 0
+  cfg.model.attention = "xla"
+  cfg.train.microbatches = 2
   return cfg

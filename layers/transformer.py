@@ -103,8 +103,10 @@ class LayerStack(nnx.Module):
       remat = pipeline.stage_remat(self.remat)  # one recompute in all (pipeline/loop.py)
       stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=remat,
                                                        segment_ids=seg)
+      names = [v.get_metadata().get("logical_axes")
+               for v in jax.tree.leaves(state, is_leaf=lambda a: isinstance(a, nnx.Variable))]
       return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
-                          segment_ids=segment_ids), {}
+                          segment_ids=segment_ids, weight_axes=names), {}
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)
       return scan_units(graphdef, state, x, positions, remat=self.remat, segment_ids=segment_ids,
