@@ -101,20 +101,23 @@ def gpt3_175b_4slices():
   forward and backward, or (data parallel over DCN) every chip holds a quarter of the
   model's state and all-reduces its gradients over DCN; docs/scale.md compares both.
   Mesh (stage=4 over DCN, data=32, model=8 inside each slice), pp_2d; 4 stages x 4
-  circular repeats (6 layers per visit), 24 microbatches of 32 rows (one per data shard)
-  per accumulation step: bubble 3/99 = 3.0%.
+  circular repeats (6 layers per visit), 12 microbatches of 128 rows (4 per data shard),
+  the whole batch in one pass, the splash kernel and a chunked loss as on v4: bubble 3/51.
+  Weight gradients as the partitioner likes them here (`grads_in_layout=False`: 57.2 s
+  against 59.2 s with them reduce-scattered per visit) and no libtpu flags (v5e's async
+  collectives take another form, untried). 24 microbatches of 32 rows in 2 accumulation
+  steps (registered until 2026-11-26) were 100 s at the default compile effort.
+  Not the right answer on these slices: 2D across the slices (37.8 s, docs/scale.md) spends
+  1.8 s a step on its cross-slice transfers, while the pipelined program is HBM-bound in
+  every slice (memory 36 s against 29 s of compute).
   """
   cfg = gpt3_175b_pipelined()
   cfg.model.pipeline.stages = 4
   cfg.model.pipeline.circular_repeats = 4
-  cfg.model.pipeline.microbatches = 24
+  cfg.model.pipeline.microbatches = 12
+  cfg.model.pipeline.grads_in_layout = False
   cfg.mesh.topology = "v5e:16x16"
   cfg.mesh.dcn = (4, 1, 1)
   cfg.mesh.ici = (1, -1, 8)
-  # as measured for docs/scale.md's 4-slice rows: the v4 experiment's async weight gathers
-  # and chunked loss (2026-11-26) were not tried on v5e, whose async form is another
   cfg.mesh.libtpu_flags = ()
-  cfg.model.loss_chunk = 0
-  cfg.model.attention = "xla"
-  cfg.train.microbatches = 2
   return cfg

@@ -79,6 +79,7 @@ class LayerStack(nnx.Module):
     p = cfg.pipeline
     self.schedule = (pipeline.Schedule(p.stages, p.microbatches, p.circular_repeats, p.delay_shift)
                      if p.stages > 1 else None)
+    self.grads_in_layout = p.grads_in_layout
     if not k:
       self.first_dense = None
     elif cfg.scan_layers:
@@ -103,8 +104,9 @@ class LayerStack(nnx.Module):
       remat = pipeline.stage_remat(self.remat)  # one recompute in all (pipeline/loop.py)
       stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=remat,
                                                        segment_ids=seg)
-      names = [v.get_metadata().get("logical_axes")
-               for v in jax.tree.leaves(state, is_leaf=lambda a: isinstance(a, nnx.Variable))]
+      names = ([v.get_metadata().get("logical_axes")
+                for v in jax.tree.leaves(state, is_leaf=lambda a: isinstance(a, nnx.Variable))]
+               if self.grads_in_layout else None)
       return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
                           segment_ids=segment_ids, weight_axes=names), {}
     if self.scan_layers:
