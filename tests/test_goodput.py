@@ -7,7 +7,7 @@ import time
 import pytest
 
 import clitools as cli
-from shardax.trainer import goodput
+from shardax.trainer import goodput, jobdir
 
 
 def test_steps_an_earlier_run_logged_count_as_recomputed(tmp_path):
@@ -54,3 +54,16 @@ def test_a_restarted_run_records_its_wall_time_and_recomputed_steps(tmp_path):
   assert 0 <= t1 - (last["started"] + last["wall_s"]) < 3.0, (last, t1)
   assert "goodput " in out.stderr and f"{logged} recomputed" in out.stderr
   assert "compilation cache hits" in out.stderr and "\n0 compilation cache hits" not in out.stderr
+
+
+def test_a_goodput_file_cut_by_a_kill_does_not_stop_the_next_run(tmp_path):
+  """A run SIGKILLed while writing goodput.json (before writes went through a rename) left it
+  cut; the restart failed with `shardax: error: Expecting value` (CI, 2026-11-26). Now the file
+  is moved aside, named in a warning, and the records start over; and writes are atomic."""
+  (tmp_path / "goodput.json").write_text('[{"run": 1, "wall')
+  assert goodput.read(tmp_path) == []
+  assert (tmp_path / "goodput.json.damaged").read_text() == '[{"run": 1, "wall'
+  goodput.Recorder(str(tmp_path))   # what a restarted run does first
+  jobdir.write_text(tmp_path / "goodput.json", json.dumps([{"run": 2}]))
+  assert goodput.read(tmp_path) == [{"run": 2}]
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["goodput.json", "goodput.json.damaged"]

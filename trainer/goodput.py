@@ -31,6 +31,8 @@ import os
 import time
 from typing import Any
 
+from absl import logging
+
 from shardax.trainer import compile_cache, jobdir
 
 CAUSES = ("startup", "data", "restore_local", "restore_persistent", "compile", "steps", "recomputed",
@@ -52,7 +54,16 @@ def process_start_time() -> float:
 def read(job_dir) -> list[dict]:
   """The job's run records (empty when none)."""
   f = jobdir.path(job_dir) / FILE
-  return json.loads(f.read_text()) if f.exists() else []
+  if not f.exists():
+    return []
+  try:
+    return json.loads(f.read_text())
+  except ValueError:   # cut by a kill before writes were atomic: keep it aside, start over
+    aside = f.with_name(FILE + ".damaged")
+    f.rename(aside)
+    logging.warning("goodput: %s is not valid JSON (a write cut short?); moved to %s, "
+                    "the run records start over", f, aside)
+    return []
 
 
 def last_logged_step(job_dir) -> int:

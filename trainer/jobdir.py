@@ -44,10 +44,17 @@ def path(job_dir) -> epath.Path:
 
 
 def write_text(file, text: str) -> None:
-  """Write a whole (small) file: a report, the resolved config."""
+  """Write a whole (small) file: a report, the resolved config. Locally through a temporary
+  file renamed over it, so a process killed mid-write leaves the old file or the new one,
+  never a cut one that the next run cannot parse (an object store's upload is whole anyway)."""
   file = path(file)
   file.parent.mkdir(parents=True, exist_ok=True)
-  file.write_text(text)
+  if is_remote(file):
+    file.write_text(text)
+    return
+  tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
+  tmp.write_text(text)
+  os.replace(tmp, file)
 
 
 def read_text(file) -> str:
