@@ -57,9 +57,11 @@ class PipelineConfig:
   def __post_init__(self):
     for f in ("stages", "microbatches", "circular_repeats"):
       _require(getattr(self, f) >= 1, f"model.pipeline.{f}={getattr(self, f)} must be >= 1")
-    _require(self.stages > 1 or (self.microbatches == 1 and self.circular_repeats == 1),
+    _require(self.stages > 1 or (self.microbatches == 1 and self.circular_repeats == 1
+                                 and not self.delay_shift and self.grads_in_layout),
              f"model.pipeline.microbatches={self.microbatches} / circular_repeats="
-             f"{self.circular_repeats} do nothing without a pipeline (stages=1); set "
+             f"{self.circular_repeats} / delay_shift={self.delay_shift} / grads_in_layout="
+             f"{self.grads_in_layout} do nothing without a pipeline (stages=1); set "
              f"model.pipeline.stages > 1, or use train.microbatches for gradient accumulation")
     _require(self.circular_repeats == 1 or self.microbatches >= self.stages,
              f"model.pipeline.microbatches={self.microbatches} < stages={self.stages}: the circular "

@@ -27,19 +27,21 @@ from shardax.trainer.perf import costs as costs_lib
 from meshtools import coordinates, loss_and_grads, pairs, setup_for, tiny_lm
 
 L, BATCH = 8, 16
-# name: (stages, microbatches, repeats, mesh ici, mesh axes, preset)
+# name: (stages, microbatches, repeats, mesh ici, mesh axes, preset, *more overrides)
 CASES = {
     "S2_M2_R1_stage2xdata4": (2, 2, 1, (2, 4), ("stage", "data"), "pp_dp"),
     "S2_M4_R2_stage2xdata2xmodel2": (2, 4, 2, (2, 2, 2), ("stage", "data", "model"), "pp_tp"),
     "S4_M8_R1_stage4xdata2": (4, 8, 1, (4, 2), ("stage", "data"), "pp_dp"),
     "S4_M4_R2_stage4xdata2_2d": (4, 4, 2, (4, 2, 1), ("stage", "data", "model"), "pp_2d"),
-    "S2_M4_R2_delayed_stage2xdata2xmodel2": (2, 4, 2, (2, 2, 2), ("stage", "data", "model"), "pp_tp", True),
+    "S2_M4_R2_delayed_stage2xdata2xmodel2": (2, 4, 2, (2, 2, 2), ("stage", "data", "model"), "pp_tp",
+                                             "model.pipeline.delay_shift=True"),
+    "S4_M4_R2_stage4xdata2_2d_grads_unconstrained": (4, 4, 2, (4, 2, 1), ("stage", "data", "model"), "pp_2d",
+                                                     "model.pipeline.grads_in_layout=False"),
 }
 
 
-def experiment(stages=1, micro=1, repeats=1, ici=(1, 1), axes=("data", "model"), preset="dp", delay=False):
-  return tiny_lm(L, BATCH, stages, micro, repeats, ici, axes, preset,
-                 extra=[f"model.pipeline.delay_shift={delay}"])
+def experiment(stages=1, micro=1, repeats=1, ici=(1, 1), axes=("data", "model"), preset="dp", *extra):
+  return tiny_lm(L, BATCH, stages, micro, repeats, ici, axes, preset, extra=extra)
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +57,8 @@ def reference():
 
 @pytest.fixture(scope="module", params=list(CASES))
 def pipelined(request, reference):
-  stages, micro, repeats, ici, axes, preset, *delay = CASES[request.param]
-  setup = setup_for(experiment(stages, micro, repeats, ici, axes, preset, *delay))
+  stages, micro, repeats, ici, axes, preset, *extra = CASES[request.param]
+  setup = setup_for(experiment(stages, micro, repeats, ici, axes, preset, *extra))
   ref_params, batch, _, _ = reference
   params = dict(ref_params, layers=pipeline.stage_params(ref_params["layers"], stages, repeats))
   params = jax.device_put(params, setup.shardings["params"])
@@ -267,6 +269,8 @@ def test_bad_pipeline_shapes_fail_with_clear_errors():
     experiment(stages=4, micro=2, repeats=2)
   with pytest.raises(ConfigError, match="do nothing without a pipeline"):
     experiment(micro=4)
+  with pytest.raises(ConfigError, match="grads_in_layout=False do nothing without a pipeline"):
+    experiment(1, 1, 1, (1, 1), ("data", "model"), "dp", "model.pipeline.grads_in_layout=False")
   setup = setup_for(experiment(2, 3, 1, (2, 4), ("stage", "data"), "pp_dp"))
   with jax.set_mesh(setup.mesh), use_rules(setup.rules), \
       pytest.raises(ValueError, match="not divisible by model.pipeline.microbatches=3"):
