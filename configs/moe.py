@@ -82,9 +82,10 @@ class MoEConfig:
                     its own all-to-all, expert FFN and all-to-all back, so a scheduler can
                     run the exchange of one piece under the expert matmuls of another
                     (capacity: over the C slots of every expert, which must divide by it;
-                    dropless: over each device's tokens). Same outputs as 1 (the default)
-                    up to float summation order; a dropless buffer below the bound is per
-                    piece.
+                    dropless: over each device's tokens, under expert parallelism only:
+                    without it nothing is exchanged and the tokens go in one piece). Same
+                    outputs as 1 (the default) up to float summation order; a dropless
+                    buffer below the bound is per piece.
   """
   num_experts: int = 8
   d_ff: int = 512

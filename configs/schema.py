@@ -183,6 +183,10 @@ class TransformerConfig:
                f"model.num_layers={self.num_layers} minus model.moe.first_dense_layers="
                f"{m.first_dense_layers} is not a positive multiple of model.moe.every={m.every}; after "
                f"the first dense layers the layers repeat in units of (every - 1) dense + 1 MoE layer")
+      _require(m.grouped_matmul != "megablox" or self.quantization == "none",
+               f"model.moe.grouped_matmul='megablox' with model.quantization={self.quantization!r}: "
+               f"the megablox kernels run the expert matmuls in the compute dtype only; use "
+               f"grouped_matmul='ragged_dot' (or 'auto') for 8-bit experts, or quantization='none'")
     p = self.pipeline
     _require(p.stages == 1 or m is None,
              f"model.pipeline.stages={p.stages} with model.moe set (an MoE model) is refused: the "

@@ -37,6 +37,8 @@ def test_overrides_parse_literals():
     (["model.norm='batch'"], "model.norm='batch': use 'rms' or 'layer'"),
     (["mesh.ici=(2, 2, 2)"], "mesh.ici=.* has 3 entries but mesh.axes"),
     (["model.moe.expert_overflow='drop'"], "expert_overflow='drop' is the dropless dispatch's buffer policy"),
+    (["model.moe.dispatch='dropless'", "model.moe.grouped_matmul='megablox'", "model.quantization='int8'"],
+     "grouped_matmul='megablox' with model.quantization='int8'"),
 ])
 def test_config_errors_name_the_field_and_fix(overrides, match):
   with pytest.raises((ConfigError, ValueError), match=match):
