@@ -118,6 +118,14 @@ def test_a_pipelined_experiment_searches_stages_microbatches_repeats_and_model_a
     cfg = configs.get("lm.gpt3_175b_pipelined")
     configs.apply_overrides(cfg, parsed(plan.set_line(sets)))
     configs.build(cfg)
+  # ... also with pipeline-only options set, which are refused without a pipeline
+  own = ["model.pipeline.delay_shift=True", "model.pipeline.grads_in_layout=False"]
+  base = configs.get("lm.gpt3_175b_pipelined")
+  configs.apply_overrides(base, own)
+  for sets in plan.candidates(base, 512, plan.PIPELINED):
+    cfg = configs.get("lm.gpt3_175b_pipelined")
+    configs.apply_overrides(cfg, own + parsed(plan.set_line(sets)))
+    configs.build(cfg)
 
 
 @pytest.mark.slow

@@ -116,7 +116,8 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
     out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp") + base)
   if cfg.model.pipeline.stages > 1:  # a pipelined experiment's layouts without its pipeline
     out = [sets + ["model.pipeline.stages=1", "model.pipeline.microbatches=1",
-                   "model.pipeline.circular_repeats=1"] for sets in out]
+                   "model.pipeline.circular_repeats=1", "model.pipeline.delay_shift=False",
+                   "model.pipeline.grads_in_layout=True"] for sets in out]
   if getattr(cfg.model, "moe", None) is None:  # MoE models are refused under a pipeline
     out += [_layout(("stage", "data", "model"), (s, -1, m), "pp_2d") + base + schedule
             for s, m, schedule in _pipelines(cfg.model.num_layers, grid)]
