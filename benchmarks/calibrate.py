@@ -67,7 +67,8 @@ def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] =
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
            "compile_seconds": seconds[0], "compile_cpu_seconds": seconds[1],
            "num_params_shallow": _params(exp), "attention": exp.model.attention, "remat": exp.model.remat,
-           "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner), "program": program.summary(hlo)}
+           "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner),
+           "program": program.summary(hlo, cost.collectives)}
   cache = cache or CACHE
   os.makedirs(cache, exist_ok=True)
   with open(os.path.join(cache, f"{row['id']}.json"), "w") as f:
