@@ -40,8 +40,8 @@ def _build(row: dict, layers: int | None):
   return configs.build(calibration.from_row(row, layers))
 
 
-def compile_row(row: dict, layers: int) -> dict:
-  """Compile the shallow copy of `row` and cache its loop-aware costs."""
+def compile_row(row: dict, layers: int, cache: str | None = None) -> dict:
+  """Compile the shallow copy of `row` and cache its loop-aware costs (in `cache`, else CACHE)."""
   from shardax.trainer.perf import dry_run
   exp = _build(row, layers)
   mesh, setup = dry_run.prepare(exp)
@@ -53,22 +53,25 @@ def compile_row(row: dict, layers: int) -> dict:
     os.makedirs(hlo_dir, exist_ok=True)
     with gzip.open(os.path.join(hlo_dir, f"{row['id']}.txt.gz"), "wt") as f:
       f.write(hlo)
-  return cache_entry(row, layers, hlo, seconds)
+  return cache_entry(row, layers, hlo, seconds, cache)
 
 
-def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] = (0.0, 0.0)) -> dict:
+def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] = (0.0, 0.0),
+                cache: str | None = None) -> dict:
   """What the step model needs of a compiled shallow copy (its loop-aware costs, the MXU read of
-  its dots, the program summary), written to CACHE/<row id>.json: from a fresh compile, or from
-  a program kept by CALIBRATE_HLO_DIR when how programs are read changes."""
+  its dots, the program summary), written to <cache, else CACHE>/<row id>.json: from a fresh
+  compile, or from a program kept by CALIBRATE_HLO_DIR when how programs are read changes."""
   from shardax.trainer.perf import costs, mxu, program
   exp = _build(row, layers)
   cost = costs.of_hlo_text(hlo)
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
            "compile_seconds": seconds[0], "compile_cpu_seconds": seconds[1],
            "num_params_shallow": _params(exp), "attention": exp.model.attention, "remat": exp.model.remat,
-           "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner), "program": program.summary(hlo)}
-  os.makedirs(CACHE, exist_ok=True)
-  with open(os.path.join(CACHE, f"{row['id']}.json"), "w") as f:
+           "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner),
+           "program": program.summary(hlo, cost.collectives)}
+  cache = cache or CACHE
+  os.makedirs(cache, exist_ok=True)
+  with open(os.path.join(cache, f"{row['id']}.json"), "w") as f:
     json.dump(entry, f)
   return entry
 

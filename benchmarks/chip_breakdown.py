@@ -74,16 +74,12 @@ def entry_for(row: dict, cache: str, compile_missing: bool, layers: int, reread:
   import gzip
   path = os.path.join(cache, f"{row['id']}.json")
   kept = os.path.join(reread, f"{row['id']}.txt.gz") if reread else ""
-  old, calibrate.CACHE = calibrate.CACHE, cache
-  try:
-    if kept and os.path.exists(kept):
-      with gzip.open(kept, "rt") as f:
-        return calibrate.cache_entry(row, layers, f.read())
-    if os.path.exists(path):
-      return json.load(open(path))
-    return calibrate.compile_row(row, layers) if compile_missing else None
-  finally:
-    calibrate.CACHE = old
+  if kept and os.path.exists(kept):
+    with gzip.open(kept, "rt") as f:
+      return calibrate.cache_entry(row, layers, f.read(), cache=cache)
+  if os.path.exists(path):
+    return json.load(open(path))
+  return calibrate.compile_row(row, layers, cache) if compile_missing else None
 
 
 def fitting(row: dict, gen: str, cache: str, layers: int, reread: str, compile_missing: bool):

@@ -35,9 +35,6 @@ _MEGASCALE_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{[^=]*?\}\})')
 _MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
-_FRAME_ID = re.compile(r"stack_frame_id=(\d+)")
-_SOURCE = re.compile(r'source_file="([^"]*)"\s+source_line=(\d+)')
 _CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
@@ -71,53 +68,6 @@ def _operands(rest: str) -> str:
     if depth == 0:
       return rest[:i]
   return rest
-
-
-def _stack_frames(hlo_text: str) -> dict[int, str]:
-  """stack_frame_id -> "file:line" of the innermost frame outside jax/flax/optax.
-
-  Compiled HLO keeps source locations in tables at its top (FileNames, FileLocations,
-  StackFrames); an op's metadata names only its innermost frame.
-  """
-  tables: dict[str, dict[int, str]] = {}
-  current = None
-  for line in hlo_text.splitlines():
-    if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-      current = tables.setdefault(line, {})
-      continue
-    if current is None:
-      continue
-    head, _, body = line.partition(" ")
-    if not head.isdigit():
-      if line.startswith("HloModule") or line.startswith("%") or not line.strip():
-        current = None if not line.strip() else current
-      continue
-    current[int(head)] = body
-  files = {k: v.strip('"') for k, v in tables.get("FileNames", {}).items()}
-  locs, frames = tables.get("FileLocations", {}), tables.get("StackFrames", {})
-
-  def field(body: str, name: str) -> int:
-    m = re.search(name + r"=(\d+)", body)
-    return int(m.group(1)) if m else 0
-
-  def where(frame: int) -> str:
-    best, seen = "", set()
-    while frame in frames and frame not in seen:
-      seen.add(frame)
-      loc = locs.get(field(frames[frame], "file_location_id"), "")
-      path = files.get(field(loc, "file_name_id"), "")
-      here = f"{path}:{field(loc, 'line')}" if path else ""
-      if here and not best:
-        best = here
-      if path and "site-packages" not in path:
-        return here
-      parent = field(frames[frame], "parent_frame_id")
-      if parent == frame:
-        break
-      frame = parent
-    return best
-
-  return {fid: where(fid) for fid in frames}
 
 
 def _executions(calls: dict[str, list[tuple[str, int]]], entry: str) -> dict[str, int]:
@@ -267,7 +217,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
     elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
       parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
-  frames = _stack_frames(hlo_text) if parsed else {}
+  sources = hlo_text_lib.Sources(hlo_text)
   runs = _executions(calls, entry) if entry else {}
   found, fused_channels = [], set()
   for name, kind, is_start, comp, rest in parsed:
@@ -279,7 +229,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       fused_channels.add(channel)
     if is_start is None:  # a megascale send: its tuple's first element is the buffer it sends
       found.append(_megascale(name, kind, _bytes(result_bytes_text[name].split("u32[]")[0]), rest,
-                              runs.get(comp, 1) if entry else 1, comp))
+                              runs.get(comp, 1) if entry else 1, comp, sources(rest)[0]))
       continue
     operands = _operands(rest)
     ragged = kind == "ragged-all-to-all"
@@ -294,11 +244,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     nbytes = operand_b if kind == "reduce-scatter" or ragged else max(result_b, operand_b)
     if kind == "all-to-all" and is_start and not between.matmuls.get(name):
       is_start = False   # an async all-to-all with no matmul under it hides nothing
-    op_name = m.group(1) if (m := _OP_NAME.search(rest)) else ""
-    if m := _SOURCE.search(rest):
-      source = f"{m.group(1)}:{m.group(2)}"
-    else:
-      source = frames.get(int(m.group(1)), "") if (m := _FRAME_ID.search(rest)) else ""
+    op_name, source = sources(rest)
     groups = replica_groups.attribute(rest)
     found.append(Collective(name, kind, nbytes, replica_groups.group_size(rest, num_devices, kind), op_name, source,
                             runs.get(comp, 1) if entry else 1, comp, is_start or bool(fused), groups,
@@ -341,7 +287,8 @@ class _Between:
       self.open[comp].append(name)
 
 
-def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp: str) -> Collective:
+def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp: str,
+               op_name: str) -> Collective:
   """A multi-slice TPU program's cross-slice transfer as a collective over its slices.
 
   The TPU compiler keeps every HLO collective inside a slice and moves the cross-slice part
@@ -357,7 +304,6 @@ def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp
     span = len({int(x) // 100000 for x in re.findall(r"(\d+)->", target)} |
                {int(x) // 100000 for x in re.findall(r"->(\d+)", target)}) or 2
   nbytes = sent * span if kind == "all-gather" else sent
-  op_name = m.group(1) if (m := _OP_NAME.search(rest)) else ""
   return Collective(name, kind, nbytes, span, op_name, "", executions, comp, False, "", "dcn", span)
 
 

@@ -109,3 +109,18 @@ def test_a_shallow_flash_dry_run_adds_the_full_depth_kernel_time():
   mesh = make_mesh(exp.mesh)
   want = stepmodel.flash_kernel_seconds(exp, int(mesh.size), chips.lookup(mesh.devices.flat[0].device_kind))
   assert want > 0 and out["predicted"]["breakdown"]["flash_kernel_seconds"] == pytest.approx(want)
+
+
+def test_an_extrapolated_report_that_does_not_fit_ranks_no_levers_from_the_shallow_buffers():
+  """The buffer list of the shallow path is the 2-layer copy's: ranked against the 12-layer
+  model, its saved activations [2, batch, length, d] never matched the offload lever
+  (shape[0] == num_layers) and the byte savings were the copy's. The hint gives the
+  general advice and says why it ranks nothing."""
+  exp = build("lm.tiny", *SMALL, "model.num_layers=12", "model.remat='none'")
+  seq = exp.data.seq_len
+  block = lambda shape, b: {"space": "device", "shape": shape, "dtype": "f32", "bytes": b}
+  out = {"bytes_per_device": {"total": 2 * 2**30, "params": 2**20, "optimizer_state": 2**21},
+         "hbm_bytes_per_device": 2**30, "device_kind": "cpu", "predicted": None, "num_devices": 4,
+         "buffers": [block((2, 2, seq, 128), 2**29), block((2, seq, exp.model.vocab_size), 2**28)]}
+  hint = ex._derive(out, exp)["hint"]
+  assert "GiB (" not in hint and "without --shallow" in hint, hint

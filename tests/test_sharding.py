@@ -118,6 +118,23 @@ def test_parser_handles_async_and_tuple_forms():
   assert len(report.collectives(hlo)) == 3
 
 
+def test_collective_source_walks_past_library_frames_to_the_callers_line(mesh24):
+  """An all-reduce made inside optax (site-packages) is named by the line that called it:
+  compiled HLO prints parent_frame_id as the parent's id + 1, and a walk that took it as
+  the id stopped at the optax frame (sharding/hlo_text.py stack_frames)."""
+  import inspect
+  import optax
+
+  def norm(x):
+    return optax.global_norm(x)   # the line the collective's source names
+  line = inspect.getsourcelines(norm)[1] + 1
+  x = jax.ShapeDtypeStruct((8, 8), jnp.float32, sharding=NamedSharding(mesh24, P("data", "model")))
+  found = [c for c in report.collectives(jax.jit(norm).lower(x).compile().as_text())
+           if c.kind == "all-reduce"]
+  assert found and all(c.source.split()[0] == f"tests/test_sharding.py:{line}" for c in found), \
+      [c.source for c in found]
+
+
 def test_collectives_after_a_sparsecore_computation_keep_their_loop_counts():
   """v6e programs close SparseCore computations with `}, execution_thread="sparsecore"`
   (sharding/hlo_text.py); read as still open, the loop and the entry after one were taken

@@ -182,9 +182,18 @@ def abstract_batch(setup: Setup) -> dict:
           for k, (shape, dtype, _) in exp.model.batch_fields(exp.data).items()}
 
 
+def lower_train_step(setup: Setup):
+  """The lowered train step from abstract shapes only (`compile_train_step` compiles it; the
+  dry run keeps its text and compiles it with its own compiler options).
+
+  Call under the experiment's mesh and rules (`jax.set_mesh`, `use_rules`).
+  """
+  return train_step_fn(setup).lower(setup.abstract, abstract_batch(setup))
+
+
 def compile_train_step(setup: Setup):
   """The compiled train step from abstract shapes only: nothing is allocated.
 
   Call under the experiment's mesh and rules (`jax.set_mesh`, `use_rules`).
   """
-  return train_step_fn(setup).lower(setup.abstract, abstract_batch(setup)).compile()
+  return lower_train_step(setup).compile()

@@ -29,6 +29,8 @@ import json
 import os
 import re
 
+from shardax.sharding import hlo_text
+
 # Memory colors of the TPU compiler's buffer assignment: 0 HBM, 1 vmem, 2 smem, and 5 the
 # host memory that offloaded activations go to (jax's pinned_host; layout tag S(5)): its temp
 # allocation is exactly memory_analysis().host_temp_size_in_bytes (17,301,504 B on
@@ -41,8 +43,7 @@ _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(?:, color (\d+))?, (.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^{ >]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
                     r"\(size=(\d+),offset=(\d+)\): (.*)$")
 _ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = .*?metadata=\{([^}]*)\}", re.M)
-_META = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\d+)')
+_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*metadata=\{.*)$", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,62 +91,12 @@ class _Sources:
   """op_name and source line of each instruction, from the scheduled HLO's metadata."""
 
   def __init__(self, hlo: str):
-    self.meta = {name: dict(_META.findall(body)) for name, body in _INSTR.findall(hlo)}
-    self.frames = _stack_frames(hlo)
+    self.lines = dict(_INSTR.findall(hlo))
+    self.read = hlo_text.Sources(hlo)
 
   def __call__(self, instruction: str) -> tuple[str, str]:
-    meta = self.meta.get(instruction) or self.meta.get(instruction.split(".remat")[0]) or {}
-    op_name = meta.get("op_name", "").strip('"').replace("\\'", "'")
-    if "source_file" in meta:
-      source = f"{_short(meta['source_file'].strip(chr(34)))}:{meta.get('source_line', '?')}"
-    else:
-      source = self.frames.get(int(meta.get("stack_frame_id", 0)), "")
-    return op_name, source
-
-
-# Frames that wrap every matmul or annotation: the source shown is the first frame outside them.
-_GENERIC = ("layers/quantization.py", "layers/linear.py", "sharding/")
-
-
-def _stack_frames(hlo: str) -> dict[int, str]:
-  """{stack frame id: 'file.py:line function'} from the module's FileNames / FunctionNames /
-  FileLocations / StackFrames tables (jax >= 0.7 writes metadata as stack_frame_id): the
-  innermost shardax frame outside the generic matmul/annotation wrappers (_GENERIC), so a
-  dot reads as the layer that made it. The printed parent_frame_id is the parent's id + 1
-  (1: none), seen on libtpu 0.0.42.1 dumps: parent - 1 walks attend -> logits -> forward ->
-  loss_and_metrics -> the train step."""
-  def table(name):
-    m = re.search(rf"^{name}\n(.*?)(?:\n\n|\n(?=[A-Z%]))", hlo, re.S | re.M)
-    return [l.split(None, 1) for l in (m.group(1).splitlines() if m else []) if l.strip()]
-  files = {int(i): s.strip().strip('"') for i, s in table("FileNames")}
-  funcs = {int(i): s.strip().strip('"') for i, s in table("FunctionNames")}
-  locations = {int(i): dict(re.findall(r"(\w+)=(\d+)", s)) for i, s in table("FileLocations")}
-  frames = {}
-  for i, s in table("StackFrames"):
-    f = dict(re.findall(r"(\w+)=(\d+)", s))
-    loc = locations.get(int(f.get("file_location_id", 0)), {})
-    if loc:
-      path = files.get(int(loc["file_name_id"]), "?")
-      frames[int(i)] = (path, f"{_short(path)}:{loc['line']} {funcs.get(int(loc['function_name_id']), '')}".strip(),
-                        int(f.get("parent_frame_id", 1)) - 1)
-  out = {}
-  for i in frames:
-    chain, j = [], i
-    while j in frames and len(chain) < 64:
-      chain.append(frames[j])
-      j = frames[j][2] if frames[j][2] != j else 0
-    model = [c for c in chain if "/shardax/" in c[0] and "site-packages" not in c[0]
-             and not any(g in c[0] for g in _GENERIC)]
-    out[i] = (model or chain)[0][1]
-  return out
-
-
-def _short(path: str) -> str:
-  """A source path relative to the shardax package, else the file's last two parts."""
-  parts = path.split("/")
-  if "shardax" in parts:
-    return "/".join(parts[len(parts) - parts[::-1].index("shardax"):])
-  return "/".join(parts[-2:])
+    line = self.lines.get(instruction) or self.lines.get(instruction.split(".remat")[0]) or ""
+    return self.read(line)
 
 
 def _array(shape: str) -> tuple[str, tuple[int, ...]]:

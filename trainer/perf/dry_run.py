@@ -76,7 +76,7 @@ def _compile(setup, dump_dir: str | None):
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
     if dump_dir is None:
       return step_lib.compile_train_step(setup), None
-    lowered = step_lib.train_step_fn(setup).lower(setup.abstract, step_lib.abstract_batch(setup))
+    lowered = step_lib.lower_train_step(setup)
     text = lowered.as_text()
     try:
       return lowered.compile(compiler_options=buffers_lib.dump_options(dump_dir)), text

@@ -169,6 +169,10 @@ def _zero(v: Any) -> Any:
   return 0 if _number(v) else v
 
 
+LEVERS_NOT_RANKED = ("Levers not ranked: the buffer list is a shallow copy's; a dry run "
+                     "without --shallow ranks them by the bytes each frees")
+
+
 def _derive(out: dict, exp: Experiment) -> dict:
   """Figures that are not affine in depth, recomputed from the extrapolated ones.
 
@@ -178,7 +182,11 @@ def _derive(out: dict, exp: Experiment) -> dict:
   """
   mem, hbm = out["bytes_per_device"], out["hbm_bytes_per_device"]
   out["fits"] = None if hbm is None or mem.get("total") is None else bool(mem["total"] <= hbm)
-  out["hint"] = None if out["fits"] is not False else dry_run_lib.hint(mem, hbm, exp, out.get("buffers"))
+  # The general advice, not the ranked levers (trainer/perf/levers.py): the buffer list is the
+  # deeper shallow copy's, whose layer-stacked blocks have its depth, not the model's, and
+  # whose bytes are not the full depth's.
+  out["hint"] = None if out["fits"] is not False else (
+      dry_run_lib.hint(mem, hbm) + f". {LEVERS_NOT_RANKED}")
   chip, p = chips.lookup(out["device_kind"]), out.get("predicted")
   if chip and p and p["step_seconds"]:
     step, n = p["step_seconds"], out["num_devices"]

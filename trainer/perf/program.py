@@ -20,7 +20,9 @@ _FUSION = re.compile(r"\sfusion\(.*?kind=(k\w+)")
 _DOT = re.compile(r"\s(?:dot|convolution)\(")
 
 
-def summary(hlo_text: str) -> dict:
+def summary(hlo_text: str, collectives=None) -> dict:
+  """The counts of `hlo_text`; `collectives`: its `report.collectives`, when read already
+  (costs.of_hlo_text holds them), else read here."""
   fusions, dots = collections.Counter(), 0
   for line in hlo_text.splitlines():
     if m := _FUSION.search(line):
@@ -28,7 +30,7 @@ def summary(hlo_text: str) -> dict:
     elif _DOT.search(line) and "=" in line:
       dots += 1
   kinds: dict[str, dict] = {}
-  for c in report.collectives(hlo_text):
+  for c in report.collectives(hlo_text) if collectives is None else collectives:
     k = kinds.setdefault(c.kind + (" (DCN)" if c.link == "dcn" else ""), {"count": 0, "async": 0, "bytes": 0})
     k["count"] += 1
     k["async"] += int(c.is_async)

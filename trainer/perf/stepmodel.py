@@ -109,17 +109,16 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dic
   utilization per MXU tile (trainer/perf/mxu.py `by_piece`), None where not read (taken as 1)."""
   n = int(mesh.size)
   comm = _collective_times(costs, mesh, chip)
-  spare = _spare_compute(costs, comm, chip, mxu)
+  own = _own_times(costs, chip, mxu)
+  spare = _spare_compute(costs, own, comm)
   pieces, totals = [], collections.Counter()
   eight_bit = collections.Counter()   # XLA's 8-bit dots (model.quantization): FLOPs by operand type
-  for p in costs.pieces:
+  for p, (use, compute, memory) in zip(costs.pieces, own):
     for kind, dtype, f in p.ops:
       if kind == "xla":
         eight_bit[dtype] += p.executions * f
-    use = mxu_lib.piece_utilization(mxu, p.computation, chip.mxu_dim)   # padding to the MXU tile
     totals["mxu_flops"] += p.executions * p.flops
     totals["mxu_spent"] += p.executions * p.flops / use
-    compute, memory = _own_seconds(p, chip, use)
     local = max(compute, memory)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
     spans = comm["spanning"].get(p.computation, {})
@@ -256,16 +255,26 @@ def _own_seconds(p: costs_lib.Piece, chip: chips_lib.Chip, use: float = 1.0) -> 
   return compute, p.bytes_accessed / chip.hbm_bandwidth
 
 
-def _spare_compute(costs: costs_lib.Costs, comm: dict, chip: chips_lib.Chip, mxu: dict | None) -> dict[tuple, float]:
+def _own_times(costs: costs_lib.Costs, chip: chips_lib.Chip, mxu: dict | None) -> list[tuple[float, float, float]]:
+  """(MXU use, compute seconds, memory seconds) of one execution of each piece, in
+  `costs.pieces` order; `use`: its dots' share of the MXU tile (padding to the MXU side)."""
+  out = []
+  for p in costs.pieces:
+    use = mxu_lib.piece_utilization(mxu, p.computation, chip.mxu_dim)
+    out.append((use, *_own_seconds(p, chip, use)))
+  return out
+
+
+def _spare_compute(costs: costs_lib.Costs, own: list[tuple[float, float, float]], comm: dict) -> dict[tuple, float]:
   """Per tuple of loop bodies that async permutes span: seconds per step of those loops'
-  compute (every piece nested in them) left after hiding their own async collectives."""
+  compute (every piece nested in them) left after hiding their own async collectives
+  (`own`: `_own_times`)."""
   spare = {}
   for bodies in {b for spans in comm["spanning"].values() for b in spans}:
     seconds = 0.0
-    for p in costs.pieces:
+    for p, (_, compute, memory) in zip(costs.pieces, own):
       if set(bodies) & set(p.loops):
-        local = max(_own_seconds(p, chip, mxu_lib.piece_utilization(mxu, p.computation, chip.mxu_dim)))
-        seconds += p.executions * max(0.0, local - comm["async"].get(p.computation, 0.0))
+        seconds += p.executions * max(0.0, max(compute, memory) - comm["async"].get(p.computation, 0.0))
     spare[bodies] = seconds
   return spare
 
