@@ -7,7 +7,8 @@ import time
 import pytest
 
 import clitools as cli
-from shardax.trainer import goodput, jobdir
+from shardax.trainer import goodput, jobdir, loop
+from test_trainer import small_experiment
 
 
 def test_steps_an_earlier_run_logged_count_as_recomputed(tmp_path):
@@ -67,3 +68,21 @@ def test_a_goodput_file_cut_by_a_kill_does_not_stop_the_next_run(tmp_path):
   jobdir.write_text(tmp_path / "goodput.json", json.dumps([{"run": 2}]))
   assert goodput.read(tmp_path) == [{"run": 2}]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["goodput.json", "goodput.json.damaged"]
+
+
+def test_local_saves_do_not_force_a_rewrite_and_the_throttle_runs_every_step(tmp_path, monkeypatch):
+  """goodput.json (a whole upload on gs://) was rewritten after every local-tier save, and the
+  throttled rewrite ran only on log steps. Now: the first step's throttled write (nothing was
+  written yet), then none until the persistent save at the last step, and the exit's."""
+  writes, write_text = [], jobdir.write_text
+  def spy(f, text):
+    if str(f).endswith(goodput.FILE):
+      writes.append(json.loads(text)[-1]["last_step"])
+    write_text(f, text)
+  monkeypatch.setattr(jobdir, "write_text", spy)
+  monkeypatch.setattr(goodput, "FLUSH_S", 1e9)
+  exp = small_experiment(str(tmp_path / "data"), "train.steps=5", "train.log_every=100",
+                         "train.eval_every=100", "checkpoint.every=100",
+                         f"checkpoint.local_dir={str(tmp_path / 'local')!r}", "checkpoint.local_every=2")
+  loop.train(exp, str(tmp_path / "job"))
+  assert writes == [1, 5, 5]

@@ -18,8 +18,8 @@ write). Causes:
   other               shutdown and whatever is between these
 
 Process 0 rewrites its run's record in `job_dir/goodput.json` (a list, one record per run)
-at every checkpoint save (either tier), at most every FLUSH_S seconds between them and at
-exit, so a run killed without warning still leaves its record up to its last write; the
+at every persistent checkpoint save, at most every FLUSH_S seconds between them (local-tier
+saves included: on gs:// each rewrite is a whole upload) and at exit, so a run killed without warning still leaves its record up to its last write; the
 time from there to the next run's start is shown as time between runs. `--mode=goodput` prints the job's
 goodput across runs: productive step time over the runs' wall time, and the largest losses.
 """
@@ -38,7 +38,7 @@ from shardax.trainer import compile_cache, jobdir
 CAUSES = ("startup", "data", "restore_local", "restore_persistent", "compile", "steps", "recomputed",
           "checkpoint", "eval", "other")
 FILE = "goodput.json"
-FLUSH_S = 10.0   # and at every checkpoint save (either tier)
+FLUSH_S = 10.0   # and at every persistent checkpoint save
 
 
 def process_start_time() -> float:

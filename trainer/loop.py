@@ -298,9 +298,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
         elif local is not None and local.should_save(step):   # the cheap tier, between persistent saves
           with rec.during("checkpoint"):
             local.save(step, state, train_iter.get_state())
-          rec.flush(force=True)
-        if step % exp.train.log_every == 0:
-          rec.flush()
+        rec.flush()   # throttled to goodput.FLUSH_S: a clock check on most steps
       rec.switch("checkpoint")   # the last save's wait blocks
       if checkpointer is not None:
         checkpointer.wait()
