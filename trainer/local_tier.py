@@ -38,7 +38,6 @@ import jax
 import numpy as np
 from absl import logging
 
-from shardax.configs.schema import ConfigError
 from shardax.trainer import distributed
 
 MARKER, MANIFEST = "COMPLETE", "manifest.json"
@@ -75,9 +74,6 @@ class LocalTier:
   """This process's local steps: save (async write), list complete ones, restore."""
 
   def __init__(self, local_dir: str, every: int, job_dir: str):
-    if every < 1:
-      raise ConfigError(f"checkpoint.local_every={every} must be >= 1 with checkpoint.local_dir="
-                        f"{local_dir!r} (or set checkpoint.local_dir='' to turn the local tier off)")
     job = hashlib.sha1(os.path.abspath(os.path.expanduser(job_dir)).encode()).hexdigest()[:10]
     self.root = os.path.join(os.path.expanduser(local_dir), f"shardax-{job}")
     self.dir = os.path.join(self.root, f"process_{jax.process_index()}-of-{jax.process_count()}")
