@@ -38,7 +38,7 @@ import jax
 import numpy as np
 from absl import logging
 
-from shardax.trainer import distributed
+from shardax.trainer import distributed, jobdir
 
 MARKER, MANIFEST = "COMPLETE", "manifest.json"
 KEEP = 2                 # newest complete steps each process keeps
@@ -74,7 +74,8 @@ class LocalTier:
   """This process's local steps: save (async write), list complete ones, restore."""
 
   def __init__(self, local_dir: str, every: int, job_dir: str):
-    job = hashlib.sha1(os.path.abspath(os.path.expanduser(job_dir)).encode()).hexdigest()[:10]
+    # jobdir.path: absolute for a local dir (the key existing tiers have), a gs:// URL as is
+    job = hashlib.sha1(os.fspath(jobdir.path(job_dir)).encode()).hexdigest()[:10]
     self.root = os.path.join(os.path.expanduser(local_dir), f"shardax-{job}")
     self.dir = os.path.join(self.root, f"process_{jax.process_index()}-of-{jax.process_count()}")
     self.every = every
