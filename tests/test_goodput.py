@@ -60,11 +60,14 @@ def test_a_restarted_run_records_its_wall_time_and_recomputed_steps(tmp_path):
 def test_a_goodput_file_cut_by_a_kill_does_not_stop_the_next_run(tmp_path):
   """A run SIGKILLed while writing goodput.json (before writes went through a rename) left it
   cut; the restart failed with `shardax: error: Expecting value` (CI, 2026-11-26). Now the file
-  is moved aside, named in a warning, and the records start over; and writes are atomic."""
+  is moved aside by the run's writer (not by a reader: `--mode=goodput`, other processes),
+  named in a warning, and the records start over; and writes are atomic."""
   (tmp_path / "goodput.json").write_text('[{"run": 1, "wall')
   assert goodput.read(tmp_path) == []
-  assert (tmp_path / "goodput.json.damaged").read_text() == '[{"run": 1, "wall'
+  goodput.Recorder(str(tmp_path), write=False)   # a process other than 0
+  assert (tmp_path / "goodput.json").read_text() == '[{"run": 1, "wall'
   goodput.Recorder(str(tmp_path))   # what a restarted run does first
+  assert (tmp_path / "goodput.json.damaged").read_text() == '[{"run": 1, "wall'
   jobdir.write_text(tmp_path / "goodput.json", json.dumps([{"run": 2}]))
   assert goodput.read(tmp_path) == [{"run": 2}]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["goodput.json", "goodput.json.damaged"]

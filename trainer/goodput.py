@@ -51,14 +51,19 @@ def process_start_time() -> float:
     return time.time()
 
 
-def read(job_dir) -> list[dict]:
-  """The job's run records (empty when none)."""
+def read(job_dir, move_damaged: bool = False) -> list[dict]:
+  """The job's run records (empty when none, or when the file is damaged). `move_damaged`:
+  the writer (Recorder) moves a damaged file aside so its records start over; a reader
+  (`--mode=goodput`) leaves it where it is."""
   f = jobdir.path(job_dir) / FILE
   if not f.exists():
     return []
   try:
     return json.loads(f.read_text())
-  except ValueError:   # cut by a kill before writes were atomic: keep it aside, start over
+  except ValueError:   # cut by a kill before writes were atomic
+    if not move_damaged:
+      logging.warning("goodput: %s is not valid JSON (a write cut short?); no records read", f)
+      return []
     aside = f.with_name(FILE + ".damaged")
     f.rename(aside)
     logging.warning("goodput: %s is not valid JSON (a write cut short?); moved to %s, "
@@ -66,9 +71,10 @@ def read(job_dir) -> list[dict]:
     return []
 
 
-def last_logged_step(job_dir) -> int:
-  """The furthest step any earlier run logged: from its goodput records and metrics.jsonl."""
-  steps = [r.get("last_step", 0) for r in read(job_dir)]
+def last_logged_step(job_dir, records: list[dict]) -> int:
+  """The furthest step any earlier run logged: from its goodput `records` (as `read` gave
+  them) and metrics.jsonl."""
+  steps = [r.get("last_step", 0) for r in records]
   f = jobdir.path(job_dir) / "metrics.jsonl"
   if f.exists():
     for line in f.read_text().splitlines():
@@ -87,8 +93,9 @@ class Recorder:
     self.write_file = write
     self.started = process_start_time() if started is None else started
     self.seconds = dict.fromkeys(CAUSES, 0.0)
-    self.previous = read(job_dir) if write else []
-    self.prev_last_step = last_logged_step(job_dir) if job_dir is not None else 0
+    # only the writer reads the job's history: other processes never write or use it
+    self.previous = read(job_dir, move_damaged=True) if write else []
+    self.prev_last_step = last_logged_step(job_dir, self.previous) if write else 0
     self.info: dict[str, Any] = {"start_step": 0, "last_step": 0, "recomputed_steps": 0, "steps": 0}
     self.cause = "startup"
     self._mark = time.time()

@@ -315,8 +315,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       status = "failed" if sys.exc_info()[0] else "preempted" if summary.get("preempted") else "finished"
       summary["goodput"] = rec.flush(status, force=True)
     summary.update(final_step=step, seconds=time.perf_counter() - t0, state=state)
-    if rec.write_file:
-      logging.info(line := goodput.format_report(goodput.read(job_dir)))
+    if rec.write_file:   # the records it just wrote: the earlier runs' and this one's
+      logging.info(line := goodput.format_report(rec.previous + [summary["goodput"]]))
       print(line, file=sys.stderr, flush=True)
     return summary
 
