@@ -19,9 +19,10 @@ write). Causes:
 
 Process 0 rewrites its run's record in `job_dir/goodput.json` (a list, one record per run)
 at every persistent checkpoint save, at most every FLUSH_S seconds between them (local-tier
-saves included: on gs:// each rewrite is a whole upload) and at exit, so a run killed without warning still leaves its record up to its last write; the
-time from there to the next run's start is shown as time between runs. `--mode=goodput` prints the job's
-goodput across runs: productive step time over the runs' wall time, and the largest losses.
+saves included: on gs:// each rewrite is a whole upload) and at exit, so a run killed
+without warning still leaves its record up to its last write; the time from there to the
+next run's start is shown as time between runs. `--mode=goodput` prints the job's goodput
+across runs: productive step time over the runs' wall time, and the largest losses.
 """
 
 from __future__ import annotations
