@@ -102,6 +102,7 @@ class Recorder:
     self._mark = time.time()
     self._compile_mark = compile_cache.compile_seconds()
     self._flushed = 0.0
+    self.status: str | None = None   # set by the first flush; at_exit rewrites only after one
     self.seconds["startup"] = self._mark - self.started   # before this object existed
 
   def switch(self, cause: str) -> str:
@@ -137,7 +138,7 @@ class Recorder:
     """Rewrites a finished run's record once more as the interpreter exits (the CLI calls it
     from an atexit handler registered before jax's), so the shutdown after training, lease
     release and orbax/jax teardown, is in its wall time too, as 'other'."""
-    if getattr(self, "status", None) is not None:
+    if self.status is not None:
       self.switch("other")
       self.flush(self.status, force=True)
 

@@ -150,12 +150,11 @@ def _from_local(setup, local, persistent: int | None, rec):
   return restored
 
 
-def restore_or_init(setup, checkpointer, data_iter=None, rec: goodput.Recorder | None = None,
+def restore_or_init(setup, checkpointer, data_iter, rec: goodput.Recorder,
                     local: local_tier.LocalTier | None = None):
   """The newest checkpoint (the local tier's, trainer/local_tier.py, when every process holds
   it complete and it is at least as new as the job dir's; else the job dir's), else a fresh
   sharded init. The data iterator's state comes back with the model's, from the same tier."""
-  rec = rec or goodput.Recorder(None, write=False)
   persistent = checkpointer.latest_step() if checkpointer is not None else None
   restored, tier = (_from_local(setup, local, persistent, rec), "local") if local is not None else (None, None)
   if restored is None and persistent is not None:
