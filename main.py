@@ -136,7 +136,7 @@ def _run(mode: str, exp, job_dir: str) -> None:
     _hf_import_if_new(exp, job_dir)
     from shardax.trainer import loop
     from shardax.trainer import distributed, goodput
-    rec = goodput.Recorder(job_dir, write=distributed.is_primary(), started=goodput.process_start_time())
+    rec = goodput.Recorder(job_dir, write=distributed.is_primary())   # from the process's start
     AT_EXIT.append(rec.at_exit)
     summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir), recorder=rec)
     evals = summary["eval_losses"]

@@ -466,6 +466,11 @@ class CheckpointConfig:
   local_dir: str = ""                 # per-host local tier (SSD, /dev/shm); '' = off (trainer/local_tier.py)
   local_every: int = 0                # ... written every N steps (needs local_dir)
 
+  def __post_init__(self):
+    _require(not self.local_dir or self.local_every >= 1,
+             f"checkpoint.local_every={self.local_every} must be >= 1 with checkpoint.local_dir="
+             f"{self.local_dir!r} (or set checkpoint.local_dir='' to turn the local tier off)")
+
 
 @dataclasses.dataclass(frozen=True)
 class ShardingConfig:

@@ -7,7 +7,8 @@ import time
 import pytest
 
 import clitools as cli
-from shardax.trainer import goodput, jobdir
+from shardax.trainer import goodput, jobdir, loop
+from test_trainer import small_experiment
 
 
 def test_steps_an_earlier_run_logged_count_as_recomputed(tmp_path):
@@ -59,11 +60,32 @@ def test_a_restarted_run_records_its_wall_time_and_recomputed_steps(tmp_path):
 def test_a_goodput_file_cut_by_a_kill_does_not_stop_the_next_run(tmp_path):
   """A run SIGKILLed while writing goodput.json (before writes went through a rename) left it
   cut; the restart failed with `shardax: error: Expecting value` (CI, 2026-11-26). Now the file
-  is moved aside, named in a warning, and the records start over; and writes are atomic."""
+  is moved aside by the run's writer (not by a reader: `--mode=goodput`, other processes),
+  named in a warning, and the records start over; and writes are atomic."""
   (tmp_path / "goodput.json").write_text('[{"run": 1, "wall')
   assert goodput.read(tmp_path) == []
-  assert (tmp_path / "goodput.json.damaged").read_text() == '[{"run": 1, "wall'
+  goodput.Recorder(str(tmp_path), write=False)   # a process other than 0
+  assert (tmp_path / "goodput.json").read_text() == '[{"run": 1, "wall'
   goodput.Recorder(str(tmp_path))   # what a restarted run does first
+  assert (tmp_path / "goodput.json.damaged").read_text() == '[{"run": 1, "wall'
   jobdir.write_text(tmp_path / "goodput.json", json.dumps([{"run": 2}]))
   assert goodput.read(tmp_path) == [{"run": 2}]
   assert sorted(p.name for p in tmp_path.iterdir()) == ["goodput.json", "goodput.json.damaged"]
+
+
+def test_local_saves_do_not_force_a_rewrite_and_the_throttle_runs_every_step(tmp_path, monkeypatch):
+  """goodput.json (a whole upload on gs://) was rewritten after every local-tier save, and the
+  throttled rewrite ran only on log steps. Now: the first step's throttled write (nothing was
+  written yet), then none until the persistent save at the last step, and the exit's."""
+  writes, write_text = [], jobdir.write_text
+  def spy(f, text):
+    if str(f).endswith(goodput.FILE):
+      writes.append(json.loads(text)[-1]["last_step"])
+    write_text(f, text)
+  monkeypatch.setattr(jobdir, "write_text", spy)
+  monkeypatch.setattr(goodput, "FLUSH_S", 1e9)
+  exp = small_experiment(str(tmp_path / "data"), "train.steps=5", "train.log_every=100",
+                         "train.eval_every=100", "checkpoint.every=100",
+                         f"checkpoint.local_dir={str(tmp_path / 'local')!r}", "checkpoint.local_every=2")
+  loop.train(exp, str(tmp_path / "job"))
+  assert writes == [1, 5, 5]

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from shardax.configs.schema import ConfigError
+from shardax.configs.schema import CheckpointConfig, ConfigError
 from shardax.trainer import local_tier
 
 
@@ -82,5 +82,19 @@ def test_the_newest_step_every_process_holds_wins_over_an_older_persistent_one()
 
 
 def test_local_every_must_be_set():
-  with pytest.raises(ConfigError, match="checkpoint.local_every=0"):
-    local_tier.LocalTier("/tmp/x", every=0, job_dir="/jobs/c")
+  """Refused when the config is built, before the job dir's checkpoints folder is made."""
+  with pytest.raises(ConfigError, match="checkpoint.local_every=0 must be >= 1 with checkpoint.local_dir='/tmp/x'"):
+    CheckpointConfig(local_dir="/tmp/x", local_every=0)
+  assert CheckpointConfig(local_every=0).local_dir == ""   # the tier off: no interval needed
+
+
+def test_the_job_key_of_a_url_does_not_depend_on_the_working_directory(tmp_path, monkeypatch):
+  roots = []
+  for cwd in ("a", "b"):
+    (tmp_path / cwd).mkdir()
+    monkeypatch.chdir(tmp_path / cwd)
+    roots.append(local_tier.LocalTier(str(tmp_path / "local"), every=1, job_dir="gs://bucket/run").root)
+    roots.append(local_tier.LocalTier(str(tmp_path / "local"), every=1, job_dir="../run").root)
+  assert roots[0] == roots[2] and roots[1] == roots[3] and roots[0] != roots[1]
+  # a local dir keeps its key, however it is spelled
+  assert roots[1] == local_tier.LocalTier(str(tmp_path / "local"), every=1, job_dir=str(tmp_path / "run")).root

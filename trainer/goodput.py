@@ -18,10 +18,11 @@ write). Causes:
   other               shutdown and whatever is between these
 
 Process 0 rewrites its run's record in `job_dir/goodput.json` (a list, one record per run)
-at every checkpoint save (either tier), at most every FLUSH_S seconds between them and at
-exit, so a run killed without warning still leaves its record up to its last write; the
-time from there to the next run's start is shown as time between runs. `--mode=goodput` prints the job's
-goodput across runs: productive step time over the runs' wall time, and the largest losses.
+at every persistent checkpoint save, at most every FLUSH_S seconds between them (local-tier
+saves included: on gs:// each rewrite is a whole upload) and at exit, so a run killed
+without warning still leaves its record up to its last write; the time from there to the
+next run's start is shown as time between runs. `--mode=goodput` prints the job's goodput
+across runs: productive step time over the runs' wall time, and the largest losses.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from shardax.trainer import compile_cache, jobdir
 CAUSES = ("startup", "data", "restore_local", "restore_persistent", "compile", "steps", "recomputed",
           "checkpoint", "eval", "other")
 FILE = "goodput.json"
-FLUSH_S = 10.0   # and at every checkpoint save (either tier)
+FLUSH_S = 10.0   # and at every persistent checkpoint save
 
 
 def process_start_time() -> float:
@@ -51,14 +52,19 @@ def process_start_time() -> float:
     return time.time()
 
 
-def read(job_dir) -> list[dict]:
-  """The job's run records (empty when none)."""
+def read(job_dir, move_damaged: bool = False) -> list[dict]:
+  """The job's run records (empty when none, or when the file is damaged). `move_damaged`:
+  the writer (Recorder) moves a damaged file aside so its records start over; a reader
+  (`--mode=goodput`) leaves it where it is."""
   f = jobdir.path(job_dir) / FILE
   if not f.exists():
     return []
   try:
     return json.loads(f.read_text())
-  except ValueError:   # cut by a kill before writes were atomic: keep it aside, start over
+  except ValueError:   # cut by a kill before writes were atomic
+    if not move_damaged:
+      logging.warning("goodput: %s is not valid JSON (a write cut short?); no records read", f)
+      return []
     aside = f.with_name(FILE + ".damaged")
     f.rename(aside)
     logging.warning("goodput: %s is not valid JSON (a write cut short?); moved to %s, "
@@ -66,9 +72,10 @@ def read(job_dir) -> list[dict]:
     return []
 
 
-def last_logged_step(job_dir) -> int:
-  """The furthest step any earlier run logged: from its goodput records and metrics.jsonl."""
-  steps = [r.get("last_step", 0) for r in read(job_dir)]
+def last_logged_step(job_dir, records: list[dict]) -> int:
+  """The furthest step any earlier run logged: from its goodput `records` (as `read` gave
+  them) and metrics.jsonl."""
+  steps = [r.get("last_step", 0) for r in records]
   f = jobdir.path(job_dir) / "metrics.jsonl"
   if f.exists():
     for line in f.read_text().splitlines():
@@ -87,13 +94,15 @@ class Recorder:
     self.write_file = write
     self.started = process_start_time() if started is None else started
     self.seconds = dict.fromkeys(CAUSES, 0.0)
-    self.previous = read(job_dir) if write else []
-    self.prev_last_step = last_logged_step(job_dir) if job_dir is not None else 0
+    # only the writer reads the job's history: other processes never write or use it
+    self.previous = read(job_dir, move_damaged=True) if write else []
+    self.prev_last_step = last_logged_step(job_dir, self.previous) if write else 0
     self.info: dict[str, Any] = {"start_step": 0, "last_step": 0, "recomputed_steps": 0, "steps": 0}
     self.cause = "startup"
     self._mark = time.time()
     self._compile_mark = compile_cache.compile_seconds()
     self._flushed = 0.0
+    self.status: str | None = None   # set by the first flush; at_exit rewrites only after one
     self.seconds["startup"] = self._mark - self.started   # before this object existed
 
   def switch(self, cause: str) -> str:
@@ -129,7 +138,7 @@ class Recorder:
     """Rewrites a finished run's record once more as the interpreter exits (the CLI calls it
     from an atexit handler registered before jax's), so the shutdown after training, lease
     release and orbax/jax teardown, is in its wall time too, as 'other'."""
-    if getattr(self, "status", None) is not None:
+    if self.status is not None:
       self.switch("other")
       self.flush(self.status, force=True)
 

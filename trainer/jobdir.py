@@ -52,9 +52,7 @@ def write_text(file, text: str) -> None:
   if is_remote(file):
     file.write_text(text)
     return
-  tmp = file.with_name(f".{file.name}.{os.getpid()}.tmp")
-  tmp.write_text(text)
-  os.replace(tmp, file)
+  os.replace(_complete_copy(file, text), os.fspath(file))
 
 
 def read_text(file) -> str:
@@ -237,14 +235,6 @@ def _complete_copy(file, text: str) -> str:
   return tmp
 
 
-def _replace(file, text: str) -> None:
-  """Rewrite `file` whole: readers see the old or the new content, never a part."""
-  if is_remote(file):
-    write_text(file, text)   # an object upload is atomic
-    return
-  os.replace(_complete_copy(file, text), os.fspath(file))
-
-
 class Lease:
   """A lease file in the job dir, taken atomically by process 0 and heartbeat by a thread.
 
@@ -322,7 +312,7 @@ class Lease:
         return holder
       marker = self.file.parent / f"{LEASE_FILE}.takeover-{hashlib.sha1(text.encode()).hexdigest()[:16]}"
       if create_exclusive(marker, self._text()):
-        _replace(self.file, self._text())
+        write_text(self.file, self._text())
         self._marker = marker
         return None
       self._clear_if_stale(marker)
@@ -363,7 +353,7 @@ class Lease:
                         "silent for over %.0fs; two jobs are writing this job dir", self.file,
                         live_holder(current) or (current or {}).get("host"), self.stale_s)
           return   # never overwrite the new holder's lease
-        _replace(self.file, self._text())
+        write_text(self.file, self._text())
       except OSError as e:   # a storage hiccup: the next beat tries again
         logging.warning("lease heartbeat to %s failed: %s", self.file, e)
 

@@ -150,12 +150,11 @@ def _from_local(setup, local, persistent: int | None, rec):
   return restored
 
 
-def restore_or_init(setup, checkpointer, data_iter=None, rec: goodput.Recorder | None = None,
+def restore_or_init(setup, checkpointer, data_iter, rec: goodput.Recorder,
                     local: local_tier.LocalTier | None = None):
   """The newest checkpoint (the local tier's, trainer/local_tier.py, when every process holds
   it complete and it is at least as new as the job dir's; else the job dir's), else a fresh
   sharded init. The data iterator's state comes back with the model's, from the same tier."""
-  rec = rec or goodput.Recorder(None, write=False)
   persistent = checkpointer.latest_step() if checkpointer is not None else None
   restored, tier = (_from_local(setup, local, persistent, rec), "local") if local is not None else (None, None)
   if restored is None and persistent is not None:
@@ -298,9 +297,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
         elif local is not None and local.should_save(step):   # the cheap tier, between persistent saves
           with rec.during("checkpoint"):
             local.save(step, state, train_iter.get_state())
-          rec.flush(force=True)
-        if step % exp.train.log_every == 0:
-          rec.flush()
+        rec.flush()   # throttled to goodput.FLUSH_S: a clock check on most steps
       rec.switch("checkpoint")   # the last save's wait blocks
       if checkpointer is not None:
         checkpointer.wait()
@@ -317,8 +314,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       status = "failed" if sys.exc_info()[0] else "preempted" if summary.get("preempted") else "finished"
       summary["goodput"] = rec.flush(status, force=True)
     summary.update(final_step=step, seconds=time.perf_counter() - t0, state=state)
-    if rec.write_file:
-      logging.info(line := goodput.format_report(goodput.read(job_dir)))
+    if rec.write_file:   # the records it just wrote: the earlier runs' and this one's
+      logging.info(line := goodput.format_report(rec.previous + [summary["goodput"]]))
       print(line, file=sys.stderr, flush=True)
     return summary
 

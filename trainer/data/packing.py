@@ -78,12 +78,11 @@ def state_from_json(state: Any) -> Any:
   return state
 
 
-def padding_window(seq_len: int, with_ids: bool = False) -> dict[str, np.ndarray]:
+def padding_window(seq_len: int) -> dict[str, np.ndarray]:
   """A window that is all padding: it adds nothing to a loss or to attention."""
   zeros = np.zeros((seq_len,), np.int32)
-  out = {"inputs": zeros, "targets": zeros, "segment_ids": zeros, "positions": zeros,
-         "loss_mask": np.zeros((seq_len,), np.float32)}
-  return {**out, "document": np.zeros((seq_len,), np.int64)} if with_ids else out
+  return {"inputs": zeros, "targets": zeros, "segment_ids": zeros, "positions": zeros,
+          "loss_mask": np.zeros((seq_len,), np.float32)}
 
 
 def pack_documents(docs: list[Any], seq_len: int, eos: int) -> dict[str, np.ndarray]:

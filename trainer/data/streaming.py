@@ -20,7 +20,7 @@ IterDataset whose state (a record index plus the packer's buffer position) is wh
 checkpoint saves: a resumed run reads exactly what an uninterrupted one would.
 Which readers a process runs, and which of their rows it keeps, is layout.py.
 
-With `with_ids` (the document-id record, record.py) every document also carries its id
+With `with_ids` (the document-id record, record.py; training only) every document carries its id
 (source index, record index in its prepared split), packed beside its tokens as a
 `document` field, so a batch says which documents it holds.
 """
@@ -134,7 +134,7 @@ def local_batches(prepared: Sequence[Prepared], split: str, seq_len: int, rows: 
     docs = train_documents(prepared, weights, seed, reader, readers, with_ids)
   else:
     (one,) = prepared
-    docs = local_documents(one, split, reader, readers, with_ids=0 if with_ids else None)
+    docs = local_documents(one, split, reader, readers)   # ids are recorded for training only
   manifest = prepared[0].manifest   # a mixture's sets share the tokenizer (inputs checks)
   examples = docs.map(functools.partial(_example, eos=manifest["eos_id"],
                                         own_start=manifest.get("own_start", False), with_ids=with_ids))
@@ -175,11 +175,10 @@ class PaddedReaders(grain.DatasetIterator):
   them), a reader that has run out giving all-padding rows, until every one has run out
   (then StopIteration)."""
 
-  def __init__(self, prepared: Prepared, seq_len: int, layout: ReaderLayout, with_ids: bool = False):
-    self._parts = [iter(local_batches([prepared], "validation", seq_len, layout.per, 0, r, layout.readers,
-                                      with_ids=with_ids))
+  def __init__(self, prepared: Prepared, seq_len: int, layout: ReaderLayout):
+    self._parts = [iter(local_batches([prepared], "validation", seq_len, layout.per, 0, r, layout.readers))
                    for r in layout.mine]
-    pad = packing.padding_window(seq_len, with_ids)
+    pad = packing.padding_window(seq_len)
     self._pad = {k: np.stack([v] * layout.per) for k, v in pad.items()}
     self._keep = layout.keep
     super().__init__(self._parts)
