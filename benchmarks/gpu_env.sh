@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # shardax on a GPU machine that has jax with CUDA but no network and only part of shardax's
 # dependencies (the lent H100 image: jax 0.11.2 + CUDA 13 plugin, flax 0.12.10, optax,
-# orbax 0.12.4, numpy; no fiddle, grain, mlperf-logging).
+# orbax 0.12.4, numpy; no fiddle, grain, mlperf-logging, qwix).
 #
 #   bash benchmarks/gpu_env.sh download        # here, with network: wheels into .gpu/wheels
 #   bash benchmarks/gpu_env.sh CMD ARGS...     # there: install them, run CMD with shardax importable
@@ -18,7 +18,7 @@ WHEELS=${WHEELS:-.gpu/wheels}
 PKGS="fiddle==0.3.1 libcst==1.9.0 graphviz==0.21 grain==0.2.18 cloudpickle==3.1.2 dm-tree==0.1.10
       array_record==0.8.6 mlperf-logging==4.1.68 flax==0.12.12 orbax-checkpoint==0.12.8
       simplejson==4.3.0 humanize==4.17.0 aiofiles==25.1.0 PyYAML==6.0.3 portpicker prometheus-client
-      uvloop treescope wrapt"
+      uvloop treescope wrapt qwix==0.1.8"
 
 if [[ "${1:-}" == download ]]; then
   mkdir -p "$WHEELS"

@@ -57,7 +57,10 @@ def main() -> None:
               f"model.pipeline.circular_repeats={r}", f"model.remat={remat!r}",
               "mesh.axes=('stage', 'data')", "mesh.ici=(4, 2)", "sharding.preset='pp_dp'"]
       for tree, path in (("old", args.old), ("new", args.new)):
-        env = dict(os.environ, PYTHONPATH=path, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
+        # `path` first: its `shardax` wins over one later on PYTHONPATH (benchmarks/gpu_env.sh
+        # puts the checkout and the dependencies there on the GPU machine).
+        pythonpath = os.pathsep.join([path] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+        env = dict(os.environ, PYTHONPATH=pythonpath, JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="3")
         out = subprocess.run([sys.executable, __file__, "--old", args.old, "--new", args.new,
                               "--steps", str(args.steps),
                               "--child", json.dumps(sets)], env=env, capture_output=True, text=True,
