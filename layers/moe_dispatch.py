@@ -298,7 +298,12 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
       # FSDP: the weights enter split over the embed axes and are gathered here, as a dense
       # layer's are; the transpose of this gather is a reduce-scatter of their gradients.
       # (Entering whole, the gradients were summed by an all-reduce of every weight.)
-      gather = lambda w, dim: jax.lax.all_gather(w, embed, axis=dim, tiled=True)
+      # One mesh axis at a time, the minor one first (so the blocks land in the tiled
+      # order): libtpu writes one all-gather over a group spanning a 3D torus (v5p's 128
+      # chips) as an all-reduce of the whole weight, and its transpose too, but per axis
+      # a true all-gather and reduce-scatter (docs/moe.md).
+      gather = lambda w, dim: functools.reduce(
+          lambda w, a: jax.lax.all_gather(w, a, axis=dim, tiled=True), reversed(embed), w)
       w_gate, w_up, wo = gather(w_gate, 1), gather(w_up, 1), gather(wo, 2)
     bl, ll = x.shape[:2]
     args = (x.reshape(bl * ll, m), index.reshape(bl * ll, -1), gates.reshape(bl * ll, -1))

@@ -395,14 +395,22 @@ def test_megablox_grouped_ffn_equals_ragged_dot_with_its_gradients():
     np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-3)
 
 
-def test_dropless_fsdp_gathers_expert_weights_and_reduce_scatters_their_gradients(reference_run):
+FSDP_OVER_TWO_AXES = ("sharding.rules=(('batch', ('data', 'fsdp')), ('embed', ('data', 'fsdp')))",)
+
+
+@pytest.mark.parametrize("preset, ici, axes, more", [
+    ("fsdp", (8,), ("data",), ()),
+    (None, (2, 4), ("data", "fsdp"), FSDP_OVER_TWO_AXES)], ids=["one_axis", "two_axes"])
+def test_dropless_fsdp_gathers_expert_weights_and_reduce_scatters_their_gradients(
+    reference_run, preset, ici, axes, more):
   """moe.mixtral_8x7b's layout on 8 devices: no expert parallelism, every expert weight
-  FSDP-split over `data` (preset fsdp). Equal to one device (loss, every gradient), and the
-  expert weights' gradients leave by reduce-scatter: no all-reduce as large as an expert
+  FSDP-split over `data` (preset fsdp), or over two mesh axes (gathered one axis at a time).
+  Equal to one device (loss, every gradient), and the expert weights' gradients leave by
+  reduce-scatter, one per weight and mesh axis: no all-reduce as large as an expert
   weight's shard. Before, the weights entered the dispatch's shard_map whole, and each
   layer's backward all-reduced every expert weight's full gradient."""
   params, batch, ref_loss, ref_grads, _ = reference_run
-  setup = setup_for(tiny_dropless("fsdp", (8,), ("data",)))
+  setup = setup_for(tiny_dropless(preset, ici, axes, *more))
   (loss, grads, _), compiled = loss_and_grads(setup, params, batch)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   for (path, g), r in zip(jax.tree.leaves_with_path(grads), jax.tree.leaves(ref_grads)):
@@ -415,4 +423,5 @@ def test_dropless_fsdp_gathers_expert_weights_and_reduce_scatters_their_gradient
   summed = [c for c in colls if c.kind == "all-reduce" and "shard_map" in c.op_name and c.bytes >= expert_shard]
   assert not summed, summed
   scattered = [c for c in colls if c.kind == "reduce-scatter" and "moe_dispatch.py" in c.source]
-  assert len(scattered) == 3 and all(c.executions == 2 for c in scattered), scattered  # 3 weights x 2 layers
+  # 3 weights x mesh axes, each run by 2 layers
+  assert len(scattered) == 3 * len(axes) and all(c.executions == 2 for c in scattered), scattered
