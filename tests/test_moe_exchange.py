@@ -55,3 +55,21 @@ def test_tpu_fsdp_step_reduce_scatters_the_expert_weight_gradients():
   assert not [l for l in ops("all-reduce") if shapes & set(re.findall(r"f32\[[\d,]+\]", l))]
   scattered = [c for c in report.collectives(hlo) if c.kind == "reduce-scatter" and "moe_dispatch.py" in c.source]
   assert len(scattered) == 3, scattered           # w_gate, w_up, wo (both layers: one scanned body)
+
+
+def test_tpu_fsdp_over_two_axes_reduce_scatters_on_a_3d_torus():
+  """On a 3D torus (v5p:2x2x4, 16 chips) libtpu writes one all-gather over all 16 chips, and
+  its transpose, as all-reduces: with the expert weights FSDP-split over one 16-way axis the
+  compiled step has no reduce-scatter from the dispatch (seen 2026-11-26; at Mixtral's shapes
+  on 128 chips, all-reduces of the whole bf16[8,4096,14336] weight: docs/moe.md). Split over
+  two axes (data 4 x fsdp 4) and gathered one axis at a time, the gradients leave by
+  reduce-scatter, and no all-reduce over all 16 chips carries an expert weight (f32[8,32,32],
+  32,768 bytes). Gathered over both axes at once (the code before), it fails like one axis."""
+  exp = tiny_dropless(None, (4, 4), ("data", "fsdp"), "mesh.topology='v5p:2x2x4'",
+                      "sharding.rules=(('batch', ('data', 'fsdp')), ('embed', ('data', 'fsdp')))",
+                      "train.global_batch=16", "model.moe.first_dense_layers=0",
+                      "model.moe.num_shared_experts=0")
+  _, setup = dry_run.prepare(exp)
+  colls = report.collectives(dry_run.compile_step(setup).as_text())
+  assert [c for c in colls if c.kind == "reduce-scatter" and "moe_dispatch.py" in c.source]
+  assert not [c for c in colls if c.kind == "all-reduce" and c.group_size == 16 and c.bytes == 32768]
