@@ -30,6 +30,10 @@ Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
   'offload_proj'   offload the block input and the attention q/k/v and output
                    projections ('query_proj', 'key_proj', 'value_proj', 'out_proj'):
                    less recompute (no projection matmuls), more host traffic
+  'moe_matmuls'    save (on device) the attention projections and every expert matmul's
+                   output ('expert_matmul', layers/moe_dispatch.py), recompute the rest:
+                   for MoE layers whose grouped matmuls are Pallas kernels (megablox),
+                   which 'dots' does not see as dots and recomputes
 The offload policies are jax's `save_and_offload_only_these_names` over the names
 `checkpoint_name` gives in Block / Attention; the transfers are priced against the chip's
 host link by trainer/perf/stepmodel.py (`offload_seconds`).
@@ -48,6 +52,7 @@ from shardax.configs.schema import TransformerConfig
 from shardax.layers.attention import Attention, default_positions, kv_cache_spec
 from shardax.layers.mlp import GatedMLP, PlainMLP
 from shardax.layers.moe import MoEFeedForward
+from shardax.layers.moe_dispatch import EXPERT_MATMUL
 from shardax.layers.norm import make_norm
 from shardax.sharding import shard
 
@@ -69,6 +74,7 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload": _offload(LAYER_INPUT),
     "offload_proj": _offload(LAYER_INPUT, *PROJECTIONS),
+    "moe_matmuls": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS, EXPERT_MATMUL),
 }
 
 

@@ -56,6 +56,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardax.layers import quantization as quant
@@ -64,6 +65,10 @@ from shardax.sharding.annotate import current_mesh_shape
 from shardax.sharding.target import target_platform
 
 EXCHANGES = ("auto", "ragged", "padded")
+# The name of each expert matmul's output (gate, up, down), which the remat policy
+# 'moe_matmuls' (layers/blocks.py) saves: megablox's kernels are Pallas calls, not dots,
+# so 'dots' recomputes them.
+EXPERT_MATMUL = "expert_matmul"
 IMPLS = ("auto", "ragged_dot", "tiled", "megablox")
 
 
@@ -81,10 +86,8 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable
     return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act, quantization=quantization)
   if impl == "megablox":
     return megablox_ffn(xs, sizes, w_gate, w_up, wo, act)
-  rd = functools.partial(quant.ragged_dot, quantization)
-  gate = rd(xs, w_gate, sizes)
-  up = rd(xs, w_up, sizes)
-  return rd((act(gate) * up).astype(xs.dtype), wo, sizes)
+  rd = lambda a, w: checkpoint_name(quant.ragged_dot(quantization, a, w, sizes), EXPERT_MATMUL)
+  return rd((act(rd(xs, w_gate)) * rd(xs, w_up)).astype(xs.dtype), wo)
 
 
 def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) -> jax.Array:
@@ -106,9 +109,10 @@ def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) ->
     raise ValueError(f"model.moe.grouped_matmul='megablox' runs on TPUs (and CPUs, interpreted), "
                      f"not on {platform}; use 'auto' (jax.lax.ragged_dot there)")
   interpret = platform == "cpu"
-  mm = lambda a, w: keep(gmm(a, w, sizes, preferred_element_type=xs.dtype,
-                             tiling=(tile, min(tile * 4, a.shape[1]), min(tile * 4, w.shape[2])),
-                             interpret=interpret))
+  mm = lambda a, w: checkpoint_name(keep(gmm(
+      a, w, sizes, preferred_element_type=xs.dtype,
+      tiling=(tile, min(tile * 4, a.shape[1]), min(tile * 4, w.shape[2])), interpret=interpret)),
+      EXPERT_MATMUL)
   x = keep(jnp.pad(xs, ((0, rows - r), (0, 0))))
   hidden = keep((act(mm(x, w_gate)) * mm(x, w_up)).astype(xs.dtype))
   return mm(hidden, wo)[:r]
@@ -134,7 +138,7 @@ def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 12
   dst = jnp.where(valid, (pends - padded)[g] + row - (ends - sizes)[g], n * tile)
   tiles = jnp.zeros((n * tile, m), xs.dtype).at[dst].set(xs, mode="drop").reshape(n, tile, m)
   expert = jnp.minimum(jnp.searchsorted(pends, jnp.arange(n) * tile, side="right"), e - 1)
-  ein = functools.partial(quant.einsum, quantization)
+  ein = lambda spec, a, w: checkpoint_name(quant.einsum(quantization, spec, a, w), EXPERT_MATMUL)
   hidden = act(ein("ntm,nmh->nth", tiles, w_gate[expert])) * ein("ntm,nmh->nth", tiles, w_up[expert])
   out = ein("nth,nhm->ntm", hidden.astype(xs.dtype), wo[expert]).reshape(n * tile, -1)
   return jnp.where(valid[:, None], out[jnp.minimum(dst, n * tile - 1)], 0)
