@@ -109,6 +109,9 @@ def test_a_shallow_flash_dry_run_adds_the_full_depth_kernel_time():
   mesh = make_mesh(exp.mesh)
   want = stepmodel.flash_kernel_seconds(exp, int(mesh.size), chips.lookup(mesh.devices.flat[0].device_kind))
   assert want > 0 and out["predicted"]["breakdown"]["flash_kernel_seconds"] == pytest.approx(want)
+  # and its FLOPs run on the chip: counted in the hardware FLOPs (HFU, recompute factor)
+  kernel_flops = stepmodel.flash_kernel_flops(exp, int(mesh.size))
+  assert out["predicted"]["hardware_flops_per_device"] == pytest.approx(out["flops_per_device"] + kernel_flops)
 
 
 def test_an_extrapolated_report_that_does_not_fit_ranks_no_levers_from_the_shallow_buffers():

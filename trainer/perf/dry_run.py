@@ -286,7 +286,7 @@ def format_report(r: dict) -> str:
     lines.extend(stepmodel.format_prediction(stepmodel.Prediction(**p)))
     if kernel := p["breakdown"].get("flash_kernel_seconds"):
       lines.append(f"    flash attention kernel: {kernel:.4g} s of the step (its FLOPs priced from the model, "
-                   f"XLA's costs count a Pallas call as 0)")
+                   f"XLA's costs count a Pallas call as 0; in HFU and the recompute factor)")
     if (off := p["breakdown"].get("offload")) and off["bytes"]:
       lines.append(f"    host offload: {_gib(off['bytes'])} out and back at {off['host_bandwidth'] / 1e9:.0f} GB/s "
                    f"= {off['seconds']:.3g} s per step, " + ("hidden under compute" if off["hidden"] else

@@ -342,21 +342,32 @@ def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
   layer runs the forward once more. Priced at the chip family's attention efficiency (TPU:
   the matmul rate; a GPU, for a TPU program standing in for a GPU one: the measured cuDNN
   flash rate)."""
+  return ops.seconds("attention", "bf16", flash_kernel_flops(exp, num_devices), chip)
+
+
+def flash_kernel_flops(exp, num_devices: int) -> float:
+  """FLOPs per step and device of the flash kernel, as flash_kernel_seconds counts them."""
   t = exp.model
   seq = exp.data.seq_len
   forward = 4 * t.num_layers * seq * t.num_heads * t.dim_per_head / 2   # per token
   per_token = forward * (3.5 + (1.0 if t.remat != "none" else 0.0))
-  tokens = seq * exp.train.global_batch
-  return ops.seconds("attention", "bf16", per_token * tokens / num_devices, chip)
+  return per_token * seq * exp.train.global_batch / num_devices
 
 
 def with_flash_kernel(pr: Prediction, exp, mesh, chip: chips_lib.Chip) -> Prediction:
   """`pr` for a program that runs the Pallas flash kernel, which its costs price at 0 FLOPs:
-  the kernel's time (flash_kernel_seconds) added to the step, the ratios rescaled to match.
+  the kernel's time (flash_kernel_seconds) added to the step, the ratios rescaled to match,
+  and its FLOPs added to the hardware FLOPs (HFU, recompute factor): the chip runs them.
   The one place a prediction gets it (the dry run, its depth extrapolation, the calibration)."""
-  seconds = flash_kernel_seconds(exp, int(mesh.size), chip)
+  n = int(mesh.size)
+  seconds, flops = flash_kernel_seconds(exp, n, chip), flash_kernel_flops(exp, n)
   step = pr.step_seconds
   scale = step / (step + seconds) if step + seconds else 0.0
-  return dataclasses.replace(pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hfu=pr.hfu * scale,
-                             tokens_per_second_per_device=pr.tokens_per_second_per_device * scale,
-                             breakdown={**pr.breakdown, "flash_kernel_seconds": seconds})
+  hardware = pr.hardware_flops_per_device + flops
+  model = pr.model_flops_per_step
+  return dataclasses.replace(
+      pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hardware_flops_per_device=hardware,
+      hfu=hardware / (chip.peak_bf16_flops * (step + seconds)) if step + seconds else 0.0,
+      tokens_per_second_per_device=pr.tokens_per_second_per_device * scale,
+      breakdown={**pr.breakdown, "flash_kernel_seconds": seconds,
+                 "recompute_factor": hardware * n / model if model else None})
