@@ -87,6 +87,22 @@ def test_extrapolation_matches_the_full_compile_within_5_percent(both):
   assert shallow["fits"] is full["fits"] is True
 
 
+def test_an_moe_stack_after_dense_layers_extrapolates_its_unit_loop():
+  """DeepSeek-V3's shape: 2 dense layers in their own loop, then the MoE units' loop. The
+  shallow copies (5 and 6 layers) run that loop 3 and 4 times, not 5 and 6: deepened by the
+  layer count instead (before 2026-11-26), no loop matched and the 10-layer prediction kept
+  the 6-layer copy's FLOPs (moe.deepseek_v3 --shallow: MFU 172%)."""
+  pytest.importorskip("libtpu")
+  exp = build("moe.tiny", *SMALL, "model.num_layers=10", "model.moe.every=1",
+              "model.moe.first_dense_layers=2")
+  assert ex.depth(exp) == ex.Depth(10, 1, "model.num_layers", offset=2)
+  shallow, full = ex.dry_run(exp, effort=-1.0), ex.dry_run(exp, full=True, effort=-1.0)
+  assert shallow["compile_path"] == "shallow" and shallow["shallow"]["layers"] == [5, 6]
+  ps, pf = shallow["predicted"], full["predicted"]
+  assert ps["hardware_flops_per_device"] == pytest.approx(pf["hardware_flops_per_device"], rel=0.05)
+  assert ps["step_seconds"] == pytest.approx(pf["step_seconds"], rel=0.05)
+
+
 def test_report_says_which_path_was_used(both):
   shallow, _, job = both
   saved = json.loads((job / "dry_run.json").read_text())

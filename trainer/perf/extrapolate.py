@@ -213,7 +213,10 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   from shardax.trainer.perf import costs as costs_lib
   from shardax.trainer.perf import stepmodel
   scale = out["num_params"] / b["num_params"] if b.get("num_params") else 1.0
-  deep = costs_lib.deepen(costs_b, layers_b // d.unit, d.layers // d.unit, scale)
+  # the layer loop runs once per unit after the first dense layers (their own loop, as deep
+  # in the copy as in the model): its trip count is (layers - offset) / unit
+  units = lambda layers: (layers - d.offset) // d.unit
+  deep = costs_lib.deepen(costs_b, units(layers_b), units(d.layers), scale)
   chip = chips.lookup(out["device_kind"])
   out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
   if chip is not None:
