@@ -35,6 +35,11 @@ ASYNC_COLLECTIVE_FUSION = ("--xla_tpu_enable_async_collective_fusion=true",
                            "--xla_tpu_overlap_compute_collective_tc=true",
                            "--xla_enable_async_all_gather=true")
 
+# All-to-alls as start/done pairs that matmuls can run between (v5p writes them synchronous
+# by default; ragged-all-to-all stays synchronous either way): the dropless MoE exchange in
+# pieces (`model.moe.dispatch_chunks`), tests/test_moe_overlap.py.
+ASYNC_ALL_TO_ALL = ("--xla_tpu_enable_async_all_to_all=true",)
+
 
 class LibtpuFlagError(ValueError):
   pass
