@@ -151,3 +151,23 @@ def test_a_pipeline_whose_microbatch_the_data_axis_does_not_divide_is_rejected()
   row = plan.evaluate("lm.tiny_pipelined", ["train.global_batch=8", "data.source='synthetic'"],
                       ["model.pipeline.microbatches=4"])
   assert row["status"] == "rejected" and "does not divide" in row["reason"], row
+
+
+def test_a_multi_slice_experiment_plans_layouts_across_its_slices(tmp_path):
+  """An experiment over 2 slices of v5e:2x2 (`mesh.dcn`): every candidate keeps the slices on
+  its first axis (data across the slices; a pipeline's stages over them) and compiles. Before,
+  the candidates set 2 or 3 mesh axes beside the experiment's `mesh.dcn`: on
+  lm.gpt3_175b_4slices all 22 were rejected (a 3-entry dcn for 2 axes, or stage = 8 x 4)."""
+  pytest.importorskip("libtpu")
+  grid = plan.Grid(model_axis=(2,), remat=("full",), microbatches=(1,), fsdp=True, tp=False,
+                   pipeline_stages=(2, 4), pipeline_model_axis=(1,), pipeline_microbatches_per_stage=(2,),
+                   pipeline_repeats=(1,), max_bubble=1.0)
+  sets = ["data.source='synthetic'", "model.num_layers=4", "model.d_model=64", "model.num_heads=4",
+          "model.d_ff=128", "data.seq_len=32", "model.max_len=32", "train.global_batch=16",
+          "mesh.topology='v5e:2x2'", "mesh.num_cpu_devices=None", "mesh.ici=(-1,1)", "mesh.dcn=(2,1)"]
+  p = plan.plan("lm.tiny", sets, str(tmp_path), grid=grid, log=lambda s: None)
+  assert p["num_devices"] == 8
+  rows = p["candidates"]
+  assert [r for r in rows if r["status"] != "ok"] == [], [(r["set_line"], r["reason"]) for r in rows]
+  assert {_schedule(r["sets"])[0] for r in rows} == {1, 2, 4}
+  assert all("mesh.dcn=(2, 1, 1)" in r["sets"] for r in rows if _schedule(r["sets"])[0] > 1)

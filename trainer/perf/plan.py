@@ -94,33 +94,39 @@ GRIDS = {"lm.llama3_8b_8k": Grid(microbatches=(1, 3), **_LONG_CONTEXT),   # 3 se
                                   microbatches=(1,), context_axis=(4, 8))}
 
 
-def _layout(axes: Sequence[str], ici: Sequence[int], preset: str) -> list[str]:
-  return [f"mesh.axes={tuple(axes)!r}", f"mesh.ici={tuple(ici)!r}", f"sharding.preset={preset}"]
+def _layout(axes: Sequence[str], ici: Sequence[int], preset: str, slices: int | None = None) -> list[str]:
+  """The --sets of one mesh layout. `slices` (multi-slice experiments, those with a mesh.dcn):
+  the slices go on the first axis (data, or stage for a pipeline), `ici` is one slice's."""
+  dcn = [] if slices is None else [f"mesh.dcn={(slices,) + (1,) * (len(axes) - 1) if slices > 1 else ()!r}"]
+  return [f"mesh.axes={tuple(axes)!r}", f"mesh.ici={tuple(ici)!r}", *dcn, f"sharding.preset={preset}"]
 
 
-def candidates(cfg, num_devices: int, grid: Grid = Grid()) -> list[list[str]]:
-  """`--set` overrides of every candidate layout for the experiment tree `cfg`."""
+def candidates(cfg, num_devices: int, grid: Grid = Grid(), slices: int = 1) -> list[list[str]]:
+  """`--set` overrides of every candidate layout for the experiment tree `cfg`, over
+  `slices` slices of num_devices / slices devices each (the mesh's `dcn`): data across
+  the slices, or a pipeline's stages (a whole number of stages per slice)."""
   prefix = "model."
   out = []
+  dcn = slices if slices > 1 or tuple(cfg.mesh.dcn) else None
   axes, sizes = (("data", "context"), grid.context_axis) if grid.context_axis else (("data", "model"), grid.model_axis)
   for preset in grid.presets:
     for m in sizes:
       for remat in grid.remat:
         for micro in grid.microbatches:
-          out.append(_layout(axes, (-1, m), preset)
+          out.append(_layout(axes, (-1, m), preset, dcn)
                      + [f"{prefix}remat={remat}", f"train.microbatches={micro}"])
   base = [f"{prefix}remat={grid.remat[0]}", f"train.microbatches={grid.microbatches[0]}"]
   if grid.fsdp:
-    out.append(_layout(("data", "model"), (num_devices, 1), "fsdp") + base)
+    out.append(_layout(("data", "model"), (num_devices // slices, 1), "fsdp", dcn) + base)
   if grid.tp:
-    out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp") + base)
+    out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp", dcn) + base)
   if cfg.model.pipeline.stages > 1:  # a pipelined experiment's layouts without its pipeline
     out = [sets + ["model.pipeline.stages=1", "model.pipeline.microbatches=1",
                    "model.pipeline.circular_repeats=1", "model.pipeline.delay_shift=False",
                    "model.pipeline.grads_in_layout=True"] for sets in out]
   if getattr(cfg.model, "moe", None) is None:  # MoE models are refused under a pipeline
-    out += [_layout(("stage", "data", "model"), (s, -1, m), "pp_2d") + base + schedule
-            for s, m, schedule in _pipelines(cfg.model.num_layers, grid)]
+    out += [_layout(("stage", "data", "model"), (s // slices, -1, m), "pp_2d", dcn) + base + schedule
+            for s, m, schedule in _pipelines(cfg.model.num_layers, grid) if s % slices == 0]
   if grid.quantization:  # 8-bit matmuls (layers/quantization.py) ranked with the layouts
     out = [sets + [f"{prefix}quantization={q}"] for sets in out for q in grid.quantization]
   return out
@@ -225,8 +231,9 @@ def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *
     grid = dataclasses.replace(grid, quantization=tuple(quantization))
   exp = configs.build(cfg)
   mesh, _ = dry_run_lib.prepare(exp)
+  slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
   rows = []
-  for sets in candidates(cfg, int(mesh.size), grid):
+  for sets in candidates(cfg, int(mesh.size), grid, slices):
     rows.append(evaluate(name, overrides, sets, effort=effort, shallow=shallow))
     r = rows[-1]
     log(f"  [{len(rows)}] {r['status']:<13} {_seconds(r['predicted_step_seconds']):>9}  "
