@@ -17,6 +17,7 @@ from shardax.configs import flops
 from shardax.configs.errors import ConfigError  # noqa: F401  (re-exported: configs/__init__.py)
 from shardax.configs.errors import require as _require
 from shardax.configs.moe import MoEConfig
+from shardax.configs.pipeline import PipelineConfig
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
 from shardax.sharding.mesh import MeshConfig
 
@@ -37,40 +38,6 @@ def make_model(cfg: Any, rngs):
     raise ConfigError(f"no model is registered for {type(cfg).__name__}; import shardax.layers "
                       f"(it registers the model classes)")
   return cls(cfg, rngs=rngs)
-
-
-@dataclasses.dataclass(frozen=True)
-class PipelineConfig:
-  """Pipeline parallelism over the layer stack (stages=1 means no pipeline)."""
-  stages: int = 1
-  microbatches: int = 1
-  circular_repeats: int = 1
-  # Stage s takes what stage s-1 made two iterations ago, so the shift runs beside the stage
-  # body instead of between iterations; the bubble doubles (pipeline/schedule.py).
-  delay_shift: bool = False
-  # Each visit's weight gradients leave the stage body in the weights' stored layout: with
-  # weights split over `data` (pp_2d) a reduce-scatter per visit instead of a full all-reduce
-  # (pipeline/loop.py `weight_axes`). The TPU compilers differ on which is cheaper (v4 GPT-3
-  # 175B: 0.9% faster, 4.75 GiB less temp; 4 v5e slices: 1-6% slower): docs/pipeline.md.
-  grads_in_layout: bool = True
-
-  def __post_init__(self):
-    for f in ("stages", "microbatches", "circular_repeats"):
-      _require(getattr(self, f) >= 1, f"model.pipeline.{f}={getattr(self, f)} must be >= 1")
-    _require(self.stages > 1 or (self.microbatches == 1 and self.circular_repeats == 1
-                                 and not self.delay_shift and self.grads_in_layout),
-             f"model.pipeline.microbatches={self.microbatches} / circular_repeats="
-             f"{self.circular_repeats} / delay_shift={self.delay_shift} / grads_in_layout="
-             f"{self.grads_in_layout} do nothing without a pipeline (stages=1); set "
-             f"model.pipeline.stages > 1, or use train.microbatches for gradient accumulation")
-    _require(self.circular_repeats == 1 or self.microbatches >= self.stages,
-             f"model.pipeline.microbatches={self.microbatches} < stages={self.stages}: the circular "
-             f"schedule (circular_repeats={self.circular_repeats}) needs microbatches >= stages; "
-             f"raise microbatches or set circular_repeats=1")
-    _require(not self.delay_shift or self.circular_repeats == 1 or self.microbatches >= 2 * self.stages,
-             f"model.pipeline.microbatches={self.microbatches} < 2 x stages={2 * self.stages}: the "
-             f"circular schedule with delay_shift=True needs microbatches >= 2 x stages; raise "
-             f"microbatches, or set delay_shift=False")
 
 
 # model.remat: recompute policies, and offload policies that move the saved tensors to host
