@@ -33,7 +33,8 @@ Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
   'moe_matmuls'    save (on device) the attention projections and every expert matmul's
                    output ('expert_matmul', layers/moe_dispatch.py), recompute the rest:
                    for MoE layers whose grouped matmuls are Pallas kernels (megablox),
-                   which 'dots' does not see as dots and recomputes
+                   which 'dots' does not see as dots and recomputes (on a dense model:
+                   the projections only; inside a pipeline stage as given)
 The offload policies are jax's `save_and_offload_only_these_names` over the names
 `checkpoint_name` gives in Block / Attention; the transfers are priced against the chip's
 host link by trainer/perf/stepmodel.py (`offload_seconds`).
