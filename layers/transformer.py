@@ -80,6 +80,7 @@ class LayerStack(nnx.Module):
     self.schedule = (pipeline.Schedule(p.stages, p.microbatches, p.circular_repeats, p.delay_shift)
                      if p.stages > 1 else None)
     self.grads_in_layout = p.grads_in_layout
+    self.units_per_visit = n // (p.stages * p.circular_repeats)
     if not k:
       self.first_dense = None
     elif cfg.scan_layers:
@@ -101,7 +102,7 @@ class LayerStack(nnx.Module):
     x = self._first(x, positions, segment_ids)
     if self.schedule is not None:  # dense only (config check); packed rows travel with their microbatch
       graphdef, state = nnx.split(self.blocks)
-      remat = pipeline.stage_remat(self.remat)  # one recompute in all (pipeline/loop.py)
+      remat = pipeline.stage_remat(self.remat, self.units_per_visit)  # one recompute in all (pipeline/loop.py)
       stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=remat,
                                                        segment_ids=seg)
       names = ([v.get_metadata().get("logical_axes")
