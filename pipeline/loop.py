@@ -36,8 +36,9 @@ intermediate of every iteration, the memory pipelining is meant to spread out.
 The price is one more forward of each stage in the backward pass (3 -> 4
 forward-equivalents per step), and only one: `stage_remat` turns the model's
 remat='full' into 'dots' inside the stage ('none' for a one-unit visit), so the
-recomputed iteration keeps its matmul outputs and its backward redoes only elementwise work (before: the block's
-own full remat recomputed every layer a second time, 5 forward-equivalents).
+recomputed iteration keeps its matmul outputs and its backward redoes only
+elementwise work (before: the block's own full remat recomputed every layer a
+second time, 5 forward-equivalents).
 Bubble iterations compute on stale or zero buffers; their outputs are never
 read as results and so add exactly zero to results and gradients. Running statistics
 among the weights (the fp8 amax histories) get one copy per iteration whose uses
