@@ -187,6 +187,7 @@ def _derive(out: dict, exp: Experiment) -> dict:
   # whose bytes are not the full depth's.
   out["hint"] = None if out["fits"] is not False else (
       dry_run_lib.hint(mem, hbm) + f". {LEVERS_NOT_RANKED}")
+  from shardax.trainer.perf import stepmodel
   chip, p = chips.lookup(out["device_kind"]), out.get("predicted")
   if chip and p and p["step_seconds"]:
     step, n = p["step_seconds"], out["num_devices"]
@@ -194,8 +195,8 @@ def _derive(out: dict, exp: Experiment) -> dict:
     p["mfu"] = p["model_flops_per_step"] / (n * chip.peak_bf16_flops * step)
     p["hfu"] = p["hardware_flops_per_device"] / (chip.peak_bf16_flops * step)
     p["tokens_per_second_per_device"] = tokens / step / n
-    p["breakdown"]["recompute_factor"] = (p["hardware_flops_per_device"] * n / p["model_flops_per_step"]
-                                          if p["model_flops_per_step"] else None)
+    p["breakdown"]["recompute_factor"] = stepmodel.recompute_factor(
+        p["hardware_flops_per_device"], n, p["model_flops_per_step"])
   return out
 
 

@@ -143,7 +143,7 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dic
                       "by_link": dict(comm["by_link"]),
                       "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},
       "bubble_seconds": bubble,
-      "recompute_factor": costs.flops * n / model_flops if model_flops else None,
+      "recompute_factor": recompute_factor(costs.flops, n, model_flops),
       "matmul_efficiency": chip.matmul_efficiency,
       "mxu_utilization": totals["mxu_flops"] / totals["mxu_spent"] if totals["mxu_spent"] else 1.0,
       "dcn_bandwidth": chip.dcn_bandwidth,
@@ -331,6 +331,11 @@ def offload_seconds(host_bytes: int, compute_seconds: float, chip: chips_lib.Chi
           "hidden": seconds <= compute_seconds, "exposed_seconds": max(0.0, seconds - compute_seconds)}
 
 
+def recompute_factor(hardware_flops_per_device: float, num_devices: int, model_flops_per_step: float):
+  """The compiled program's FLOPs over the model's (assumption 5): > 1 by what is recomputed."""
+  return hardware_flops_per_device * num_devices / model_flops_per_step if model_flops_per_step else None
+
+
 def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
   """Seconds per step of the Pallas flash-attention kernel (layers/flash.py) on one device.
 
@@ -360,14 +365,14 @@ def with_flash_kernel(pr: Prediction, exp, mesh, chip: chips_lib.Chip) -> Predic
   and its FLOPs added to the hardware FLOPs (HFU, recompute factor): the chip runs them.
   The one place a prediction gets it (the dry run, its depth extrapolation, the calibration)."""
   n = int(mesh.size)
-  seconds, flops = flash_kernel_seconds(exp, n, chip), flash_kernel_flops(exp, n)
+  flops = flash_kernel_flops(exp, n)
+  seconds = ops.seconds("attention", "bf16", flops, chip)
   step = pr.step_seconds
   scale = step / (step + seconds) if step + seconds else 0.0
   hardware = pr.hardware_flops_per_device + flops
-  model = pr.model_flops_per_step
   return dataclasses.replace(
       pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hardware_flops_per_device=hardware,
       hfu=hardware / (chip.peak_bf16_flops * (step + seconds)) if step + seconds else 0.0,
       tokens_per_second_per_device=pr.tokens_per_second_per_device * scale,
       breakdown={**pr.breakdown, "flash_kernel_seconds": seconds,
-                 "recompute_factor": hardware * n / model if model else None})
+                 "recompute_factor": recompute_factor(hardware, n, pr.model_flops_per_step)})
