@@ -146,3 +146,19 @@ def test_diagonal_cell_equals_one_device_or_is_refused(model, layout, quant):
 @pytest.mark.parametrize("model,layout,quant", [c for c in CELLS if c not in DIAGONAL])
 def test_every_cell_equals_one_device_or_is_refused(model, layout, quant):
   check_cell(model, layout, quant)
+
+
+# model.remat='moe_matmuls' (layers/blocks.py) saves what it finds under the names
+# 'expert_matmul' and the attention projections' names: in these cells those names sit on
+# 8-bit matmul outputs, inside the expert-parallel and ring-attention shard_maps and inside a
+# pipeline stage. A policy changes what is recomputed, never a value: each cell must equal
+# the one-device run without remat. The first runs by default, the others with `-m slow`.
+REMAT_CELLS = [("moe", "expert", "int8"), ("moe", "dp_cp_ring", "fp8_delayed"), ("dense", "pipeline_2", "int8")]
+
+
+@pytest.mark.parametrize("model,layout,quant", [
+    c if i == 0 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(REMAT_CELLS)])
+def test_moe_matmuls_remat_cell_equals_one_device(model, layout, quant, monkeypatch):
+  ici, axes, preset, extra = LAYOUTS[layout]
+  monkeypatch.setitem(LAYOUTS, layout, (ici, axes, preset, [*extra, "model.remat='moe_matmuls'"]))
+  check_cell(model, layout, quant)
