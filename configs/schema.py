@@ -155,16 +155,19 @@ class TransformerConfig:
                f"the megablox kernels run the expert matmuls in the compute dtype only; use "
                f"grouped_matmul='ragged_dot' (or 'auto') for 8-bit experts, or quantization='none'")
     p = self.pipeline
-    _require(p.stages == 1 or m is None,
-             f"model.pipeline.stages={p.stages} with model.moe set (an MoE model) is refused: the "
-             f"pipeline's stage loop does not carry the MoE layers' routing statistics (balance "
-             f"losses, bias updates) out of its bubble-masked iterations; use expert/data/FSDP "
-             f"parallelism for MoE models, or model.moe=None")
+    _require(p.stages == 1 or m is None or m.dispatch == "dropless" or m.second_expert == "all",
+             f"model.pipeline.stages={p.stages} with model.moe.dispatch='capacity' and "
+             f"second_expert={m.second_expert if m else None!r}: a pipeline stage draws no gating "
+             f"keys, so a pipelined MoE model routes deterministically; use "
+             f"model.moe.second_expert='all' or dispatch='dropless'")
     if p.stages > 1:
       per = p.stages * p.circular_repeats
-      _require(self.num_layers % per == 0,
-               f"model.num_layers={self.num_layers} is not divisible by pipeline stages x "
-               f"circular_repeats = {p.stages} x {p.circular_repeats} = {per}")
+      what = (f"model.num_layers={self.num_layers}" if m is None else
+              f"the {self.num_units} MoE units (model.num_layers={self.num_layers} after "
+              f"{m.first_dense_layers} first dense layers, units of every={m.every})")
+      _require(self.num_units % per == 0,
+               f"{what} is not divisible by pipeline stages x circular_repeats = "
+               f"{p.stages} x {p.circular_repeats} = {per}")
 
   def attention_options(self):
     """The attention options these fields describe: a configs/attention.py record (the

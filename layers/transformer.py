@@ -88,7 +88,7 @@ class LayerStack(nnx.Module):
     else:
       self.first_dense = nnx.List([Block(cfg, rngs=rngs) for _ in range(k)])
     if self.schedule is not None:  # params [S, (R,) L/(S*R), ...], logical 'stage' first
-      self.blocks = pipeline.restack_module(stacked_blocks(cfg, n, rngs=rngs),
+      self.blocks = pipeline.restack_module(stacked(lambda r: make_unit(cfg, r), n, rngs=rngs),
                                             p.stages, p.circular_repeats)
     elif cfg.scan_layers:
       self.blocks = stacked(lambda r: make_unit(cfg, r), n, rngs=rngs)
@@ -100,16 +100,17 @@ class LayerStack(nnx.Module):
     """(x, stats of every unit stacked on a leading layers dim; {} for a dense model).
     keys: one gating key per unit (MoE models)."""
     x = self._first(x, positions, segment_ids)
-    if self.schedule is not None:  # dense only (config check); packed rows travel with their microbatch
+    if self.schedule is not None:  # packed rows and MoE statistics travel with their microbatch
       graphdef, state = nnx.split(self.blocks)
       remat = pipeline.stage_remat(self.remat, self.units_per_visit)  # one recompute in all (pipeline/loop.py)
-      stage = lambda w, h, pos, seg=None: apply_layers(graphdef, w, h, pos, remat=remat,
-                                                       segment_ids=seg)
+      # MoE units route deterministically here (config check): no gating keys
+      stage = lambda w, h, pos, seg=None: scan_units(graphdef, w, h, pos, remat=remat, segment_ids=seg,
+                                                     deterministic=deterministic)
       names = ([v.get_metadata().get("logical_axes")
                 for v in jax.tree.leaves(state, is_leaf=lambda a: isinstance(a, nnx.Variable))]
                if self.grads_in_layout else None)
       return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
-                          segment_ids=segment_ids, weight_axes=names), {}
+                          segment_ids=segment_ids, weight_axes=names, with_stats=True)
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)
       return scan_units(graphdef, state, x, positions, remat=self.remat, segment_ids=segment_ids,

@@ -53,6 +53,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from absl import logging
 
 from shardax.pipeline import statistics
@@ -128,10 +129,30 @@ def merge_microbatches(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   return shard(x.reshape((x.shape[0] * x.shape[1],) + x.shape[2:]), tuple(axes))
 
 
+def layer_stats(per_iteration: Any, schedule: Schedule, units_per_visit: int) -> Any:
+  """Each unit's statistics, averaged over the microbatches: [L, ...] per leaf.
+
+  per_iteration: leaves [T, S, units_per_visit, ...], what every stage's visit returned at
+  every iteration (bubble ones included). Unit l runs on stage s = (l // u) % S in repeat
+  r = l // (S u) as unit l % u of its visit; microbatch m reaches it as item k = r*M + m,
+  at iteration t = k + h*s (schedule.item). A static gather picks those T x S entries that
+  are real work and the mean over m is what M accumulation microbatches average (the MoE
+  balance statistics, trainer/step.py); the bubble's entries are never read, so they add
+  nothing to results or gradients.
+  """
+  S, M, R, u = schedule.stages, schedule.microbatches, schedule.repeats, units_per_visit
+  layer = np.arange(S * R * u)[:, None]
+  s, r, unit = (layer // u) % S, layer // (S * u), layer % u
+  t = r * M + np.arange(M)[None, :] + schedule.hop * s            # [L, M]
+  s, unit = np.broadcast_to(s, t.shape), np.broadcast_to(unit, t.shape)
+  return jax.tree.map(lambda a: jnp.mean(a[t, s, unit], axis=1), per_iteration)
+
+
 def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
         schedule: Schedule, x_axes: Sequence[str | None] = ("batch", "length", "embed"),
         segment_ids: jax.Array | None = None,
-        weight_axes: Sequence[Sequence[str | None] | None] | None = None) -> jax.Array:
+        weight_axes: Sequence[Sequence[str | None] | None] | None = None,
+        with_stats: bool = False) -> jax.Array | tuple[jax.Array, Any]:
   """x [B, ...] through S stages x R repeats of `stage_fn`; returns [B, ...].
 
   weights: pytree, every leaf [S, ...] (R = 1) or [S, R, ...] (see stages.py);
@@ -148,6 +169,9 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   visit's weight gradient leave the stage body in that layout: split over `data` by a
   reduce-scatter. Without it the TPU partitioner all-reduces every visit's gradient in
   full and keeps a slice (GPT-3 175B on v4:8x8x8: 6 s of synchronous all-reduces a step).
+  with_stats: stage_fn returns (x, stats), stats' leaves with a leading dim of the visit's
+  units (an MoE unit's routing statistics, layers/blocks.py); then run returns (y, stats
+  [L, ...] averaged over the microbatches: `layer_stats`).
   """
   S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   lead = (S,) if R == 1 else (S, R)
@@ -159,7 +183,7 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     logging.warning("pipeline: a batch of %d rows < model.pipeline.microbatches=%d; running "
                     "the %d stages one after another", x.shape[0], M, S)
     side = (positions,) if segment_ids is None else (positions, segment_ids)
-    return stage_fn(jax.tree.map(lambda a: from_stages(a, R), weights), x, *side)
+    return stage_fn(jax.tree.map(lambda a: from_stages(a, R), weights), x, *side)  # stats [L, ...]
   rows = schedule.check_batch(x.shape[0])
   _check_data_split(rows, x_axes, M)
   state_axes = ("stage",) + tuple(x_axes)
@@ -183,7 +207,8 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
       flat = [a if names is None or stat else shard(a, tuple(names)[len(lead):])
               for a, names, stat in zip(jax.tree.leaves(w), weight_axes, is_stat, strict=True)]
       w = jax.tree.unflatten(treedef, flat)
-    return stage_fn(w, h, *s).astype(h.dtype)
+    y, stats = stage_fn(w, h, *s) if with_stats else (stage_fn(w, h, *s), {})
+    return y.astype(h.dtype), stats
 
   all_stages = jax.vmap(one_stage, spmd_axis_name=mesh_axes_of("stage"))
 
@@ -200,7 +225,8 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   @functools.partial(jax.checkpoint, prevent_cse=False)
   def compute(w, buffer, t):  # saved for the backward pass: `buffer` alone (w is loop-invariant)
     k = schedule.item(t, stage_ids)  # the work item of each stage; outside [0, M*R) = bubble
-    return shard(all_stages(w, buffer, tuple(a[k % M] for a in side), k), state_axes)
+    y, stats = all_stages(w, buffer, tuple(a[k % M] for a in side), k)
+    return shard(y, state_axes), stats
 
   def iteration(carry, per_iteration):
     (out, in_flight, waiting), (t, stats_t) = carry, per_iteration
@@ -215,12 +241,16 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
       due, waiting = queue.step(waiting, out, into_stage)
       enter = jnp.where(t < M, enter, due)
     buffer = shard(jnp.where(first, enter, into_stage), state_axes)
-    out = compute(weights_at(stats_t), buffer, t)
-    return (out, in_flight, waiting), out
+    out, unit_stats = compute(weights_at(stats_t), buffer, t)
+    return (out, in_flight, waiting), (out, unit_stats)
 
   out = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
   carry = (out, out if schedule.delay_shift else None, queue.init(xs) if queue else None)
-  _, outs = jax.lax.scan(iteration, carry, (jnp.arange(schedule.iterations), stats))
+  _, (outs, unit_stats) = jax.lax.scan(iteration, carry, (jnp.arange(schedule.iterations), stats))
   # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + h*(S-1): the last M.
   outs = shard(outs, (None,) + state_axes)[schedule.iterations - M:, S - 1]
-  return merge_microbatches(shard(outs, (None,) + tuple(x_axes)), x_axes)
+  y = merge_microbatches(shard(outs, (None,) + tuple(x_axes)), x_axes)
+  if not with_stats:
+    return y
+  units = jax.tree.leaves(weights)[0].shape[len(lead)]
+  return y, layer_stats(unit_stats, schedule, units)

@@ -53,8 +53,10 @@ PRESETS: dict[str, Rules] = {
 }
 
 # Pipeline parallelism (shardax.pipeline): the stage-stacked weights' and the stage
-# buffer's leading `stage` dim on the `stage` mesh axis, combined with the modes above.
-PRESETS.update({f"pp_{name}": (("stage", "stage"),) + PRESETS[name] for name in ("dp", "tp", "2d")})
+# buffer's leading `stage` dim on the `stage` mesh axis, combined with the modes above
+# (the expert ones for MoE models: each stage's all-to-alls stay inside its stage group).
+PRESETS.update({f"pp_{name}": (("stage", "stage"),) + PRESETS[name]
+                for name in ("dp", "tp", "2d", "expert", "expert_axis")})
 
 # The decode KV cache [cache_batch, cache_length, kv_heads, kv] (layers/attention.py):
 # its batch dim goes where the preset sends `batch` (data), its kv heads follow the

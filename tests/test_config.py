@@ -92,5 +92,5 @@ def test_setting_a_moe_field_on_a_dense_experiment_makes_it_a_moe_model():
   assert exp.model.moe.num_experts == 4 and exp.model.moe.every == 2
   assert exp.model.num_moe_layers == exp.model.num_layers // 2
   assert exp.model.flops_per_example(exp.data) != dense.model.flops_per_example(dense.data)
-  with pytest.raises(ConfigError, match="model.pipeline.stages=2 with model.moe set"):
+  with pytest.raises(ConfigError, match="second_expert='all' or dispatch='dropless'"):
     configs.build(configs.apply_overrides(configs.get("lm.tiny_pipelined"), ["model.moe.num_experts=4"]))

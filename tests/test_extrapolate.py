@@ -42,6 +42,10 @@ def test_depth_unit_is_a_layer_a_pipeline_round_or_a_moe_unit():
   assert ex.depth(moe) == ex.Depth(40, 2, "model.num_layers")
   assert ex.with_layers(moe, 6).model.num_layers == 6
   assert ex.with_layers(moe, 6).model.moe == moe.model.moe
+  # a pipelined MoE model: one unit (dense + MoE block) per stage per visit, after the first dense
+  pp_moe = build("moe.deepseek_tiny", "model.num_layers=41", "model.moe.every=2", "model.pipeline.stages=2",
+                 "model.pipeline.microbatches=2", "model.pipeline.circular_repeats=2")
+  assert ex.depth(pp_moe) == ex.Depth(41, 8, "model.num_layers", 1)
   assert "scan_layers=False" in ex.depth(build("lm.tiny", "model.num_layers=12", "model.scan_layers=False"))
   assert "already as shallow" in ex.depth(build("lm.tiny", "model.num_layers=4"))
 

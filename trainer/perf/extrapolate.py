@@ -25,7 +25,7 @@ The unit: a shallow copy must keep the model's structure, so depths are multiple
                                   circular queue) is unchanged; only the per-visit scan
                                   of L / (S x R) layers shortens;
   GShard MoE LM                   `moe.every` layers: (every - 1) dense blocks and one MoE
-                                  block are one scanned unit.
+                                  block are one scanned unit (S x R of them when pipelined).
 The copies have 3 and 4 units. Shallower ones mislead: on pod.lm_16b (v4:4x4x4) the
 1-layer copy needs *more* temp than the 2-layer one (11.9 vs 9.3 GB: the compiler drops
 the trip-1 loop and schedules the step differently), and the 2 -> 3 layer step is 1.5x
@@ -94,12 +94,11 @@ def depth(exp: Experiment) -> Depth | str:
   if not t.scan_layers:
     return ("model.scan_layers=False: an unrolled stack is not one loop body, so its "
             "per-layer memory need not be linear in depth")
-  unit = 1
-  if t.pipeline.stages > 1:
-    unit = t.pipeline.stages * t.pipeline.circular_repeats
-  offset = 0
+  unit, offset = 1, 0
   if model.moe is not None:
     unit, offset = model.moe.every, model.moe.first_dense_layers
+  if t.pipeline.stages > 1:   # one unit per stage per visit (an MoE unit in a pipelined MoE model)
+    unit *= t.pipeline.stages * t.pipeline.circular_repeats
   if t.num_layers <= offset + SHALLOW_UNITS[-1] * unit:
     return (f"{field}={t.num_layers} is already as shallow as the copies "
             f"({offset + SHALLOW_UNITS[-1] * unit})")

@@ -1,0 +1,104 @@
+"""MoE models in the pipeline: each stage runs its MoE units (all-to-alls inside its stage
+group), and the routing statistics (balance and z losses, load metrics, the next balance
+bias) come out of the loop per layer, from the real work items only.
+
+The reference is the same model unpipelined on one device with the batch in M accumulation
+microbatches (train.microbatches = M), which splits the rows as the pipeline does (row
+i*M + j in microbatch j): the balance statistics are per microbatch in both, so losses,
+metrics, bias updates and gradients must agree.
+"""
+
+import jax
+import numpy as np
+import pytest
+
+from shardax import configs, pipeline
+from shardax.configs.schema import ConfigError
+from shardax.trainer import state as state_lib
+from meshtools import loss_and_grads, setup_for
+
+BATCH, M = 16, 4
+
+
+def experiment(name, layers, stages=1, repeats=1, ici=(1, 1), axes=("data", "model"), preset="dp",
+               accum=1, extra=()):
+  cfg = configs.get(name)
+  configs.apply_overrides(cfg, [
+      f"model.num_layers={layers}", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+      "model.moe.d_ff=32", "model.max_len=16", "data.seq_len=16", f"train.global_batch={BATCH}",
+      "data.source='synthetic'", f"model.pipeline.stages={stages}",
+      f"model.pipeline.microbatches={M if stages > 1 else 1}",
+      f"model.pipeline.circular_repeats={repeats}", f"train.microbatches={accum}",
+      f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", *extra])
+  return configs.build(cfg)
+
+
+def scalars(metrics):
+  return {k: float(v) for k, v in metrics.items()
+          if not isinstance(v, dict) and np.ndim(v) == 0 and k != "loss_weight"}
+
+
+# name: (experiment, layers, stages, repeats, mesh ici, mesh axes, preset)
+CASES = {
+    "mixtral_S2_R1_expert_parallel": ("moe.mixtral_tiny", 4, 2, 1, (2, 4), ("stage", "data"), "pp_expert"),
+    "mixtral_S2_R2_data_parallel": ("moe.mixtral_tiny", 4, 2, 2, (2, 4), ("stage", "data"), "pp_dp"),
+    # a first dense layer before the pipeline, bias balancing, a shared expert, sigmoid top-7
+    "deepseek_S2_R2_expert_axis": ("moe.deepseek_tiny", 5, 2, 2, (2, 2, 2), ("stage", "data", "expert"),
+                                   "pp_expert_axis"),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_pipelined_moe_equals_accumulation_microbatches_on_one_device(case):
+  name, layers, stages, repeats, ici, axes, preset = CASES[case]
+  ref = setup_for(experiment(name, layers, accum=M), jax.devices()[:1])
+  params = jax.device_get(state_lib.init_fn(ref)(jax.random.key(0))["params"])
+  tokens = np.random.default_rng(0).integers(1, 256, size=(BATCH, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  (loss, grads, metrics), _ = loss_and_grads(ref, params, batch)
+
+  setup = setup_for(experiment(name, layers, stages, repeats, ici, axes, preset))
+  staged = dict(params, layers=dict(params["layers"], blocks=pipeline.stage_params(
+      params["layers"]["blocks"], stages, repeats)))
+  (p_loss, p_grads, p_metrics), _ = loss_and_grads(setup, staged, batch)
+  p_grads = jax.device_get(p_grads)
+  p_grads["layers"]["blocks"] = pipeline.unstage_params(p_grads["layers"]["blocks"], repeats)
+
+  np.testing.assert_allclose(p_loss, loss, rtol=1e-5, err_msg=case)
+  want = scalars(metrics)
+  assert any(k.startswith("moe/") for k in want)
+  for k, v in want.items():
+    np.testing.assert_allclose(scalars(p_metrics)[k], v, rtol=1e-5, atol=1e-7, err_msg=f"{case}: {k}")
+  updates, p_updates = metrics.get("state_updates"), p_metrics.get("state_updates")
+  assert (updates is None) == (p_updates is None)
+  for a, b in zip(jax.tree.leaves(p_updates or {}), jax.tree.leaves(updates or {})):
+    np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"{case}: next balance bias")
+  flat, ref_flat = jax.tree.leaves(p_grads), jax.tree.leaves(grads)
+  assert len(flat) == len(ref_flat) > 8
+  for g, r in zip(flat, ref_flat):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=case)
+
+
+def test_layer_stats_pick_each_layers_real_work_items():
+  """Unit l of microbatch m at iteration t = r*M + m + h*s on stage s: a per-iteration
+  record of (t, s, unit) must come back as each layer's mean over its microbatches."""
+  for S, Mb, R, u, delay in [(2, 4, 1, 2, False), (4, 4, 2, 1, False), (2, 4, 2, 3, True)]:
+    sched = pipeline.Schedule(S, Mb, R, delay)
+    T = sched.iterations
+    t, s, unit = np.meshgrid(np.arange(T), np.arange(S), np.arange(u), indexing="ij")
+    record = {"t": t.astype(np.float32), "s": s, "unit": unit}
+    got = pipeline.layer_stats(record, sched, u)
+    layers = np.arange(S * R * u)
+    stage, rep = (layers // u) % S, layers // (S * u)
+    np.testing.assert_array_equal(got["s"], stage)
+    np.testing.assert_array_equal(got["unit"], layers % u)
+    first = rep * Mb + sched.hop * stage        # microbatch 0's iteration; the mean adds (M-1)/2
+    np.testing.assert_allclose(got["t"], first + (Mb - 1) / 2)
+
+
+def test_random_second_expert_is_refused_in_a_pipeline():
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, ["model.pipeline.stages=2", "model.pipeline.microbatches=2",
+                                "model.moe.dispatch='capacity'", "model.moe.second_expert='random'"])
+  with pytest.raises(ConfigError, match="second_expert='all' or dispatch='dropless'"):
+    configs.build(cfg)
