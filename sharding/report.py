@@ -31,6 +31,7 @@ _SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
+_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
 _MEGASCALE_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{[^=]*?\}\})')
 _MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
@@ -190,6 +191,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     num_devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text.split("\n", 1)[0])) else 1
   result_bytes: dict[str, int] = {}
   result_bytes_text: dict[str, str] = {}
+  receives: dict[str, str] = {}   # a megascale transfer's rendezvous -> its recv
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
   loop_trips = trip_counts(hlo_text)
   parsed, comps = [], hlo_text_lib.split(hlo_text)
@@ -217,9 +219,11 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       parsed.append((name, kind, op.endswith("-start"), comp, rest))
     elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
       parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
+    elif op == "recv" and (rz := _RENDEZVOUS.search(rest)):
+      receives[rz.group(1)] = name
   sources = hlo_text_lib.Sources(hlo_text)
   runs = _executions(calls, entry) if entry else {}
-  found, fused_channels = [], set()
+  found, fused_channels, one_to_one = [], set(), {}
   for name, kind, is_start, comp, rest in parsed:
     fused = _ASYNC_FUSION.search(rest)   # one part of the TPU compiler's async collective fusion
     if fused:
@@ -228,8 +232,24 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         continue                         # one transfer, counted once
       fused_channels.add(channel)
     if is_start is None:  # a megascale send: its tuple's first element is the buffer it sends
-      found.append(_megascale(name, kind, _bytes(result_bytes_text[name].split("u32[]")[0]), rest,
-                              runs.get(comp, 1) if entry else 1, comp, sources(rest)[0]))
+      target = m.group(1) if (m := _MEGASCALE_TARGET.search(rest)) else ""
+      if kind == "collective-permute":
+        # The runtime may split one permute into sends of the same buffer from disjoint source
+        # slices (a cyclic shift over 4 slices: 1->2, 2->3, 3->4 and 4->1): each chip sends in
+        # one of them, so together they are one transfer, counted once.
+        part = (comp, first[0] if (first := _OPERAND.findall(_operands(rest))[:1]) else name)
+        senders = {int(x) // 100000 for x in re.findall(r"(\d+)->", target)}
+        if part in one_to_one and senders and not senders & one_to_one[part]:
+          one_to_one[part] |= senders
+          continue
+        one_to_one[part] = senders
+      # What runs between the send and its done, and between the matching recv and its done
+      # (where the receiver waits): the transfer hides behind matmul work in both, or not at all.
+      ends = [name] + ([r] if (rz := _RENDEZVOUS.search(rest)) and (r := receives.get(rz.group(1))) else [])
+      matmuls = min(between.matmuls.get(e, 0) for e in ends)
+      found.append(_megascale(name, kind, _bytes(result_bytes_text[name].split("u32[]")[0]), target,
+                              runs.get(comp, 1) if entry else 1, comp, sources(rest)[0],
+                              compute_between=min(between.compute.get(e, 0) for e in ends) if matmuls else 0))
       continue
     operands = _operands(rest)
     ragged = kind == "ragged-all-to-all"
@@ -280,15 +300,15 @@ class _Between:
         self.matmuls[start] += matmul
         if body:
           self.loops[start].append(body.group(1))
-    if op.endswith("-start"):
+    if op.endswith("-start") or (op in ("send", "recv") and "is_host_transfer=true" in rest):
       for other in self.open[comp]:
         self.concurrent[other].add(name)
         self.concurrent[name].add(other)
       self.open[comp].append(name)
 
 
-def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp: str,
-               op_name: str) -> Collective:
+def _megascale(name: str, kind: str, sent: int, target: str, executions: int, comp: str,
+               op_name: str, compute_between: int = 0) -> Collective:
   """A multi-slice TPU program's cross-slice transfer as a collective over its slices.
 
   The TPU compiler keeps every HLO collective inside a slice and moves the cross-slice part
@@ -296,15 +316,17 @@ def _megascale(name: str, kind: str, sent: int, rest: str, executions: int, comp
   runtime; `_xla_megascale_target="{1,2}x{0:3}"` names the slices (here 2) and the devices
   in each. `bytes` follows the collectives' convention (the full buffer): an all-gather
   sends 1/g of its result, the other kinds send the whole buffer (a one-to-one: its part).
+  Asynchronous (`is_async`) when the schedule runs matmul work between its send and
+  send-done and between its recv and recv-done (`compute_between`: the compute ops there).
   """
-  target = m.group(1) if (m := _MEGASCALE_TARGET.search(rest)) else ""
   if s := re.match(r"\{([\d,]+)\}x", target):
     span = len(s.group(1).split(","))
   else:  # {{100001->200000},...}: slice x 100000 + device, pairs
     span = len({int(x) // 100000 for x in re.findall(r"(\d+)->", target)} |
                {int(x) // 100000 for x in re.findall(r"->(\d+)", target)}) or 2
   nbytes = sent * span if kind == "all-gather" else sent
-  return Collective(name, kind, nbytes, span, op_name, "", executions, comp, False, "", "dcn", span)
+  return Collective(name, kind, nbytes, span, op_name, "", executions, comp, compute_between > 0, "",
+                    "dcn", span, compute_between=compute_between)
 
 
 def collective_summary(hlo_text: str) -> dict[str, dict[str, int]]:

@@ -158,6 +158,54 @@ def test_a_megascale_send_is_a_dcn_all_reduce_priced_at_the_chips_dcn_bandwidth(
   assert times["sync"]["main"] == pytest.approx(want, rel=0.01)   # exposed, not hidden
 
 
+def _shift(name: str, pairs: str, rendezvous: str) -> tuple[str, str]:
+  """A megascale one-to-one send of %buf and its recv (as the TPU compiler writes a pipeline's
+  stage shift between v5p slices; lm.gpt3_175b_4slices on v5p:4x4x8, 2026-11-26)."""
+  attrs = ('is_host_transfer=true, frontend_attributes={_xla_host_transfer_handler_name="xla_megascale_runtime",'
+           f'_xla_host_transfer_rendezvous="{rendezvous}",_xla_megascale_target="{pairs}",'
+           '_xla_megascale_transfer_type="ONE_TO_ONE"}')
+  return (f"  %send.{name} = (bf16[4,2048,3072]{{2,1,0}}, u32[], token[]) send(%buf, %after-all.{name}), {attrs}",
+          f"  %recv.{name} = (bf16[4,2048,3072]{{2,1,0}}, u32[], token[]) recv(%after-all.{name}), {attrs}")
+
+
+_DOT = "  %{0} = bf16[4096,3072]{{1,0}} convolution(%a, %b), dim_labels=bf_io->bf"
+_ADD = "  %{0} = bf16[4,2048,3072]{{2,1,0}} add(%buf, %buf)"
+
+
+def _program(body: list[str]) -> str:
+  return "ENTRY %main.1 (buf: bf16[4,2048,3072]) -> bf16[4,2048,3072] {\n" + "\n".join(body) + "\n}\n"
+
+
+def test_a_cyclic_shift_split_into_sends_from_disjoint_slices_is_one_transfer():
+  """The runtime writes a shift around 4 slices as two sends of the same buffer (slices 1-3 to
+  their next, slice 4 to slice 1): every chip sends once, so it is one transfer, not two."""
+  a, ra = _shift("1", "{{100000->200000},{200000->300000},{300000->400000}}", "collective-permute.5_0")
+  b, rb = _shift("2", "{{400000->100000}}", "collective-permute.6_0")
+  c, rc = _shift("3", "{{100001->200001}}", "collective-permute.7_0")   # the same slices again: another
+  dcn = [x for x in report.collectives(_program([a, b, ra, rb])) if x.link == "dcn"]
+  assert [(x.kind, x.bytes) for x in dcn] == [("collective-permute", 4 * 2048 * 3072 * 2)]
+  assert len([x for x in report.collectives(_program([a, c, ra, rc])) if x.link == "dcn"]) == 2
+
+
+def test_a_dcn_transfer_with_matmuls_between_its_sends_and_dones_is_hidden():
+  """Counted as overlapped only when the schedule puts matmul work between the send and its
+  done and between the recv and its done; elementwise work alone, or none, leaves it exposed."""
+  from shardax.trainer.perf import chips, stepmodel
+  send, recv = _shift("1", "{{100000->200000},{200000->100000}}", "collective-permute.5_0")
+  dones = ["  %send-done.1 = token[] send-done(%send.1), is_host_transfer=true",
+           "  %recv-done.1 = (bf16[4,2048,3072]{2,1,0}, token[]) recv-done(%recv.1), is_host_transfer=true"]
+  chip = chips.lookup("TPU v5")
+  devices = np.array(topology.devices("v5p:2x2x1", 2) if topology.available() else [_Dev(i, 0) for i in range(8)])
+  mesh = _Mesh(devices.reshape(2, 4), ("stage", "data"))
+  for between, hidden in (([_DOT.format("dot.1")], True), ([_ADD.format("add.1")], False), ([], False),
+                          ([dones[0], _DOT.format("dot.1"), dones[1]], False)):   # recv waits with no matmul
+    body = [send, recv] + between + ([] if len(between) == 3 else dones)
+    [c] = [x for x in report.collectives(_program(body)) if x.link == "dcn"]
+    assert c.is_async == hidden and (c.compute_between > 0) == hidden, between
+    times = stepmodel._collective_times(_costs([c]), mesh, chip)
+    assert bool(times["async"]["main"]) == hidden and bool(times["sync"]["main"]) != hidden, between
+
+
 def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
   """2 hosts x 8 GPUs (one process per GPU: a host is still the granule), one all-reduce of all 16."""
   from shardax.trainer.perf import chips, links, stepmodel

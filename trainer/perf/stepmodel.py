@@ -31,9 +31,13 @@ Assumptions
      hosts) pays its ICI part and its DCN part (by_link shows both); a multi-slice TPU
      program's cross-slice part is not an HLO collective but a megascale host transfer
      (`send` with `_xla_megascale_transfer_type`), read by report.collectives with its
-     slices and priced on DCN alone. Those transfers are taken as exposed (assumption 4
-     does not hide them): they sit at the end of the backward pass, where little compute
-     is left to run under them.
+     slices and priced on DCN alone. Such a transfer is asynchronous (its send and recv
+     have dones) and counts as overlapped (assumption 4) only where the schedule runs
+     matmul work between the send and its done and between the recv and its done: a
+     pipeline's stage shift under the next microbatch's layers, a weight gather under the
+     layer before. Otherwise it is exposed: a gradient all-reduce at the end of the
+     backward pass, a shift the stage body waits for. One permute the runtime splits into
+     sends of one buffer from disjoint slices (a cyclic shift) is one transfer.
   4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
      scheduler placed, or the TPU compiler's async collective fusions: report.collectives)
      overlap the compute of the piece they run in: in a scanned
