@@ -1,4 +1,5 @@
-"""Pipelined dense LMs (shardax.pipeline): a CPU default, GPT-3 175B on one v4 pod and over 4 v5e slices.
+"""Pipelined LMs (shardax.pipeline): a CPU default, GPT-3 175B on one v4 pod and over 4 v5e
+slices, and a Llama-4-Maverick-shaped MoE over 4 v5p slices with its unpipelined twin.
 
 The mesh gets a `stage` axis and the preset a ("stage", "stage") rule (`pp_dp`,
 `pp_tp`, `pp_2d`); `model.pipeline` sets stages, microbatches and circular repeats.
@@ -6,7 +7,9 @@ The mesh gets a `stage` axis and the preset a ("stage", "stage") rule (`pp_dp`,
 
 from shardax.configs import register
 from shardax.experiments import lm
+from shardax.experiments.moe import POD_RULES, _pod_moe, moe_experiment
 from shardax.sharding import libtpu_flags
+from shardax.sharding.rules import split_over_stages
 
 
 @register("lm.tiny_pipelined", "lm.tiny as 2 pipeline stages x 4 microbatches over a (stage, data) mesh; CPU")
@@ -121,3 +124,78 @@ def gpt3_175b_4slices():
   cfg.mesh.ici = (1, -1, 8)
   cfg.mesh.libtpu_flags = ()
   return cfg
+
+
+def _maverick(slices_over: str):
+  """Llama 4 Maverick's shapes where shardax has them (Meta's config.json): d_model 5120, 48
+  layers alternating dense (d_ff 16384) and MoE (128 routed experts of d_ff 8192, top-1 of
+  sigmoid scores, plus 1 shared expert), 40 query heads of 128 with 8 KV heads, vocab 202048:
+  400B parameters, 17B active per token. Not its attention (no chunked attention, RoPE in
+  every layer) nor its early-fusion vision. Global batch 2048 x 4096 tokens (8.4M) over 4
+  v5p-128 slices (512 chips), bf16 weights, Adafactor, the splash kernel; remat
+  'moe_matmuls' (the backward recomputes no megablox expert matmul: layers/blocks.py).
+  `slices_over`: 'stage' (the pipeline) or 'data' (its unpipelined twin)."""
+  cfg = moe_experiment()
+  t, m = cfg.model, cfg.model.moe
+  t.num_layers = 48
+  t.d_model = 5120
+  t.num_heads = 40
+  t.num_kv_heads = 8
+  t.head_dim = 128
+  t.d_ff = 16384
+  t.vocab_size = 202048
+  t.attention = "flash"
+  m.num_experts = 128
+  m.d_ff = 8192
+  m.every = 2
+  m.top_k = 1
+  m.num_shared_experts = 1
+  m.score = "sigmoid"
+  m.aux_loss_weight = 1e-3
+  m.dispatch = "dropless"
+  # as moe.deepseek_v3: fixed blocks of 2 fair shares, async all-to-alls in 2 pieces
+  m.expert_buffer = 2.0
+  m.expert_overflow = "drop"
+  m.expert_exchange = "padded"
+  m.dispatch_chunks = 2
+  m.grouped_matmul = "megablox"
+  cfg = _pod_moe(cfg, "v5p:4x4x8", (1, 128), global_batch=2048, seq_len=4096)
+  t.remat = "moe_matmuls"
+  cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_ALL_TO_ALL
+  if slices_over == "stage":
+    cfg.mesh.axes = ("stage", "data", "expert")
+    cfg.mesh.ici = (1, 1, 128)
+    cfg.mesh.dcn = (4, 1, 1)
+    cfg.sharding.rules = split_over_stages((("stage", "stage"),) + POD_RULES)
+  else:
+    cfg.mesh.dcn = (4, 1)
+  return cfg
+
+
+@register("moe.maverick_4slices", "Llama-4-Maverick-shaped MoE (400B params, 17B active) pipelined "
+          "over 4 v5p-128 slices: one stage per slice, experts inside each; a dry-run target")
+def maverick_4slices():
+  """A sparse model over DCN: its weights are 23x what a token uses, so any layout that splits
+  or replicates them across slices moves (params / chips per slice) bytes per chip over DCN
+  every step, while a pipeline moves only activations (tokens x d_model, per stage
+  boundary) and keeps each slice's quarter of the weights, and its all-to-alls, at home.
+  4 stages (one per slice) x 6 circular repeats (one unit of a dense and an MoE layer per
+  visit: no layer loop in the stage body, so the scheduler can run the shifts over DCN
+  under its matmuls) x 16 microbatches of 128 rows (one per chip of the slice): bubble
+  3/99 = 3%. The head and loss run on 1/4 of the rows in each slice (split_over_stages).
+  Compare `moe.maverick_4slices_data` (docs/scale.md)."""
+  cfg = _maverick("stage")
+  p = cfg.model.pipeline
+  p.stages = 4
+  p.circular_repeats = 6
+  p.microbatches = 16
+  return cfg
+
+
+@register("moe.maverick_4slices_data", "moe.maverick_4slices without the pipeline: data across the "
+          "4 slices, experts inside each (the unpipelined layout to beat)")
+def maverick_4slices_data():
+  """The same model, batch and slices, unpipelined: mesh (data 4 over DCN x expert 128 per
+  slice), experts split over each slice's 128 chips and every weight's embed dim over
+  (data, expert), so weights are gathered across slices layer by layer (FSDP over DCN)."""
+  return _maverick("data")

@@ -185,21 +185,30 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     side = (positions,) if segment_ids is None else (positions, segment_ids)
     return stage_fn(jax.tree.map(lambda a: from_stages(a, R), weights), x, *side)  # stats [L, ...]
   rows = schedule.check_batch(x.shape[0])
-  _check_data_split(rows, x_axes, M)
+  with rules_lib.within_stage():   # a microbatch is split over the batch's axes inside a stage
+    _check_data_split(rows, x_axes, M)
   state_axes = ("stage",) + tuple(x_axes)
-  xs = split_microbatches(x, M, x_axes)
-  # Per-row inputs of each microbatch [M, rows, length]: positions, and segment ids if packed.
-  side = tuple(split_microbatches(a, M, tuple(x_axes[:a.ndim]))
-               for a in ((positions,) if segment_ids is None else (positions, segment_ids)))
-  # Every stage group gets its own view of the inputs (a local broadcast: x is not split
-  # over `stage`), so stage 0 picks its microbatch with no cross-stage traffic and the
-  # backward pass sums the inputs' cotangent over the stages once, after the loop.
+  # The microbatches as a stage sees them (rows split over the batch's other axes, whole in
+  # every stage group): where a pp_ preset splits the batch over the stages too
+  # (rules.split_over_stages), the stage groups gather it here, once, not in the loop.
+  with rules_lib.within_stage():
+    xs = split_microbatches(x, M, x_axes)
+    # Per-row inputs of each microbatch [M, rows, length]: positions, and segment ids if packed.
+    side = tuple(split_microbatches(a, M, tuple(x_axes[:a.ndim]))
+                 for a in ((positions,) if segment_ids is None else (positions, segment_ids)))
+  # Every stage group gets its own view of the inputs (a local broadcast of xs), so stage 0
+  # picks its microbatch with no cross-stage traffic and the backward pass sums the
+  # inputs' cotangent over the stages once, after the loop.
   xs_per_stage = shard(jnp.broadcast_to(xs[None], (S,) + xs.shape), ("stage", None) + tuple(x_axes))
   stage_ids = jnp.arange(S)
   first = (stage_ids == 0).reshape((S,) + (1,) * (xs.ndim - 1))
   queue = Queue(S, M, schedule.hop, x_axes) if R > 1 else None
 
   def one_stage(w, h, s, k):
+    with rules_lib.within_stage():   # the vmap puts this body's stage dim on `stage` itself
+      return stage_body(w, h, s, k)
+
+  def stage_body(w, h, s, k):
     if R > 1:  # this stage's chunk for the repeat it is on (clipped in the bubble)
       r = jnp.clip(k // M, 0, R - 1)
       w = jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, r, 0, keepdims=False), w)
@@ -248,8 +257,10 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   carry = (out, out if schedule.delay_shift else None, queue.init(xs) if queue else None)
   _, (outs, unit_stats) = jax.lax.scan(iteration, carry, (jnp.arange(schedule.iterations), stats))
   # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + h*(S-1): the last M.
-  outs = shard(outs, (None,) + state_axes)[schedule.iterations - M:, S - 1]
-  y = merge_microbatches(shard(outs, (None,) + tuple(x_axes)), x_axes)
+  outs = shard(outs[schedule.iterations - M:], (None,) + state_axes)[:, S - 1]   # the last M, then stage S-1
+  with rules_lib.within_stage():
+    outs = shard(outs, (None,) + tuple(x_axes))
+  y = merge_microbatches(outs, x_axes)   # split over the stages too where the rules say so
   if not with_stats:
     return y
   units = jax.tree.leaves(weights)[0].shape[len(lead)]

@@ -64,6 +64,23 @@ PRESETS.update({f"pp_{name}": (("stage", "stage"),) + PRESETS[name]
 PRESETS = {name: rules + tuple(("cache_batch", axes) for n, axes in rules if n == "batch")
            for name, rules in PRESETS.items()}
 
+
+def split_over_stages(rules: Rules) -> Rules:
+  """A pipeline's rules with the batch also split over `stage` outside the stage loop: the
+  embedding, an MoE model's first dense layers, the final norm, head and loss then run on
+  1/S of the rows in each stage group instead of all of them in every group (the head of
+  a 200k vocabulary is ~6% of a Llama-4-sized model's FLOPs). Tensors with a stage dim (the
+  loop's buffers) and the stage body (`within_stage`) keep the batch on its other axes, as
+  does a batch whose rows the stage groups do not divide (`logical_to_spec`)."""
+  first = next((axes for name, axes in rules if name == "batch"), None)
+  first = () if first is None else (first,) if isinstance(first, str) else tuple(first)
+  if not first or "stage" in first:
+    return rules
+  return (("batch", ("stage",) + first),) + tuple(rules)
+
+
+PRESETS.update({name: split_over_stages(rules) for name, rules in PRESETS.items() if name.startswith("pp_")})
+
 # (rules, allow_uneven) in force for `shard()`; set by `use_rules`.
 _current: contextvars.ContextVar[tuple[Rules | None, bool]] = contextvars.ContextVar(
     "shardax_rules", default=(None, False))
@@ -105,6 +122,23 @@ def current_rules() -> Rules | None:
   return _current.get()[0]
 
 
+@contextlib.contextmanager
+def within_stage(axis: str = "stage") -> Iterator[Rules | None]:
+  """Inside a pipeline stage body (vmapped with spmd_axis_name=`axis`): the rules with `axis`
+  taken out of every rule that splits another logical dim over it. The vmap puts the stage
+  dim on that axis itself; outside the loop a pp_ preset also splits the batch over it
+  (`PRESETS`), which inside would name the axis twice."""
+  rules, uneven = _current.get()
+  if rules is not None:
+    rules = tuple((name, axes if name == axis else tuple(a for a in _axes_tuple(axes) if a != axis) or None)
+                  for name, axes in rules)
+  token = _current.set((rules, uneven))
+  try:
+    yield rules
+  finally:
+    _current.reset(token)
+
+
 def allow_uneven() -> bool:
   return _current.get()[1]
 
@@ -143,6 +177,9 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules,
                              f"or change the rule")
       if used.intersection(axes):
         continue
+      if ("stage" in axes and logical != "stage" and shape is not None and mesh_shape is not None
+          and shape[dim] % math.prod(mesh_shape[a] for a in axes)):
+        continue   # `split_over_stages`: a batch the stages do not divide keeps its other rule
       chosen = axes
       break
     if chosen and shape is not None and mesh_shape is not None:
