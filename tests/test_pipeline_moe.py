@@ -46,9 +46,12 @@ CASES = {
     "deepseek_S2_R2_expert_axis": ("moe.deepseek_tiny", 5, 2, 2, (2, 2, 2), ("stage", "data", "expert"),
                                    "pp_expert_axis"),
 }
+# The default suite runs the DeepSeek case (the most options at once); -m slow the others
+# (~10 s each; tests/test_combinations.py also runs a dropless MoE through 2 stages).
+SLOW = {"mixtral_S2_R1_expert_parallel", "mixtral_S2_R2_data_parallel"}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c for c in CASES])
 def test_pipelined_moe_equals_accumulation_microbatches_on_one_device(case):
   name, layers, stages, repeats, ici, axes, preset = CASES[case]
   ref = setup_for(experiment(name, layers, accum=M), jax.devices()[:1])
