@@ -9,8 +9,8 @@ from shardax.layers.linear import DenseGeneral, fan_in_init
 from shardax.layers.mlp import GatedMLP
 from shardax.layers.moe import Gating, MoEFeedForward, top2_gating
 from shardax.layers.norm import LayerNorm, RMSNorm, make_norm
-from shardax.layers.transformer import (REMAT_POLICIES, Block, LayerStack, TransformerLM,
-                                        apply_layers, block_fn, stacked_blocks)
+from shardax.layers.blocks import apply_layers, block_fn, stacked_blocks
+from shardax.layers.transformer import REMAT_POLICIES, Block, LayerStack, TransformerLM
 from shardax.layers.unet import UNet3D
 from shardax.configs import schema as _schema
 

@@ -16,7 +16,7 @@ Scanned layers: the units are created at once by `nnx.vmap` over the constructor
 parameter gets a leading dim (logical name 'layers'), and they are applied by
 `jax.lax.scan`: XLA compiles one unit instead of L (compile time flat in depth), and the
 'layers' dim can be sharded like any other. The pipeline runs a stage by calling
-`apply_layers` on a slice of the stacked state.
+`scan_units` on a slice of the stacked state (its units' statistics come back per layer).
 
 Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
   'none'           save everything for the backward pass (fastest, most memory)

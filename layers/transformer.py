@@ -34,7 +34,7 @@ from shardax.configs.schema import TransformerConfig
 from shardax.layers import context_parallel
 from shardax.layers.attention import default_positions
 from shardax.layers.blocks import (LAYER_INPUT, PROJECTIONS, REMAT_POLICIES, RESIDUAL, Block,  # noqa: F401
-                                   Unit, apply_layers, block_fn, make_unit, scan_cached, scan_units,
+                                   Unit, block_fn, make_unit, scan_cached, scan_units,
                                    block_cache_spec, stacked, stacked_blocks, unit_cache_spec)
 from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
