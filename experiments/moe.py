@@ -235,6 +235,27 @@ def mixtral_8x7b():
   return cfg
 
 
+def padded_exchange(m):
+  """The dropless exchange of the fine-grained pod configs (moe.deepseek_v3, the Maverick ones).
+
+  The no-overflow bound (None) is 32 fair shares on DeepSeek-V3 (128 shards x min(8, 2) / 8):
+  the compiler asks 97.31 GiB per chip for it, over v5p's 95.74 usable; the largest that fits
+  with >= 1 GiB spare, 29, is priced at 40.3 s per step (MFU 5.9%: the receive buffer's empty
+  rows are priced as grouped-matmul work). So these configs bet on balance (bias balancing,
+  DeepSeek-V3's own answer): 2 fair shares (42.85 GiB with the ragged exchange; dry runs
+  2026-11-26, docs/moe.md), and copies past them are dropped and logged as
+  moe/dropped_copies instead of stopping the run. The exchange: async all-to-alls of those
+  fixed blocks, in 2 pieces so one piece's exchange runs under the other's megablox matmuls
+  (this libtpu never makes ragged-all-to-all async). DeepSeek-V3, --shallow dry run
+  2026-11-26: 12.32 s (19.4%) -> 10.58 s (22.5%); exposed all-to-alls remain (docs/moe.md).
+  """
+  m.expert_buffer = 2.0
+  m.expert_overflow = "drop"
+  m.expert_exchange = "padded"
+  m.dispatch_chunks = 2
+  m.grouped_matmul = "megablox"
+
+
 @register("moe.deepseek_v3", "DeepSeek-V3-shaped MoE LM (675B params): 61 layers (3 dense), "
           "256 fine-grained experts top-8 + 1 shared, sigmoid gates, bias balancing; TPU v5p-2048")
 def deepseek_v3():
@@ -266,22 +287,7 @@ def deepseek_v3():
   m.bias_update_rate = 1e-3
   m.aux_loss_weight = 1e-4
   m.dispatch = "dropless"
-  # The no-overflow bound (None) is 32 fair shares here (128 shards x min(8, 2) / 8): the
-  # compiler asks 97.31 GiB per chip for it, over v5p's 95.74 usable; the largest that fits
-  # with >= 1 GiB spare, 29, is priced at 40.3 s per step (MFU 5.9%: the receive buffer's
-  # empty rows are priced as grouped-matmul work). So this pod config bets on balance (bias
-  # balancing, DeepSeek-V3's own answer): 2 fair shares (42.85 GiB with the ragged exchange;
-  # dry runs 2026-11-26, docs/moe.md), and copies past them are dropped and logged as
-  # moe/dropped_copies instead of stopping the run.
-  m.expert_buffer = 2.0
-  m.expert_overflow = "drop"
-  # The exchange as async all-to-alls of fixed blocks (2 fair shares per destination), in 2
-  # pieces so one piece's exchange runs under the other's megablox matmuls: this libtpu never
-  # makes ragged-all-to-all async. --shallow dry run, 2026-11-26: 12.32 s (19.4%) -> 10.58 s
-  # (22.5%); exposed all-to-alls remain (docs/moe.md).
-  m.expert_exchange = "padded"
-  m.dispatch_chunks = 2
-  m.grouped_matmul = "megablox"
+  padded_exchange(m)
   # The splash kernel: the XLA einsum attention wrote f32 [8, 16, 4096, 4096] scores per
   # layer and computed the whole square. --shallow, 2026-11-26: 10.58 s (22.5%) -> 10.06 s
   # (23.7%), memory 5.32 -> 3.12 s; the step is still the exchange's (docs/moe.md).
