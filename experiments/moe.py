@@ -171,7 +171,9 @@ POD_RULES = (("batch", ("data", "expert")), ("batch", "data"), ("expert", "exper
              ("embed", ("data", "expert")), ("embed", "data"))
 
 
-def _pod_moe(cfg, topology: str, ici: tuple[int, int], global_batch: int, seq_len: int):
+def pod_moe(cfg, topology: str, ici: tuple[int, int], global_batch: int, seq_len: int):
+  """An MoE experiment as a pod dry-run target: bf16, full remat, scanned, synthetic data,
+  (data, expert) mesh with POD_RULES, Adafactor (experiments/pipelined.py uses it too)."""
   t = cfg.model
   t.dtype = "bfloat16"
   t.param_dtype = "bfloat16"
@@ -222,7 +224,7 @@ def mixtral_8x7b():
   # ragged_dot gradient is a dense matmul over all 8 experts x every row); splash attention.
   m.grouped_matmul = "megablox"
   t.attention = "flash"
-  cfg = _pod_moe(cfg, "v5p:4x4x8", (16, 8), global_batch=256, seq_len=4096)
+  cfg = pod_moe(cfg, "v5p:4x4x8", (16, 8), global_batch=256, seq_len=4096)
   # FSDP over two mesh axes (the 4x4 plane, the 8-chip dim): the dispatch gathers the expert
   # weights one axis at a time, which libtpu writes as all-gathers and reduce-scatters; one
   # 128-chip axis got all-reduces of every whole expert weight (docs/moe.md).
@@ -292,6 +294,6 @@ def deepseek_v3():
   # layer and computed the whole square. --shallow, 2026-11-26: 10.58 s (22.5%) -> 10.06 s
   # (23.7%), memory 5.32 -> 3.12 s; the step is still the exchange's (docs/moe.md).
   t.attention = "flash"
-  cfg = _pod_moe(cfg, "v5p:8x8x16", (8, 128), global_batch=1024, seq_len=4096)
+  cfg = pod_moe(cfg, "v5p:8x8x16", (8, 128), global_batch=1024, seq_len=4096)
   cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_ALL_TO_ALL
   return cfg

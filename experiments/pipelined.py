@@ -7,7 +7,7 @@ The mesh gets a `stage` axis and the preset a ("stage", "stage") rule (`pp_dp`,
 
 from shardax.configs import register
 from shardax.experiments import lm
-from shardax.experiments.moe import POD_RULES, _pod_moe, moe_experiment, padded_exchange
+from shardax.experiments.moe import POD_RULES, moe_experiment, padded_exchange, pod_moe
 from shardax.sharding import libtpu_flags
 from shardax.sharding.rules import split_over_stages
 
@@ -154,7 +154,7 @@ def _maverick(slices_over: str):
   m.aux_loss_weight = 1e-3
   m.dispatch = "dropless"
   padded_exchange(m)   # as moe.deepseek_v3: fixed blocks of 2 fair shares, async all-to-alls in 2 pieces
-  cfg = _pod_moe(cfg, "v5p:4x4x8", (1, 128), global_batch=2048, seq_len=4096)
+  cfg = pod_moe(cfg, "v5p:4x4x8", (1, 128), global_batch=2048, seq_len=4096)
   t.remat = "moe_matmuls"
   cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_ALL_TO_ALL
   if slices_over == "stage":

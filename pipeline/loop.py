@@ -185,13 +185,12 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     side = (positions,) if segment_ids is None else (positions, segment_ids)
     return stage_fn(jax.tree.map(lambda a: from_stages(a, R), weights), x, *side)  # stats [L, ...]
   rows = schedule.check_batch(x.shape[0])
-  with rules_lib.within_stage():   # a microbatch is split over the batch's axes inside a stage
-    _check_data_split(rows, x_axes, M)
   state_axes = ("stage",) + tuple(x_axes)
   # The microbatches as a stage sees them (rows split over the batch's other axes, whole in
   # every stage group): where a pp_ preset splits the batch over the stages too
   # (rules.split_over_stages), the stage groups gather it here, once, not in the loop.
   with rules_lib.within_stage():
+    _check_data_split(rows, x_axes, M)
     xs = split_microbatches(x, M, x_axes)
     # Per-row inputs of each microbatch [M, rows, length]: positions, and segment ids if packed.
     side = tuple(split_microbatches(a, M, tuple(x_axes[:a.ndim]))

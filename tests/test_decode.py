@@ -163,8 +163,10 @@ def test_stop_tokens_end_rows_and_uncached_decode_agrees(mha, greedy):
   np.testing.assert_array_equal(again.ids, done.ids)
 
 
-def test_pipelined_model_decodes_its_stages_in_order():
-  exp = experiment(*SMALL, "model.pipeline.stages=2", "model.pipeline.microbatches=4",
+@pytest.mark.parametrize("moe", [[], ["model.moe.num_experts=4", "model.moe.d_ff=64", "model.moe.every=1",
+                                      "model.moe.dispatch='dropless'"]], ids=["dense", "moe"])
+def test_pipelined_model_decodes_its_stages_in_order(moe):
+  exp = experiment(*SMALL, "model.pipeline.stages=2", "model.pipeline.microbatches=4", *moe,
               name="lm.tiny_pipelined")
   params = params_of(exp)
   batch = prompts()

@@ -71,6 +71,7 @@ import jax
 from shardax.configs.schema import Experiment
 from shardax.trainer.perf import chips
 from shardax.trainer.perf import dry_run as dry_run_lib
+from shardax.trainer.perf import stepmodel
 
 SHALLOW_UNITS = (3, 4)
 
@@ -186,7 +187,6 @@ def _derive(out: dict, exp: Experiment) -> dict:
   # whose bytes are not the full depth's.
   out["hint"] = None if out["fits"] is not False else (
       dry_run_lib.hint(mem, hbm) + f". {LEVERS_NOT_RANKED}")
-  from shardax.trainer.perf import stepmodel
   chip, p = chips.lookup(out["device_kind"]), out.get("predicted")
   if chip and p and p["step_seconds"]:
     step, n = p["step_seconds"], out["num_devices"]
