@@ -21,10 +21,11 @@ embed] as the rules split it over data/model). The scan's carry is the stage
 buffer [S, ...] (one microbatch per stage group) and, for R > 1, the circular
 queue (circular.py: ceil((M-S)/S) microbatches per group when M >= 2S, M - S
 otherwise, plus the one it passes on next iteration); with delay_shift, the shift
-in flight (one more microbatch per group). Each iteration's outputs [S, ...] leave as scan outputs (T
-microbatches per group, T = M*R + S - 1), and the last M of the last stage are
-taken once after the loop: no iteration broadcasts anything to the other stage
-groups. Each iteration's stage computation is wrapped in `jax.checkpoint`, so
+in flight (one more microbatch per group). The last M iterations' outputs [S, ...] go
+into M slots of the carry (kept as T scan outputs, T = M*R + S - 1, they cost
+moe.maverick_4slices 4.07 GiB more per chip), and the last stage's are taken once
+after the loop: no iteration broadcasts anything to the other stage groups. Each
+iteration's stage computation is wrapped in `jax.checkpoint`, so
 the backward pass keeps only its input, the buffer (T microbatches per group),
 and recomputes the stage's layers one iteration at a time; the model's own
 per-block remat then bounds that one iteration's intermediates. Total: about
@@ -236,8 +237,10 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     y, stats = all_stages(w, buffer, tuple(a[k % M] for a in side), k)
     return shard(y, state_axes), stats
 
+  T = schedule.iterations
+
   def iteration(carry, per_iteration):
-    (out, in_flight, waiting), (t, stats_t) = carry, per_iteration
+    (out, in_flight, waiting, last), (t, stats_t) = carry, per_iteration
     # The collective-permute: stage s-1's output -> stage s. Delayed, this iteration takes
     # what the last one sent and sends the last one's output on, beside `compute`.
     if schedule.delay_shift:
@@ -250,13 +253,17 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
       enter = jnp.where(t < M, enter, due)
     buffer = shard(jnp.where(first, enter, into_stage), state_axes)
     out, unit_stats = compute(weights_at(stats_t), buffer, t)
-    return (out, in_flight, waiting), (out, unit_stats)
+    # Microbatch m leaves the last stage for good at iteration T - M + m: the last M
+    # iterations' outputs are the results. They go into M slots of the carry (earlier
+    # iterations write slot 0, which iteration T - M overwrites), not T scan outputs.
+    last = jax.lax.dynamic_update_index_in_dim(last, out, jnp.clip(t - (T - M), 0, M - 1), 0)
+    return (out, in_flight, waiting, shard(last, (None,) + state_axes)), unit_stats
 
   out = shard(jnp.zeros((S,) + xs.shape[1:], x.dtype), state_axes)
-  carry = (out, out if schedule.delay_shift else None, queue.init(xs) if queue else None)
-  _, (outs, unit_stats) = jax.lax.scan(iteration, carry, (jnp.arange(schedule.iterations), stats))
-  # Microbatch m leaves the last stage for good at iteration M*(R-1) + m + h*(S-1): the last M.
-  outs = shard(outs[schedule.iterations - M:], (None,) + state_axes)[:, S - 1]   # the last M, then stage S-1
+  last = shard(jnp.zeros((M, S) + xs.shape[1:], x.dtype), (None,) + state_axes)
+  carry = (out, out if schedule.delay_shift else None, queue.init(xs) if queue else None, last)
+  (_, _, _, outs), unit_stats = jax.lax.scan(iteration, carry, (jnp.arange(T), stats))
+  outs = outs[:, S - 1]   # the last stage's
   with rules_lib.within_stage():
     outs = shard(outs, (None,) + tuple(x_axes))
   y = merge_microbatches(outs, x_axes)   # split over the stages too where the rules say so

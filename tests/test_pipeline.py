@@ -13,6 +13,7 @@ import re
 import shutil
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -149,9 +150,10 @@ def test_activation_memory_is_one_microbatch_per_stage_per_iteration():
   """Backward saves only each iteration's stage input, not every layer's (nor all M outputs).
 
   Measured on this CPU (128 x 16 tokens, d_model 32, 4 stages): temp bytes per device
-  (L=8, M=4) 3.82 MB, (L=8, M=8) 2.33 MB, (L=16, M=8) 3.42 MB (2026-11-26, the head on 1/4
-  of the rows per stage group: rules.split_over_stages; before that 3.59, 3.14 and 3.20 MB,
-  when the head's full-batch buffers set the peak). What 2 more layers per stage add now
+  (L=8, M=4) 3.72 MB, (L=8, M=8) 2.29 MB, (L=16, M=8) 3.37 MB (2026-11-26, the last M
+  outputs in the carry; 3.82, 2.33 and 3.42 MB as T scan outputs; with the head on all rows
+  of every stage group, before rules.split_over_stages, 3.59, 3.14 and 3.20 MB, when the
+  head's full-batch buffers set the peak). What 2 more layers per stage add now
   (1.1 MB) is the recomputed iteration's per-layer residuals of one microbatch. Before
   (per-block saves in every iteration, `held` carried): 16.4, 13.4 and 23.7 MB, i.e. the
   same 2 layers added 10.3 MB.
@@ -159,6 +161,28 @@ def test_activation_memory_is_one_microbatch_per_stage_per_iteration():
   temp = {(L, M): report.memory(compiled_step(4, M, L))["temp_bytes"] for L, M in [(8, 4), (8, 8), (16, 8)]}
   assert temp[8, 8] < 1.25 * temp[8, 4], temp     # 2x microbatches (same batch): not 2x memory
   assert temp[16, 8] - temp[8, 8] < 3e6, temp     # 2x layers per stage: one iteration's more, not T's
+
+
+def test_the_loop_keeps_the_last_m_outputs_not_one_per_iteration():
+  """Only the last M iterations' outputs are results (microbatch m leaves the last stage at
+  T - M + m): the loop writes them into M slots of its carry. As scan outputs all T = M*R + S - 1
+  of them stayed alive until after the loop (moe.maverick_4slices: 4.07 GiB per chip).
+  Here S=4, M=4, R=4: T = 19; fails with the outputs stacked per iteration."""
+  setup = setup_for(tiny_lm(16, 128, 4, 4, 4, ici=(4, 2), axes=("stage", "data"), preset="pp_dp"))
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    jaxpr = jax.make_jaxpr(step_lib.loss_fn(setup))(setup.abstract["params"], step_lib.abstract_batch(setup))
+  loops = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "scan" and e.params["length"] == 19]
+  assert loops
+  for e in loops:
+    stacked = e.outvars[e.params["num_carry"]:]
+    assert not [v for v in stacked if v.aval.ndim >= 4 and v.aval.shape[-1] == 32], stacked
+
+
+def _equations(jaxpr):
+  for e in jaxpr.eqns:
+    yield e
+    for sub in jax.extend.core.jaxprs_in_params(e.params):
+      yield from _equations(sub)
 
 
 def test_the_head_runs_on_one_stage_groups_share_of_the_rows():
