@@ -31,10 +31,17 @@ Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
                    projections ('query_proj', 'key_proj', 'value_proj', 'out_proj'):
                    less recompute (no projection matmuls), more host traffic
   'moe_matmuls'    save (on device) the attention projections and every expert matmul's
-                   output ('expert_matmul', layers/moe_dispatch.py), recompute the rest:
+                   output ('expert_matmul', 'expert_down': layers/moe_dispatch.py), recompute the rest:
                    for MoE layers whose grouped matmuls are Pallas kernels (megablox),
                    which 'dots' does not see as dots and recomputes (on a dense model:
                    the projections only; inside a pipeline stage as given)
+  'moe_returned'   save the attention projections, the expert gate/up outputs and the
+                   expert outputs back on the token side ('expert_returned'), not the
+                   down projection's: the backward recomputes the dispatch exchange (its
+                   rows feed the gate/up weight gradients) and elementwise work, but no
+                   expert matmul and not the return exchange. For fine-grained experts
+                   over a padded receive buffer, whose down outputs are twice the returned
+                   ones (DeepSeek-V3: 940 against 470 MB a layer per chip)
 The offload policies are jax's `save_and_offload_only_these_names` over the names
 `checkpoint_name` gives in Block / Attention; the transfers are priced against the chip's
 host link by trainer/perf/stepmodel.py (`offload_seconds`).
@@ -53,7 +60,7 @@ from shardax.configs.schema import TransformerConfig
 from shardax.layers.attention import Attention, default_positions, kv_cache_spec
 from shardax.layers.mlp import GatedMLP, PlainMLP
 from shardax.layers.moe import MoEFeedForward
-from shardax.layers.moe_dispatch import EXPERT_MATMUL
+from shardax.layers.moe_dispatch import EXPERT_DOWN, EXPERT_MATMUL, EXPERT_RETURNED
 from shardax.layers.norm import make_norm
 from shardax.sharding import shard
 
@@ -75,7 +82,8 @@ REMAT_POLICIES = {
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
     "offload": _offload(LAYER_INPUT),
     "offload_proj": _offload(LAYER_INPUT, *PROJECTIONS),
-    "moe_matmuls": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS, EXPERT_MATMUL),
+    "moe_matmuls": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS, EXPERT_MATMUL, EXPERT_DOWN),
+    "moe_returned": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS, EXPERT_MATMUL, EXPERT_RETURNED),
 }
 
 

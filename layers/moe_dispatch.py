@@ -69,6 +69,13 @@ EXCHANGES = ("auto", "ragged", "padded")
 # 'moe_matmuls' (layers/blocks.py) saves: megablox's kernels are Pallas calls, not dots,
 # so 'dots' recomputes them.
 EXPERT_MATMUL = "expert_matmul"
+# The down projection's output and the expert outputs back on the token side (after the
+# return exchange), named apart so a policy can keep the second without the first: with
+# fine-grained experts the down outputs fill a padded receive buffer (DeepSeek-V3: 940 MB
+# a layer per chip), the returned ones only the real copies (470 MB), and keeping them
+# spares the backward the return exchange and the down matmul ('moe_returned').
+EXPERT_DOWN = "expert_down"
+EXPERT_RETURNED = "expert_returned"
 IMPLS = ("auto", "ragged_dot", "tiled", "megablox")
 
 
@@ -86,8 +93,8 @@ def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable
     return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act, quantization=quantization)
   if impl == "megablox":
     return megablox_ffn(xs, sizes, w_gate, w_up, wo, act)
-  rd = lambda a, w: checkpoint_name(quant.ragged_dot(quantization, a, w, sizes), EXPERT_MATMUL)
-  return rd((act(rd(xs, w_gate)) * rd(xs, w_up)).astype(xs.dtype), wo)
+  rd = lambda a, w, name=EXPERT_MATMUL: checkpoint_name(quant.ragged_dot(quantization, a, w, sizes), name)
+  return rd((act(rd(xs, w_gate)) * rd(xs, w_up)).astype(xs.dtype), wo, EXPERT_DOWN)
 
 
 def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) -> jax.Array:
@@ -109,13 +116,13 @@ def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) ->
     raise ValueError(f"model.moe.grouped_matmul='megablox' runs on TPUs (and CPUs, interpreted), "
                      f"not on {platform}; use 'auto' (jax.lax.ragged_dot there)")
   interpret = platform == "cpu"
-  mm = lambda a, w: checkpoint_name(keep(gmm(
+  mm = lambda a, w, name=EXPERT_MATMUL: checkpoint_name(keep(gmm(
       a, w, sizes, preferred_element_type=xs.dtype,
       tiling=(tile, min(tile * 4, a.shape[1]), min(tile * 4, w.shape[2])), interpret=interpret)),
-      EXPERT_MATMUL)
+      name)
   x = keep(jnp.pad(xs, ((0, rows - r), (0, 0))))
   hidden = keep((act(mm(x, w_gate)) * mm(x, w_up)).astype(xs.dtype))
-  return mm(hidden, wo)[:r]
+  return mm(hidden, wo, EXPERT_DOWN)[:r]
 
 
 def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128,
@@ -138,9 +145,9 @@ def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 12
   dst = jnp.where(valid, (pends - padded)[g] + row - (ends - sizes)[g], n * tile)
   tiles = jnp.zeros((n * tile, m), xs.dtype).at[dst].set(xs, mode="drop").reshape(n, tile, m)
   expert = jnp.minimum(jnp.searchsorted(pends, jnp.arange(n) * tile, side="right"), e - 1)
-  ein = lambda spec, a, w: checkpoint_name(quant.einsum(quantization, spec, a, w), EXPERT_MATMUL)
+  ein = lambda spec, a, w, name=EXPERT_MATMUL: checkpoint_name(quant.einsum(quantization, spec, a, w), name)
   hidden = act(ein("ntm,nmh->nth", tiles, w_gate[expert])) * ein("ntm,nmh->nth", tiles, w_up[expert])
-  out = ein("nth,nhm->ntm", hidden.astype(xs.dtype), wo[expert]).reshape(n * tile, -1)
+  out = ein("nth,nhm->ntm", hidden.astype(xs.dtype), wo[expert], EXPERT_DOWN).reshape(n * tile, -1)
   return jnp.where(valid[:, None], out[jnp.minimum(dst, n * tile - 1)], 0)
 
 
@@ -231,7 +238,7 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
   order2 = jnp.argsort(ids, stable=True)
   out = grouped_ffn(recv[order2], _count(ids, local), *weights, act, impl, quantization)
-  out = back(jnp.zeros_like(out).at[order2].set(out))
+  out = checkpoint_name(back(jnp.zeros_like(out).at[order2].set(out)), EXPERT_RETURNED)
   out = jnp.zeros_like(out).at[order].set(out)
   y = jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
   return y, overflow

@@ -216,7 +216,7 @@ def test_scan_equals_list_with_gradients(remat):
 
 
 @pytest.mark.parametrize("scan", [True, False])
-@pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch", "moe_matmuls"])
+@pytest.mark.parametrize("remat", ["none", "full", "dots", "dots_no_batch", "moe_matmuls", "moe_returned"])
 def test_remat_policy_wraps_each_block(remat, scan):
   """The named jax.checkpoint policy appears in the traced program (tracing only)."""
   graphdef, state = nnx.split(nnx.eval_shape(

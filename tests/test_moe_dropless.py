@@ -11,6 +11,7 @@ outputs and in the gradients of every weight and of the input.
 import dataclasses
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -428,7 +429,7 @@ def test_dropless_fsdp_gathers_expert_weights_and_reduce_scatters_their_gradient
 
 
 def test_moe_matmuls_remat_keeps_the_expert_matmuls_out_of_the_recompute():
-  """remat='moe_matmuls' saves every expert matmul's output ('expert_matmul'): the backward
+  """remat='moe_matmuls' saves every expert matmul's output ('expert_matmul', 'expert_down'): the backward
   of a checkpointed dropless FFN then runs 3 fewer matmuls than under 'full' (the forward's
   gate, up and down are not recomputed), with the same gradients. (The tiled CPU path's
   einsums stand in for megablox's kernels, which 'dots' cannot save.)"""
@@ -448,4 +449,48 @@ def test_moe_matmuls_remat_keeps_the_expert_matmuls_out_of_the_recompute():
     dots[remat] = len(dot_operand_dtypes(jax.make_jaxpr(f)(weights, x).jaxpr))
   assert dots["moe_matmuls"] == dots["full"] - 3, dots
   for a, b in zip(jax.tree.leaves(grads["moe_matmuls"]), jax.tree.leaves(grads["full"])):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def _primitives(jaxpr, name: str) -> int:
+  """How many `name` equations `jaxpr` runs, nested jaxprs (shard_map, remat, jit) included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += eqn.primitive.name == name
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      n += _primitives(sub, name)
+  return n
+
+
+def test_moe_returned_remat_keeps_the_return_exchange_out_of_the_recompute():
+  """remat='moe_returned' saves the experts' gate/up outputs and their outputs back on the
+  token side ('expert_returned'): the backward of a checkpointed expert-parallel FFN then
+  recomputes only the dispatch exchange, not the return exchange nor any expert matmul
+  (against 'full': one all-to-all and 3 matmuls fewer), with the same gradients. Fails with
+  the name left off the returned rows (the return exchange and the down matmul come back)."""
+  from jax.sharding import PartitionSpec as P
+  from shardax.layers import REMAT_POLICIES
+  from shardax.layers.moe_dispatch import dropless_expert_parallel
+  from test_layers import dot_operand_dtypes
+  rng = np.random.default_rng(0)
+  n, e = 4, 8
+  x = jnp.asarray(rng.normal(size=(n * 24, 16)), jnp.float32)
+  index = jnp.asarray(rng.integers(0, e, size=(n * 24, 2)), jnp.int32)
+  gates = jnp.asarray(rng.uniform(size=(n * 24, 2)), jnp.float32)
+  weights = tuple(jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((e, 16, 8), (e, 16, 8), (e, 8, 16)))
+  mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
+  ffn = jax.shard_map(
+      lambda x, i, g, *w: dropless_expert_parallel(x, i, g, w, jax.nn.silu, axes="x", n=n, num_experts=e,
+                                                   buffer=2.0, exchange="padded", impl="tiled")[0],
+      mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
+  loss = lambda w, x: jnp.sum(ffn(x, index, gates, *w) ** 2)
+  grads, dots, exchanges = {}, {}, {}
+  for remat in ("full", "moe_returned"):
+    f = jax.grad(jax.checkpoint(loss, policy=REMAT_POLICIES[remat]), argnums=(0, 1))
+    grads[remat] = jax.jit(f)(weights, x)
+    jaxpr = jax.make_jaxpr(f)(weights, x).jaxpr
+    dots[remat], exchanges[remat] = len(dot_operand_dtypes(jaxpr)), _primitives(jaxpr, "all_to_all")
+  assert dots["moe_returned"] == dots["full"] - 3, dots
+  assert exchanges["moe_returned"] == exchanges["full"] - 1, exchanges
+  for a, b in zip(jax.tree.leaves(grads["moe_returned"]), jax.tree.leaves(grads["full"])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
