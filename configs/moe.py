@@ -86,6 +86,11 @@ class MoEConfig:
                     without it nothing is exchanged and the tokens go in one piece). Same
                     outputs as 1 (the default) up to float summation order; a dropless
                     buffer below the bound is per piece.
+  fp8_dispatch:     dropless under expert parallelism: the token rows travel to their experts
+                    in fp8 (e4m3, a power-of-two scale per row and 128 columns: DeepSeek-V3's
+                    dispatch), about half the bytes of that exchange; the expert outputs come
+                    back, and every gradient travels, in the activations' dtype. The experts
+                    compute on the dequantized rows (layers/moe_dispatch.py `_fp8_send`).
   """
   num_experts: int = 8
   d_ff: int = 512
@@ -110,6 +115,7 @@ class MoEConfig:
   expert_exchange: str = "auto"
   grouped_matmul: str = "auto"
   dispatch_chunks: int = 1
+  fp8_dispatch: bool = False
 
   def __post_init__(self):
     _require(self.num_experts >= 2, f"model.moe.num_experts={self.num_experts} must be >= 2 (top-2 gating)")
@@ -143,6 +149,9 @@ class MoEConfig:
              f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot', 'tiled' "
              f"or 'megablox'")
     _require(self.dispatch_chunks >= 1, f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1")
+    _require(not self.fp8_dispatch or self.dispatch == "dropless",
+             f"model.moe.fp8_dispatch=True is for model.moe.dispatch='dropless' (got {self.dispatch!r}): "
+             f"set dispatch='dropless', or fp8_dispatch=False")
     if self.dispatch == "capacity":
       gshard = self.top_k == 2 and self.score == "softmax" and self.renormalize and self.gate_scale == 1.0
       _require(gshard and self.bias_update_rate == 0,

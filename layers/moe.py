@@ -121,7 +121,8 @@ class MoEFeedForward(nnx.Module):
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
                                         impl=cfg.grouped_matmul, quantization=self.quantization,
-                                        overflow=cfg.expert_overflow, chunks=cfg.dispatch_chunks)
+                                        overflow=cfg.expert_overflow, chunks=cfg.dispatch_chunks,
+                                        fp8_dispatch=cfg.fp8_dispatch)
     stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics}
     if cfg.expert_overflow == "drop":   # a fraction of the batch's token copies, logged, not raised on
       stats["dropped_copies"] = overflow.astype(jnp.float32) / r.index.size

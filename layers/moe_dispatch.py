@@ -77,6 +77,7 @@ EXPERT_MATMUL = "expert_matmul"
 EXPERT_DOWN = "expert_down"
 EXPERT_RETURNED = "expert_returned"
 IMPLS = ("auto", "ragged_dot", "tiled", "megablox")
+FP8, FP8_MAX = jnp.float8_e4m3fn, 448.0
 
 
 def _count(ids: jax.Array, n: int) -> jax.Array:
@@ -165,22 +166,25 @@ def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tu
 
 def _exchange_padded(rows, ids, dest, n: int, per_dest: int, axes):
   """Send row r to device dest[r] (rows sorted by dest) in fixed blocks of `per_dest` slots.
-  Returns (received rows [n*per_dest, m], their ids (pad: -1), a function sending rows of
-  the received layout back into the original order, and the overflow count)."""
+  Returns (a function sending rows-shaped values [a, ...] to the receive layout [n*per_dest,
+  ...], the received ids (pad: -1), a function sending values of the received layout back
+  into the original order (the first one's transpose), and the overflow count)."""
   a = rows.shape[0]
   counts = _count(dest, n)
   rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[dest]
   ok = rank < per_dest
   slot = jnp.where(ok, dest * per_dest + rank, n * per_dest)           # out of range: not sent
-  send = jnp.zeros((n * per_dest,) + rows.shape[1:], rows.dtype).at[slot].set(rows, mode="drop")
-  send_ids = jnp.full((n * per_dest,), -1, jnp.int32).at[slot].set(ids, mode="drop")
   a2a = lambda v: jax.lax.all_to_all(v, axes, 0, 0, tiled=True)   # block d goes to device d
-  recv, recv_ids = a2a(send), a2a(send_ids)
+  # Each kept row has its own slot (the rest, out of range, are dropped): unique indices,
+  # which also makes the scatter transposable where a rule differentiates `send` itself.
+  send = lambda v, fill=0: a2a(jnp.full((n * per_dest,) + v.shape[1:], fill, v.dtype).at[slot].set(
+      v, mode="drop", unique_indices=True))
+  recv_ids = send(ids, -1)
 
-  def back(out):
+  def back(out):  # the transpose of `send`
     returned = a2a(out)
     return jnp.where(ok[:, None], returned[jnp.minimum(slot, n * per_dest - 1)], 0)
-  return recv, recv_ids, back, jnp.sum(~ok)
+  return send, recv_ids, back, jnp.sum(~ok)
 
 
 def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
@@ -203,22 +207,51 @@ def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
     buf = jnp.zeros(out_shape, v.dtype)
     return jax.lax.ragged_all_to_all(v, buf, in_off, sizes, out_off, rsizes, axis_name=axes)
 
-  recv = go(rows, (capacity,) + rows.shape[1:], starts, send_sizes, out_offsets, recv_sizes_fit)
+  send = lambda v: go(v, (capacity,) + v.shape[1:], starts, send_sizes, out_offsets, recv_sizes_fit)
   received = jnp.arange(capacity) < jnp.sum(recv_sizes_fit)
-  recv_ids = jnp.where(received, go(ids, (capacity,), starts, send_sizes, out_offsets,
-                                    recv_sizes_fit), -1)
+  recv_ids = jnp.where(received, send(ids), -1)
   # Back: each receiver returns its block from sender s to s's original offsets.
   back_offsets = jax.lax.all_to_all(starts, axes, 0, 0, tiled=True)  # [s]: s's starts[me]
 
-  def back(out):
+  def back(out):  # the transpose of `send`
     return go(out, rows.shape, recv_starts, recv_sizes_fit, back_offsets, send_sizes)
-  return recv, recv_ids, back, overflow
+  return send, recv_ids, back, overflow
+
+
+def _fp8_send(rows: jax.Array, send: Callable, block: int = 128) -> jax.Array:
+  """send(rows), the rows travelling in fp8: e4m3 with a power-of-two scale per row and
+  `block` columns (DeepSeek-V3's dispatch: 1 x 128 tiles), the scales beside them in f32
+  (4 bytes per 128), so the exchange moves ~0.53 of the bf16 bytes. The received rows are
+  the dequantized ones, in rows' dtype. The backward sends the cotangent back by the
+  transpose of `send` (the return exchange) in rows' dtype, straight through the rounding:
+  the gradient the unquantized exchange would give at the dequantized rows."""
+  a, m = rows.shape
+  b = block if m % block == 0 else m
+
+  @jax.custom_jvp
+  def go(r):
+    blocks = r.reshape(a, m // b, b).astype(jnp.float32)
+    amax = jnp.max(jnp.abs(blocks), axis=-1)
+    # A power of two (exact to divide and multiply by) taking the block's max to <= 448.
+    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / FP8_MAX)))
+    q = (blocks / scale[..., None]).astype(FP8).reshape(a, m)
+    got, scale = send(q), send(scale)
+    return (got.astype(jnp.float32).reshape(-1, m // b, b) * scale[..., None]).reshape(-1, m).astype(r.dtype)
+
+  # The tangent rule is the unquantized exchange (linear), so reverse mode transposes it into
+  # the return exchange of the cotangent. (A custom_vjp's backward could not use `back`,
+  # which closes over this trace's routing arrays.)
+  go.defjvp(lambda primals, tangents: (go(*primals), send(*tangents)))
+  return go(rows)
 
 
 def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num_experts: int,
-                             buffer: float | None, exchange: str, impl: str, quantization: str = "none"):
+                             buffer: float | None, exchange: str, impl: str, quantization: str = "none",
+                             fp8_dispatch: bool = False):
   """Per device (inside shard_map over `axes`, n devices): x [T, m] local tokens, index and
-  gates [T, k]; weights hold the E/n local experts. `buffer`: see the module docstring."""
+  gates [T, k]; weights hold the E/n local experts. `buffer`: see the module docstring.
+  `fp8_dispatch`: the rows go to their experts in fp8 (`_fp8_send`), and come back, as every
+  gradient does, in x's dtype."""
   t, k = index.shape
   local = num_experts // n
   flat = index.reshape(-1)
@@ -230,11 +263,12 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   per_dest = t * min(k, local) if buffer is None else max(1, math.ceil(buffer * t * k / n))
   if exchange == "ragged":
     capacity = n * per_dest if buffer is None else max(1, math.ceil(buffer * t * k))
-    recv, ids, back, overflow = _exchange_ragged(rows, expert % local, expert // local, n,
+    send, ids, back, overflow = _exchange_ragged(rows, expert % local, expert // local, n,
                                                  capacity, axes)
   else:
-    recv, ids, back, overflow = _exchange_padded(rows, expert % local, expert // local, n,
+    send, ids, back, overflow = _exchange_padded(rows, expert % local, expert // local, n,
                                                  per_dest, axes)
+  recv = _fp8_send(rows, send) if fp8_dispatch else send(rows)
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
   order2 = jnp.argsort(ids, stable=True)
   out = grouped_ffn(recv[order2], _count(ids, local), *weights, act, impl, quantization)
@@ -274,14 +308,15 @@ def resolve_impl(impl: str) -> str:
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
              *, buffer: float | None = None, exchange: str = "auto", impl: str = "auto",
-             quantization: str = "none", overflow: str = "error", chunks: int = 1
-             ) -> tuple[jax.Array, jax.Array]:
+             quantization: str = "none", overflow: str = "error", chunks: int = 1,
+             fp8_dispatch: bool = False) -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
   [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules.
   `overflow`: 'error' poisons y when copies did not fit (below), 'drop' leaves them out (their
   rows never travel: 0 from the experts). `chunks`: each device's tokens in that many pieces,
   each exchanged and multiplied on its own (the exchange of one can run under another's
-  expert matmuls); per token the same result."""
+  expert matmuls); per token the same result. `fp8_dispatch`: under expert parallelism the
+  rows travel to their experts in fp8 (`_fp8_send`)."""
   b, l, m = x.shape
   e = weights[0].shape[0]
   impl = resolve_impl(impl)
@@ -325,7 +360,8 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
       pieces = [dropless_expert_parallel(*(a[j * t // chunks:(j + 1) * t // chunks] for a in args),
                                          (w_gate, w_up, wo), act, axes=expert,
                                          n=math.prod(mesh.shape[a] for a in expert), num_experts=e,
-                                         buffer=buffer, exchange=mode, impl=impl, quantization=quantization)
+                                         buffer=buffer, exchange=mode, impl=impl, quantization=quantization,
+                                         fp8_dispatch=fp8_dispatch)
                 for j in range(chunks)]
       y = jnp.concatenate([p[0] for p in pieces]) if chunks > 1 else pieces[0][0]
       overflow = jax.lax.psum(sum(p[1] for p in pieces), token_axes)
