@@ -86,11 +86,12 @@ class MoEConfig:
                     without it nothing is exchanged and the tokens go in one piece). Same
                     outputs as 1 (the default) up to float summation order; a dropless
                     buffer below the bound is per piece.
-  fp8_dispatch:     dropless under expert parallelism: the token rows travel to their experts
-                    in fp8 (e4m3, a power-of-two scale per row and 128 columns: DeepSeek-V3's
-                    dispatch), about half the bytes of that exchange; the expert outputs come
-                    back, and every gradient travels, in the activations' dtype. The experts
-                    compute on the dequantized rows (layers/moe_dispatch.py `_fp8_send`).
+  fp8_dispatch:     dropless under expert parallelism: what travels to the experts goes in
+                    fp8 (e4m3, a power-of-two scale per row and 128 columns), about half the
+                    bytes: the token rows, and in the backward the expert outputs' gradient
+                    (DeepSeek-V3's dispatch). The expert outputs and the rows' gradient come
+                    back in the activations' dtype (its combine). The experts compute on the
+                    dequantized rows (layers/moe_dispatch.py `_fp8_sent`).
   """
   num_experts: int = 8
   d_ff: int = 512

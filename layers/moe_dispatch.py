@@ -56,6 +56,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
@@ -166,30 +167,34 @@ def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tu
 
 def _exchange_padded(rows, ids, dest, n: int, per_dest: int, axes):
   """Send row r to device dest[r] (rows sorted by dest) in fixed blocks of `per_dest` slots.
-  Returns (a function sending rows-shaped values [a, ...] to the receive layout [n*per_dest,
-  ...], the received ids (pad: -1), a function sending values of the received layout back
-  into the original order (the first one's transpose), and the overflow count)."""
+  Returns (send, back, route, received ids (pad: -1), overflow count): send(v, route) takes
+  rows-shaped values [a, ...] to the receive layout [n*per_dest, ...], back(v, route) takes
+  that layout back into the original order (send's transpose); `route`, the routing arrays
+  they use, is an argument, not a closure, so a custom_vjp backward may take it."""
   a = rows.shape[0]
   counts = _count(dest, n)
   rank = jnp.arange(a, dtype=jnp.int32) - (jnp.cumsum(counts) - counts)[dest]
   ok = rank < per_dest
   slot = jnp.where(ok, dest * per_dest + rank, n * per_dest)           # out of range: not sent
   a2a = lambda v: jax.lax.all_to_all(v, axes, 0, 0, tiled=True)   # block d goes to device d
-  # Each kept row has its own slot (the rest, out of range, are dropped): unique indices,
-  # which also makes the scatter transposable where a rule differentiates `send` itself.
-  send = lambda v, fill=0: a2a(jnp.full((n * per_dest,) + v.shape[1:], fill, v.dtype).at[slot].set(
-      v, mode="drop", unique_indices=True))
-  recv_ids = send(ids, -1)
 
-  def back(out):  # the transpose of `send`
-    returned = a2a(out)
-    return jnp.where(ok[:, None], returned[jnp.minimum(slot, n * per_dest - 1)], 0)
-  return send, recv_ids, back, jnp.sum(~ok)
+  def send(v, route, fill=0):
+    # Each kept row has its own slot (the rest, out of range, are dropped): unique indices,
+    # which also makes the scatter transposable where a rule differentiates `send` itself.
+    return a2a(jnp.full((n * per_dest,) + v.shape[1:], fill, v.dtype).at[route[0]].set(
+        v, mode="drop", unique_indices=True))
+
+  def back(out, route):
+    slot, ok = route
+    return jnp.where(ok[:, None], a2a(out)[jnp.minimum(slot, n * per_dest - 1)], 0)
+  route = (slot, ok)
+  return send, back, route, send(ids, route, -1), jnp.sum(~ok)
 
 
 def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
   """As `_exchange_padded`, with `ragged_all_to_all`: exactly the rows each destination
   gets, packed into a receive buffer of `capacity` rows."""
+  a = rows.shape[0]
   counts = _count(dest, n)                                            # [n] rows I send to each
   starts = jnp.cumsum(counts) - counts
   matrix = jax.lax.all_gather(counts, axes, tiled=False)              # [n senders, n receivers]
@@ -202,47 +207,68 @@ def _exchange_ragged(rows, ids, dest, n: int, capacity: int, axes):
   # Room for my block in each receiver (what does not fit is cut, and reported above).
   send_sizes = jnp.clip(capacity - out_offsets, 0, counts)
   recv_sizes_fit = jnp.clip(capacity - recv_starts, 0, recv_sizes)
-
-  def go(v, out_shape, in_off, sizes, out_off, rsizes):
-    buf = jnp.zeros(out_shape, v.dtype)
-    return jax.lax.ragged_all_to_all(v, buf, in_off, sizes, out_off, rsizes, axis_name=axes)
-
-  send = lambda v: go(v, (capacity,) + v.shape[1:], starts, send_sizes, out_offsets, recv_sizes_fit)
-  received = jnp.arange(capacity) < jnp.sum(recv_sizes_fit)
-  recv_ids = jnp.where(received, send(ids), -1)
   # Back: each receiver returns its block from sender s to s's original offsets.
   back_offsets = jax.lax.all_to_all(starts, axes, 0, 0, tiled=True)  # [s]: s's starts[me]
 
-  def back(out):  # the transpose of `send`
-    return go(out, rows.shape, recv_starts, recv_sizes_fit, back_offsets, send_sizes)
-  return send, recv_ids, back, overflow
+  def go(v, rows_out, in_off, sizes, out_off, rsizes):
+    buf = jnp.zeros((rows_out,) + v.shape[1:], v.dtype)
+    return jax.lax.ragged_all_to_all(v, buf, in_off, sizes, out_off, rsizes, axis_name=axes)
+
+  def send(v, route):
+    starts, send_sizes, out_offsets, recv_sizes_fit, _, _ = route
+    return go(v, capacity, starts, send_sizes, out_offsets, recv_sizes_fit)
+
+  def back(out, route):
+    _, send_sizes, _, recv_sizes_fit, recv_starts, back_offsets = route
+    return go(out, a, recv_starts, recv_sizes_fit, back_offsets, send_sizes)
+  route = (starts, send_sizes, out_offsets, recv_sizes_fit, recv_starts, back_offsets)
+  received = jnp.arange(capacity) < jnp.sum(recv_sizes_fit)
+  return send, back, route, jnp.where(received, send(ids, route), -1), overflow
 
 
-def _fp8_send(rows: jax.Array, send: Callable, block: int = 128) -> jax.Array:
-  """send(rows), the rows travelling in fp8: e4m3 with a power-of-two scale per row and
-  `block` columns (DeepSeek-V3's dispatch: 1 x 128 tiles), the scales beside them in f32
-  (4 bytes per 128), so the exchange moves ~0.53 of the bf16 bytes. The received rows are
-  the dequantized ones, in rows' dtype. The backward sends the cotangent back by the
-  transpose of `send` (the return exchange) in rows' dtype, straight through the rounding:
-  the gradient the unquantized exchange would give at the dequantized rows."""
-  a, m = rows.shape
+def _fp8_sent(v: jax.Array, send: Callable, block: int = 128) -> jax.Array:
+  """send(v) [a, m] -> [r, m], v travelling in fp8: e4m3 with a power-of-two scale per row and
+  `block` columns (DeepSeek-V3's 1 x 128 tiles), the scales beside it in f32 (4 bytes per
+  128): ~0.53 of the bf16 bytes. Returns what arrives, dequantized, in v's dtype."""
+  a, m = v.shape
   b = block if m % block == 0 else m
+  blocks = v.reshape(a, m // b, b).astype(jnp.float32)
+  amax = jnp.max(jnp.abs(blocks), axis=-1)
+  # A power of two (exact to divide and multiply by) taking the block's max to <= 448.
+  scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / FP8_MAX)))
+  q = (blocks / scale[..., None]).astype(FP8).reshape(a, m)
+  got, scale = send(q), send(scale)
+  return (got.astype(jnp.float32).reshape(-1, m // b, b) * scale[..., None]).reshape(-1, m).astype(v.dtype)
 
-  @jax.custom_jvp
-  def go(r):
-    blocks = r.reshape(a, m // b, b).astype(jnp.float32)
-    amax = jnp.max(jnp.abs(blocks), axis=-1)
-    # A power of two (exact to divide and multiply by) taking the block's max to <= 448.
-    scale = jnp.exp2(jnp.ceil(jnp.log2(jnp.maximum(amax, jnp.finfo(jnp.float32).tiny) / FP8_MAX)))
-    q = (blocks / scale[..., None]).astype(FP8).reshape(a, m)
-    got, scale = send(q), send(scale)
-    return (got.astype(jnp.float32).reshape(-1, m // b, b) * scale[..., None]).reshape(-1, m).astype(r.dtype)
 
+def _fp8_send(rows: jax.Array, send: Callable) -> jax.Array:
+  """send(rows) with the rows in fp8 (`_fp8_sent`). The backward sends the cotangent back by
+  the transpose of `send` (the return exchange) in rows' dtype, straight through the rounding:
+  the gradient the unquantized exchange would give at the rounded rows."""
+  go = jax.custom_jvp(lambda r: _fp8_sent(r, send))
   # The tangent rule is the unquantized exchange (linear), so reverse mode transposes it into
-  # the return exchange of the cotangent. (A custom_vjp's backward could not use `back`,
-  # which closes over this trace's routing arrays.)
+  # the return exchange of the cotangent.
   go.defjvp(lambda primals, tangents: (go(*primals), send(*tangents)))
   return go(rows)
+
+
+def _zero_cotangent(c):
+  return np.zeros(c.shape, jax.dtypes.float0) if not jnp.issubdtype(c.dtype, jnp.inexact) else jnp.zeros_like(c)
+
+
+def _return_fp8_gradient(out: jax.Array, send: Callable, back: Callable, route) -> jax.Array:
+  """back(out, route), the return exchange, in out's dtype; its transpose, the expert outputs'
+  gradient on its way to the experts, travels in fp8 (`_fp8_sent` through `send`), as
+  DeepSeek-V3 sends the activation gradient before the down projection."""
+  @jax.custom_vjp
+  def go(o, route):
+    return back(o, route)
+
+  def bwd(route, ct):
+    return _fp8_sent(ct, lambda v: send(v, route)), jax.tree.map(_zero_cotangent, route)
+
+  go.defvjp(lambda o, route: (go(o, route), route), bwd)
+  return go(out, route)
 
 
 def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num_experts: int,
@@ -250,8 +276,9 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
                              fp8_dispatch: bool = False):
   """Per device (inside shard_map over `axes`, n devices): x [T, m] local tokens, index and
   gates [T, k]; weights hold the E/n local experts. `buffer`: see the module docstring.
-  `fp8_dispatch`: the rows go to their experts in fp8 (`_fp8_send`), and come back, as every
-  gradient does, in x's dtype."""
+  `fp8_dispatch`: what travels to the experts goes in fp8: the rows (`_fp8_send`) and, in the
+  backward, the expert outputs' gradient (`_return_fp8_gradient`); the outputs and the rows'
+  gradient come back in x's dtype."""
   t, k = index.shape
   local = num_experts // n
   flat = index.reshape(-1)
@@ -263,16 +290,19 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   per_dest = t * min(k, local) if buffer is None else max(1, math.ceil(buffer * t * k / n))
   if exchange == "ragged":
     capacity = n * per_dest if buffer is None else max(1, math.ceil(buffer * t * k))
-    send, ids, back, overflow = _exchange_ragged(rows, expert % local, expert // local, n,
-                                                 capacity, axes)
+    send, back, route, ids, overflow = _exchange_ragged(rows, expert % local, expert // local, n,
+                                                        capacity, axes)
   else:
-    send, ids, back, overflow = _exchange_padded(rows, expert % local, expert // local, n,
-                                                 per_dest, axes)
-  recv = _fp8_send(rows, send) if fp8_dispatch else send(rows)
+    send, back, route, ids, overflow = _exchange_padded(rows, expert % local, expert // local, n,
+                                                        per_dest, axes)
+  to_experts = lambda v: send(v, route)
+  recv = _fp8_send(rows, to_experts) if fp8_dispatch else to_experts(rows)
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
   order2 = jnp.argsort(ids, stable=True)
   out = grouped_ffn(recv[order2], _count(ids, local), *weights, act, impl, quantization)
-  out = checkpoint_name(back(jnp.zeros_like(out).at[order2].set(out)), EXPERT_RETURNED)
+  out = jnp.zeros_like(out).at[order2].set(out)
+  out = checkpoint_name(_return_fp8_gradient(out, send, back, route) if fp8_dispatch else back(out, route),
+                        EXPERT_RETURNED)
   out = jnp.zeros_like(out).at[order].set(out)
   y = jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
   return y, overflow

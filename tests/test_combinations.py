@@ -172,3 +172,12 @@ def test_moe_matmuls_remat_cell_equals_one_device(model, layout, quant, monkeypa
   ici, axes, preset, extra = LAYOUTS[layout]
   monkeypatch.setitem(LAYOUTS, layout, (ici, axes, preset, [*extra, "model.remat='moe_matmuls'"]))
   check_cell(model, layout, quant)
+
+
+@pytest.mark.slow
+def test_moe_returned_remat_cell_equals_one_device(monkeypatch):
+  """model.remat='moe_returned' saves the returned expert outputs inside the expert-parallel
+  shard_map (one device has no exchange, so there it keeps the gate/up outputs only): equal."""
+  ici, axes, preset, extra = LAYOUTS["expert"]
+  monkeypatch.setitem(LAYOUTS, "expert", (ici, axes, preset, [*extra, "model.remat='moe_returned'"]))
+  check_cell("moe", "expert", "int8")
