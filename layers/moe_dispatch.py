@@ -345,8 +345,8 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
   `overflow`: 'error' poisons y when copies did not fit (below), 'drop' leaves them out (their
   rows never travel: 0 from the experts). `chunks`: each device's tokens in that many pieces,
   each exchanged and multiplied on its own (the exchange of one can run under another's
-  expert matmuls); per token the same result. `fp8_dispatch`: under expert parallelism the
-  rows travel to their experts in fp8 (`_fp8_send`)."""
+  expert matmuls); per token the same result. `fp8_dispatch`: under expert parallelism what
+  travels to the experts goes in fp8 (`dropless_expert_parallel`)."""
   b, l, m = x.shape
   e = weights[0].shape[0]
   impl = resolve_impl(impl)

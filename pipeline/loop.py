@@ -29,7 +29,8 @@ iteration's stage computation is wrapped in `jax.checkpoint`, so
 the backward pass keeps only its input, the buffer (T microbatches per group),
 and recomputes the stage's layers one iteration at a time; the model's own
 per-block remat then bounds that one iteration's intermediates. Total: about
-2T microbatches per device plus the inputs and their cotangent (M per device),
+T + M microbatches per device (saved inputs, outputs) plus the inputs and their
+cotangent (M per device),
 whatever the layers per stage, against T x (L/(S*R) layer inputs or all their
 intermediates) when the scan saved the stage body's residuals. Always, not only
 with model.remat != 'none': without it the pipeline would save every
