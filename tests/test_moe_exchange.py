@@ -73,3 +73,18 @@ def test_tpu_fsdp_over_two_axes_reduce_scatters_on_a_3d_torus():
   colls = report.collectives(dry_run.compile_step(setup).as_text())
   assert [c for c in colls if c.kind == "reduce-scatter" and "moe_dispatch.py" in c.source]
   assert not [c for c in colls if c.kind == "all-reduce" and c.group_size == 16 and c.bytes == 32768]
+
+
+def test_tpu_fp8_dispatch_sends_what_goes_to_the_experts_by_ragged_all_to_all_in_fp8():
+  """model.moe.fp8_dispatch on the ragged exchange, as libtpu compiles it: what goes to the
+  experts (the rows forward, the expert outputs' gradient backward; 256-row receive buffers)
+  travels as f8e4m3fn with its f32 scales; what comes back (the outputs forward, the rows'
+  gradient backward; 64 rows) in f32, the tiny model's dtype. Without fp8_dispatch the same
+  step has no f8 op (the test above)."""
+  exp = tiny_dropless("expert", (4,), ("data",), "mesh.topology='v5e:2x2'",
+                      "model.moe.expert_buffer=None", "model.moe.fp8_dispatch=True")
+  _, setup = dry_run.prepare(exp)
+  hlo = dry_run.compile_step(setup).as_text()
+  ops = re.findall(r"= (\w+)\[(\d+),[^\]]*\]\S* ragged-all-to-all\(", hlo)
+  assert sorted(dt for dt, rows in ops if rows == "256") == ["f32", "f32", "f8e4m3fn", "f8e4m3fn", "s32"], ops
+  assert [dt for dt, rows in ops if rows == "64"] == ["f32", "f32"], ops
