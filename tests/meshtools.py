@@ -74,3 +74,12 @@ def tiny_lm(layers: int, batch: int, stages=1, micro=1, repeats=1, ici=(1, 1), a
       f"model.pipeline.circular_repeats={repeats}",
       f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", *extra])
   return configs.build(cfg)
+
+
+def equations(jaxpr):
+  """Every equation of `jaxpr`, nested jaxprs (scan, shard_map, remat, jit) included."""
+  import jax.extend
+  for eqn in jaxpr.eqns:
+    yield eqn
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+      yield from equations(sub)

@@ -11,9 +11,7 @@ outputs and in the gradients of every weight and of the input.
 import dataclasses
 
 import jax
-import jax.extend
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 import pytest
 from flax import nnx
@@ -451,103 +449,3 @@ def test_moe_matmuls_remat_keeps_the_expert_matmuls_out_of_the_recompute():
   assert dots["moe_matmuls"] == dots["full"] - 3, dots
   for a, b in zip(jax.tree.leaves(grads["moe_matmuls"]), jax.tree.leaves(grads["full"])):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _primitives(jaxpr, name: str) -> int:
-  """How many `name` equations `jaxpr` runs, nested jaxprs (shard_map, remat, jit) included."""
-  n = 0
-  for eqn in jaxpr.eqns:
-    n += eqn.primitive.name == name
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      n += _primitives(sub, name)
-  return n
-
-
-def test_moe_returned_remat_keeps_the_return_exchange_out_of_the_recompute():
-  """remat='moe_returned' saves the experts' gate/up outputs and their outputs back on the
-  token side ('expert_returned'): the backward of a checkpointed expert-parallel FFN then
-  recomputes only the dispatch exchange, not the return exchange nor any expert matmul
-  (against 'full': one all-to-all and 3 matmuls fewer), with the same gradients. Fails with
-  the name left off the returned rows (the return exchange and the down matmul come back)."""
-  from jax.sharding import PartitionSpec as P
-  from shardax.layers import REMAT_POLICIES
-  from shardax.layers.moe_dispatch import dropless_expert_parallel
-  from test_layers import dot_operand_dtypes
-  rng = np.random.default_rng(0)
-  n, e = 4, 8
-  x = jnp.asarray(rng.normal(size=(n * 24, 16)), jnp.float32)
-  index = jnp.asarray(rng.integers(0, e, size=(n * 24, 2)), jnp.int32)
-  gates = jnp.asarray(rng.uniform(size=(n * 24, 2)), jnp.float32)
-  weights = tuple(jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((e, 16, 8), (e, 16, 8), (e, 8, 16)))
-  mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
-  ffn = jax.shard_map(
-      lambda x, i, g, *w: dropless_expert_parallel(x, i, g, w, jax.nn.silu, axes="x", n=n, num_experts=e,
-                                                   buffer=2.0, exchange="padded", impl="tiled")[0],
-      mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"))
-  loss = lambda w, x: jnp.sum(ffn(x, index, gates, *w) ** 2)
-  grads, dots, exchanges = {}, {}, {}
-  for remat in ("full", "moe_returned"):
-    f = jax.grad(jax.checkpoint(loss, policy=REMAT_POLICIES[remat]), argnums=(0, 1))
-    grads[remat] = jax.jit(f)(weights, x)
-    jaxpr = jax.make_jaxpr(f)(weights, x).jaxpr
-    dots[remat], exchanges[remat] = len(dot_operand_dtypes(jaxpr)), _primitives(jaxpr, "all_to_all")
-  assert dots["moe_returned"] == dots["full"] - 3, dots
-  assert exchanges["moe_returned"] == exchanges["full"] - 1, exchanges
-  for a, b in zip(jax.tree.leaves(grads["moe_returned"]), jax.tree.leaves(grads["full"])):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-
-
-def _all_to_all_dtypes(jaxpr) -> list:
-  out = []
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "all_to_all":
-      out.append(eqn.invars[0].aval.dtype)
-    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-      out += _all_to_all_dtypes(sub)
-  return out
-
-
-def test_fp8_dispatch_sends_what_goes_to_the_experts_in_fp8():
-  """model.moe.fp8_dispatch: what travels to the experts goes in fp8 with a power-of-two scale
-  per 128 columns: the rows, and in the backward the gradient of the expert outputs; the
-  outputs and the rows' gradient come back unquantized (DeepSeek-V3's dispatch and combine).
-  With gates and a loss gradient that fp8 holds exactly, the loss and every gradient equal
-  those of the unquantized exchange fed the rows as fp8 holds them (computed here with
-  ml_dtypes); with another loss the gradients differ by the rounding of the outputs'
-  gradient. The program: 1 f8 all-to-all forward, 1 more backward. Fails with the rows or
-  the outputs' gradient sent unquantized, or the rows' gradient sent through the rounding.
-  (The padded exchange: XLA:CPU has no ragged_all_to_all; the ragged one shares the code.)"""
-  from jax.sharding import PartitionSpec as P
-  from shardax.layers.moe_dispatch import dropless_expert_parallel
-  rng = np.random.default_rng(0)
-  n, e, m = 4, 8, 256
-  index = jnp.asarray(rng.integers(0, e, size=(n * 24, 2)), jnp.int32)
-  gates = jnp.asarray(rng.choice([0.5, 1.0], size=(n * 24, 2)), jnp.float32)
-  weights = tuple(jnp.asarray(rng.normal(size=s) / 4, jnp.float32) for s in ((e, m, 8), (e, m, 8), (e, 8, m)))
-  mesh = jax.make_mesh((n,), ("x",), axis_types=(jax.sharding.AxisType.Auto,), devices=jax.devices()[:n])
-  c = jnp.asarray(rng.choice([0, 0.5, 1, 1.5, 2, 3, -0.5, -1, -2, -3], size=(n * 24, m)), jnp.float32)
-
-  def loss_fn(fp8, loss):
-    ffn = jax.shard_map(
-        lambda x, i, g, *w: dropless_expert_parallel(x, i, g, w, jax.nn.silu, axes="x", n=n, num_experts=e,
-                                                     buffer=2.0, exchange="padded", impl="tiled",
-                                                     fp8_dispatch=fp8)[0],
-        mesh=mesh, in_specs=(P("x"),) * 6, out_specs=P("x"), check_vma=False)   # as layers/moe_dispatch.py
-    return lambda w, x: loss(ffn(x, index, gates, *w))
-
-  x = rng.normal(size=(n * 24, m)).astype(np.float32)
-  blocks = x.reshape(n * 24, m // 128, 128)      # the rows as fp8 holds them, computed here
-  scale = 2.0 ** np.ceil(np.log2(np.abs(blocks).max(-1, keepdims=True) / 448))
-  held = ((blocks / scale).astype(ml_dtypes.float8_e4m3fn).astype(np.float32) * scale).reshape(x.shape)
-  grad = lambda f, loss, x: jax.jit(jax.value_and_grad(loss_fn(f, loss), argnums=(0, 1)))(weights, jnp.asarray(x))
-  linear, square = (lambda y: jnp.sum(y * c)), (lambda y: jnp.sum(y ** 2))
-  (l8, g8), (lh, gh), (l, _) = grad(True, linear, x), grad(False, linear, held), grad(False, linear, x)
-  np.testing.assert_allclose(l8, lh, rtol=1e-6)        # = the unquantized exchange at the rows fp8 holds
-  for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(gh)):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(b))))
-  assert l8 != l, l                                    # and they differ from x's by fp8's rounding
-  (_, g8), (_, gh) = grad(True, square, x), grad(False, square, held)
-  off = [float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b))) for a, b in zip(jax.tree.leaves(g8), jax.tree.leaves(gh))]
-  assert all(0 < d < 0.1 for d in off), off            # the outputs' gradient rounded on its way
-  fp8 = lambda f: [str(d) for d in _all_to_all_dtypes(jax.make_jaxpr(f)(weights, jnp.asarray(x)).jaxpr)].count("float8_e4m3fn")
-  assert fp8(loss_fn(True, square)) == 1 and fp8(jax.grad(loss_fn(True, square), argnums=(0, 1))) == 2

@@ -13,7 +13,6 @@ import re
 import shutil
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -26,7 +25,7 @@ from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 from shardax.trainer.perf import costs as costs_lib
-from meshtools import coordinates, loss_and_grads, pairs, setup_for, tiny_lm
+from meshtools import coordinates, equations, loss_and_grads, pairs, setup_for, tiny_lm
 
 L, BATCH = 8, 16
 # name: (stages, microbatches, repeats, mesh ici, mesh axes, preset, *more overrides)
@@ -171,18 +170,11 @@ def test_the_loop_keeps_the_last_m_outputs_not_one_per_iteration():
   setup = setup_for(tiny_lm(16, 128, 4, 4, 4, ici=(4, 2), axes=("stage", "data"), preset="pp_dp"))
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     jaxpr = jax.make_jaxpr(step_lib.loss_fn(setup))(setup.abstract["params"], step_lib.abstract_batch(setup))
-  loops = [e for e in _equations(jaxpr.jaxpr) if e.primitive.name == "scan" and e.params["length"] == 19]
+  loops = [e for e in equations(jaxpr.jaxpr) if e.primitive.name == "scan" and e.params["length"] == 19]
   assert loops
   for e in loops:
     stacked = e.outvars[e.params["num_carry"]:]
     assert not [v for v in stacked if v.aval.ndim >= 4 and v.aval.shape[-1] == 32], stacked
-
-
-def _equations(jaxpr):
-  for e in jaxpr.eqns:
-    yield e
-    for sub in jax.extend.core.jaxprs_in_params(e.params):
-      yield from _equations(sub)
 
 
 def test_the_head_runs_on_one_stage_groups_share_of_the_rows():
