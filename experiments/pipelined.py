@@ -1,5 +1,6 @@
 """Pipelined LMs (shardax.pipeline): a CPU default, GPT-3 175B on one v4 pod and over 4 v5e
-slices, and a Llama-4-Maverick-shaped MoE over 4 v5p slices with its unpipelined twin.
+slices, and a Llama-4-Maverick-shaped MoE over 4 v5p slices (8.4M tokens a step, and 1M, where the
+pipeline wins) with its unpipelined twins.
 
 The mesh gets a `stage` axis and the preset a ("stage", "stage") rule (`pp_dp`,
 `pp_tp`, `pp_2d`); `model.pipeline` sets stages, microbatches and circular repeats.
@@ -126,7 +127,7 @@ def gpt3_175b_4slices():
   return cfg
 
 
-def _maverick(slices_over: str):
+def _maverick(slices_over: str, topology: str = "v5p:4x4x8", global_batch: int = 2048):
   """Llama 4 Maverick's shapes where shardax has them (Meta's config.json): d_model 5120, 48
   layers alternating dense (d_ff 16384) and MoE (128 routed experts of d_ff 8192, top-1 of
   sigmoid scores, plus 1 shared expert), 40 query heads of 128 with 8 KV heads, vocab 202048:
@@ -154,12 +155,12 @@ def _maverick(slices_over: str):
   m.aux_loss_weight = 1e-3
   m.dispatch = "dropless"
   padded_exchange(m)   # as moe.deepseek_v3: fixed blocks of 2 fair shares, async all-to-alls in 2 pieces
-  cfg = pod_moe(cfg, "v5p:4x4x8", (1, 128), global_batch=2048, seq_len=4096)
+  cfg = pod_moe(cfg, topology, (1, -1), global_batch=global_batch, seq_len=4096)
   t.remat = "moe_matmuls"
   cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_ALL_TO_ALL
   if slices_over == "stage":
     cfg.mesh.axes = ("stage", "data", "expert")
-    cfg.mesh.ici = (1, 1, 128)
+    cfg.mesh.ici = (1, 1, -1)
     cfg.mesh.dcn = (4, 1, 1)
     cfg.sharding.rules = split_over_stages((("stage", "stage"),) + POD_RULES)
   else:
@@ -194,3 +195,34 @@ def maverick_4slices_data():
   slice), experts split over each slice's 128 chips and every weight's embed dim over
   (data, expert), so weights are gathered across slices layer by layer (FSDP over DCN)."""
   return _maverick("data")
+
+
+@register("moe.maverick_4slices_1m", "moe.maverick_4slices at 1M tokens a step on 4 v5p:4x4x4 slices "
+          "(64 chips each): the pipeline where it is the right answer; a dry-run target")
+def maverick_4slices_1m():
+  """The Maverick-shaped MoE fine-tuned at 256 x 4096 tokens (1M) a step over 4 slices of 64
+  chips: the regime where a pipeline over DCN wins. The unpipelined twin
+  (`moe.maverick_4slices_1m_data`) moves its weights over DCN every step (FSDP over the
+  slices: each chip gathers its experts' quarter-shards forward and backward and
+  reduce-scatters their gradients, 26 GB of DCN buffers per chip), whatever the batch, while
+  its compute shrinks with the tokens: at 1M tokens it waits on DCN. The pipeline moves only
+  activations (3.4 GB per chip a step) and keeps each slice's quarter of the weights at home.
+  4 stages x 6 circular repeats (one dense + MoE unit a visit) x 4 microbatches of 64 rows (one
+  row per chip of a slice): bubble 3/27. remat 'none': inside the pipeline's per-iteration
+  checkpoint the backward reruns each iteration's forward once and keeps what it needs
+  (x1.69 against x1.85 with 'moe_matmuls'; 20.5 GiB per chip). docs/scale.md compares."""
+  cfg = _maverick("stage", "v5p:4x4x4", 256)
+  p = cfg.model.pipeline
+  p.stages = 4
+  p.circular_repeats = 6
+  p.microbatches = 4
+  cfg.model.remat = "none"
+  return cfg
+
+
+@register("moe.maverick_4slices_1m_data", "moe.maverick_4slices_1m without the pipeline: data across "
+          "the 4 slices, experts inside each (the unpipelined layout to beat)")
+def maverick_4slices_1m_data():
+  """moe.maverick_4slices_data at 1M tokens a step on 4 v5p:4x4x4 slices. remat
+  'moe_matmuls': 'none' asks 111.73 GiB of temporaries (95.74 usable)."""
+  return _maverick("data", "v5p:4x4x4", 256)

@@ -32,6 +32,8 @@ SKIPPED = {
     "moe.deepseek_v3": "pod-sized (v5p:8x8x16, 675B params): built and compiled by dry runs only",
     "moe.maverick_4slices": "pod-sized (4 x v5p:4x4x8, 400B params): built and compiled by dry runs only",
     "moe.maverick_4slices_data": "pod-sized (4 x v5p:4x4x8, 400B params): built and compiled by dry runs only",
+    "moe.maverick_4slices_1m": "pod-sized (4 x v5p:4x4x4, 400B params): built and compiled by dry runs only",
+    "moe.maverick_4slices_1m_data": "pod-sized (4 x v5p:4x4x4, 400B params): built and compiled by dry runs only",
     "lm.llama3_8b_8k": "pod-sized (v6e:2x4, Llama-3.1-8B at 8k): built and compiled by dry runs only",
     "lm.mistral_7b_8k": "pod-sized (v6e:2x4, Mistral-7B at 8k): built and compiled by dry runs only",
     "lm.llama3_70b_8k": "pod-sized (v6e:16x16, Llama-3.1-70B at 8k): built and compiled by dry runs only",
