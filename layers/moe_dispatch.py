@@ -60,6 +60,7 @@ from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
 from shardax.layers import quantization as quant
+from shardax.pipeline import in_stage_body
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.annotate import current_mesh_shape
 from shardax.sharding.target import target_platform
@@ -322,13 +323,29 @@ def resolve_exchange(exchange: str) -> str:
   return "padded" if target_platform() == "cpu" else "ragged"
 
 
-def resolve_impl(impl: str) -> str:
-  """'auto': jax.lax.ragged_dot (a grouped-matmul kernel on TPU and GPU), 'tiled' on CPU."""
+def resolve_impl(impl: str, quantization: str = "none") -> str:
+  """'auto': jax.lax.ragged_dot (a grouped-matmul kernel on TPU and GPU), 'tiled' on CPU;
+  in a pipeline stage on a TPU, megablox. The stage body is vmapped over the stages, which
+  gives every ragged_dot a batch dim, and the TPU compiler refuses that ("number of batch
+  dimensions should be 0"); megablox's Pallas kernels take it as one more grid dim."""
   if impl not in IMPLS:
     raise ValueError(f"grouped matmul {impl!r}: use one of {IMPLS}")
+  platform = target_platform()
+  if platform == "tpu" and in_stage_body():
+    if impl in ("auto", "ragged_dot") and quantization != "none":
+      raise ValueError(f"model.moe.grouped_matmul={impl!r} with model.quantization={quantization!r} "
+                       f"in a pipeline stage on a TPU: the TPU compiler refuses the stage body's "
+                       f"batched ragged_dot and megablox has no 8-bit path; use "
+                       f"model.quantization='none' or no pipeline")
+    if impl == "ragged_dot":
+      raise ValueError("model.moe.grouped_matmul='ragged_dot' in a pipeline stage on a TPU: the "
+                       "stage body is vmapped and the TPU compiler refuses a ragged_dot with a batch "
+                       "dim; use 'megablox' (or 'auto', which picks it there)")
+    if impl == "auto":
+      return "megablox"
   if impl != "auto":
     return impl
-  return "tiled" if target_platform() == "cpu" else "ragged_dot"
+  return "tiled" if platform == "cpu" else "ragged_dot"
 
 
 def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, act: Callable,
@@ -344,7 +361,7 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
   travels to the experts goes in fp8 (`dropless_expert_parallel`)."""
   b, l, m = x.shape
   e = weights[0].shape[0]
-  impl = resolve_impl(impl)
+  impl = resolve_impl(impl, quantization)
   mesh = jax.sharding.get_abstract_mesh()
   if current_mesh_shape() is None or mesh.size == 1 or rules_lib.current_rules() is None:
     y = dropless_local(x.reshape(b * l, m), index.reshape(b * l, -1),

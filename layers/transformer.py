@@ -276,9 +276,13 @@ class TransformerLM(nnx.Module):
     return ce, metrics
 
   def balance_updates(self, next_bias: jax.Array) -> dict:
-    """The params subtree of every MoE layer's balance bias set to `next_bias` [layers, e]."""
-    blocks = self.layers.blocks
-    if self.cfg.scan_layers:
+    """The params subtree of every MoE layer's balance bias set to `next_bias` [layers, e], in
+    the layout the params keep (a pipelined stack's: [S, (R,) L/(S*R), e])."""
+    blocks, schedule = self.layers.blocks, self.layers.schedule
+    if schedule is not None:
+      blocks.moe_block.moe.balance_bias.set_value(
+          pipeline.to_stages(next_bias, schedule.stages, schedule.repeats))
+    elif self.cfg.scan_layers:
       blocks.moe_block.moe.balance_bias.set_value(next_bias)
     else:
       for unit, bias in zip(blocks, next_bias):

@@ -49,6 +49,7 @@ combine by max over the real work items, not by sum (statistics.py).
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from typing import Any, Callable, Sequence
@@ -82,6 +83,16 @@ StageFn = Callable[..., jax.Array]
 # elementwise recompute of 'dots' (8 simulated CPU devices, 8 layers, S=4, R=2,
 # in-process A/B 2026-11-26: 'dots' 4-6% slower than 'full' or 'none').
 _INNER_REMAT = {"full": "dots", "dots_no_batch": "dots"}
+
+
+_IN_STAGE_BODY = contextvars.ContextVar("shardax_in_stage_body", default=False)
+
+
+def in_stage_body() -> bool:
+  """Whether the layers being traced run in a pipeline stage body, which `run` vmaps over the
+  stages: every op there gets the stage as a batch dim (layers/moe_dispatch.py picks its
+  grouped matmul by it: the TPU compiler refuses a ragged_dot with one)."""
+  return _IN_STAGE_BODY.get()
 
 
 def stage_remat(remat: str, units_per_visit: int) -> str:
@@ -206,8 +217,12 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   queue = Queue(S, M, schedule.hop, x_axes) if R > 1 else None
 
   def one_stage(w, h, s, k):
-    with rules_lib.within_stage():   # the vmap puts this body's stage dim on `stage` itself
-      return stage_body(w, h, s, k)
+    token = _IN_STAGE_BODY.set(True)
+    try:
+      with rules_lib.within_stage():   # the vmap puts this body's stage dim on `stage` itself
+        return stage_body(w, h, s, k)
+    finally:
+      _IN_STAGE_BODY.reset(token)
 
   def stage_body(w, h, s, k):
     if R > 1:  # this stage's chunk for the repeat it is on (clipped in the bubble)

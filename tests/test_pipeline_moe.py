@@ -74,6 +74,9 @@ def test_pipelined_moe_equals_accumulation_microbatches_on_one_device(case):
     np.testing.assert_allclose(scalars(p_metrics)[k], v, rtol=1e-5, atol=1e-7, err_msg=f"{case}: {k}")
   updates, p_updates = metrics.get("state_updates"), p_metrics.get("state_updates")
   assert (updates is None) == (p_updates is None)
+  if p_updates is not None:  # written in the params' stage layout
+    p_updates = jax.device_get(p_updates)
+    p_updates["layers"]["blocks"] = pipeline.unstage_params(p_updates["layers"]["blocks"], repeats)
   for a, b in zip(jax.tree.leaves(p_updates or {}), jax.tree.leaves(updates or {})):
     np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7, err_msg=f"{case}: next balance bias")
   flat, ref_flat = jax.tree.leaves(p_grads), jax.tree.leaves(grads)
@@ -105,3 +108,26 @@ def test_random_second_expert_is_refused_in_a_pipeline():
                                 "model.moe.dispatch='capacity'", "model.moe.second_expert='random'"])
   with pytest.raises(ConfigError, match="second_expert='all' or dispatch='dropless'"):
     configs.build(cfg)
+
+
+def test_the_train_step_writes_the_pipelined_balance_bias_in_the_stage_layout():
+  """The real train step (trainer/step.py) of a bias-balanced MoE through 2 stages x 2 repeats:
+  the next balance bias comes out of the loop per layer ([L, e]) and is written over the
+  params, which a pipelined stack keeps in the stage layout ([S, R, L/(S*R), e]). Written
+  as it came, the step failed to trace (cond branches of different types); it must
+  leave the same bias, unstaged, as the unpipelined step with M accumulation microbatches."""
+  from shardax.trainer import step as step_lib
+  name, layers, stages, repeats, ici, axes, preset = CASES["deepseek_S2_R2_expert_axis"]
+  tokens = np.random.default_rng(0).integers(1, 256, size=(BATCH, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  biases = []
+  for setup in (setup_for(experiment(name, layers, accum=M), jax.devices()[:1]),
+                setup_for(experiment(name, layers, stages, repeats, ici, axes, preset))):
+    state = state_lib.init_fn(setup)(jax.random.key(0))
+    if setup.exp.model.pipeline.stages == 1:
+      state["params"] = jax.device_get(state["params"])
+    new, _ = step_lib.train_step_fn(setup)(state, batch)
+    bias = jax.device_get(new["params"]["layers"]["blocks"]["moe_block"]["moe"]["balance_bias"])
+    biases.append(bias if setup.exp.model.pipeline.stages == 1 else pipeline.from_stages(bias, repeats))
+  assert np.abs(biases[0]).max() > 0
+  np.testing.assert_allclose(biases[1], biases[0], rtol=1e-6, atol=1e-7)

@@ -1,5 +1,6 @@
 """`--mode=plan` (trainer/perf/plan.py): candidates, pruning, ranking."""
 
+import dataclasses
 import json
 import shlex
 
@@ -171,3 +172,63 @@ def test_a_multi_slice_experiment_plans_layouts_across_its_slices(tmp_path):
   assert [r for r in rows if r["status"] != "ok"] == [], [(r["set_line"], r["reason"]) for r in rows]
   assert {_schedule(r["sets"])[0] for r in rows} == {1, 2, 4}
   assert all("mesh.dcn=(2, 1, 1)" in r["sets"] for r in rows if _schedule(r["sets"])[0] > 1)
+
+
+def test_an_moe_pod_plans_data_across_its_slices_and_pipelines_over_them():
+  """moe.maverick_4slices_1m (4 slices of 64 chips, expert axis 64 in each): the MoE grid keeps
+  each slice's expert axis and tries data across the slices once per remat policy, and
+  pipelines with a stage per slice once per schedule whose bubble is small enough. Both
+  registered layouts are among the candidates, and every printed --set line builds."""
+  from shardax.pipeline import bubble_fraction
+  cfg = configs.get("moe.maverick_4slices_1m")
+  found = plan.candidates(cfg, 256, plan.MOE_PODS, slices=4)
+  plain = [c for c in found if _schedule(c)[0] == 1]
+  piped = [c for c in found if _schedule(c)[0] > 1]
+  assert {s for c in plain for s in c if s.startswith("model.remat=")} == {
+      f"model.remat={r}" for r in plan.MOE_PODS.remat}
+  assert all("mesh.ici=(1, 64)" in c and "mesh.dcn=(4, 1)" in c for c in plain), plain[0]
+  assert all("mesh.ici=(1, 1, 64)" in c and "mesh.dcn=(4, 1, 1)" in c for c in piped), piped[0]
+  assert {_schedule(c) for c in piped} >= {(4, 4, 6), (4, 4, 3), (4, 8, 2)}
+  for s, m, r in map(_schedule, piped):
+    assert bubble_fraction(s, m, r) <= plan.MOE_PODS.max_bubble, (s, m, r)
+  registered = {n: configs.build(configs.get(n)) for n in ("moe.maverick_4slices_1m", "moe.maverick_4slices_1m_data")}
+  built = []
+  for sets in found:
+    c = configs.get("moe.maverick_4slices_1m")
+    configs.apply_overrides(c, parsed(plan.set_line(sets)))
+    built.append(configs.build(c))
+  for name, exp in registered.items():
+    assert any(b.sharding.rules == exp.sharding.rules and b.model.remat == exp.model.remat
+               and b.model.pipeline == exp.model.pipeline and tuple(b.mesh.axes) == tuple(exp.mesh.axes)
+               for b in built), name
+  # A dense model keeps the dense grid; an MoE model on one slice gets no pipeline.
+  assert not plan._is_moe_pod(configs.get("lm.gpt3_175b_pipelined"))
+  one = plan.candidates(configs.get("moe.deepseek_v3"), 1024, plan.MOE_PODS)
+  assert one and all(_schedule(c)[0] == 1 and "mesh.ici=(8, 128)" in c for c in one)
+
+
+def test_an_moe_plan_over_two_slices_compiles_and_ranks_both_layouts(tmp_path):
+  """moe.deepseek_tiny (a dense layer, then 4 MoE layers with bias balancing and a shared
+  expert) over 2 slices of v5e:2x2, experts over each slice's 4 chips: data across the
+  slices and a 2-stage pipeline over them both compile for the TPU and are ranked. In the
+  stage body `grouped_matmul='auto'` picks megablox: the TPU compiler refuses the vmapped
+  body's batched ragged_dot, which is refused by name when asked for."""
+  pytest.importorskip("libtpu")
+  grid = dataclasses.replace(plan.MOE_PODS, remat=("full",), pipeline_microbatches_per_stage=(2,),
+                             pipeline_repeats=(1,), max_bubble=1.0)
+  sets = ["data.source='synthetic'", "model.num_layers=5", "model.d_model=128", "model.moe.d_ff=128", "data.seq_len=32", "model.max_len=32", "train.global_batch=16",
+          "mesh.topology='v5e:2x2'", "mesh.num_cpu_devices=None", "mesh.axes=('data','expert')",
+          "mesh.ici=(1,4)", "mesh.dcn=(2,1)", "sharding.preset='expert_axis'",
+          "model.moe.grouped_matmul='auto'"]
+  written = []   # plan.json is rewritten after each candidate (a compiler abort loses no row)
+  p = plan.plan("moe.deepseek_tiny", sets, str(tmp_path), grid=grid, log=lambda s: written.append(
+      len(json.loads((tmp_path / "plan.json").read_text())["candidates"])))
+  assert written == [1, 2]
+  rows = p["candidates"]
+  assert p["num_devices"] == 8 and len(rows) == 2
+  assert [r for r in rows if r["status"] != "ok"] == [], [(r["set_line"], r["reason"]) for r in rows]
+  assert sorted(_schedule(r["sets"]) for r in rows) == [(1, 1, 1), (2, 4, 1)]
+  assert len(p["ranked"]) == 2 and json.loads((tmp_path / "plan.json").read_text())["ranked"] == p["ranked"]
+  piped = next(r["sets"] for r in rows if _schedule(r["sets"])[0] == 2)
+  row = plan.evaluate("moe.deepseek_tiny", sets + ["model.moe.grouped_matmul='ragged_dot'"], piped)
+  assert row["status"] == "rejected" and "'ragged_dot' in a pipeline stage on a TPU" in row["reason"], row

@@ -16,7 +16,12 @@ before anything compiles), then for each one:
   4. ranks what is left by predicted step time (`_predicted_seconds`: the step-time model of
      trainer/perf/stepmodel.py), then by memory.
 It prints the best layouts with the exact `--set` line that selects each, and writes
-`plan.json` (every candidate, its status, reason and figures) into the job dir.
+`plan.json` (every candidate, its status, reason and figures) into the job dir, after each
+candidate (libtpu can abort the process on a program it fails to compile: at effort -1 it
+did on a pipelined MoE, `moe.maverick_4slices_1m` at R=3, a CHECK in its all-reduce emitter).
+MoE experiments with an `expert` mesh axis have their own grid (`MOE_PODS`,
+`_moe_candidates`): the expert axis as the experiment has it, the remat policy and, over
+several slices, data across them or a pipeline with its stages over them.
 
 Speed: the planner compiles at effort -1 (jax 0.10's `exec_time_optimization_effort`, jax
 0.11's optimization level O0), which skips
@@ -41,6 +46,8 @@ from typing import Any, Sequence
 
 from shardax import configs
 from shardax.pipeline import PipelineError, bubble_fraction
+from shardax.sharding import rules as rules_lib
+from shardax.sharding.rules import split_over_stages
 from shardax.trainer import jobdir
 from shardax.trainer.perf import chips
 from shardax.trainer.perf import dry_run as dry_run_lib
@@ -72,6 +79,10 @@ class Grid:
   context_axis: tuple[int, ...] = ()                  # if set: mesh (data, context) of these
                                                       # context sizes instead of (data, model)
   quantization: tuple[str, ...] = ()                  # if set: every layout once per model.quantization
+  # MoE experiments with an `expert` mesh axis (`_moe_candidates`): the stages per slice of
+  # their pipelines, and the remat policies those try (empty: remat's first).
+  pipeline_stages_per_slice: tuple[int, ...] = (1,)
+  pipeline_remat: tuple[str, ...] = ()
 
 
 # Experiments whose layouts are not the 2D default's. Long-context LMs (experiments/
@@ -87,6 +98,14 @@ PIPELINED = Grid(model_axis=(8,), remat=("full",), microbatches=(2,), fsdp=False
                  pipeline_stages=(4, 8), pipeline_model_axis=(4, 8, 16),
                  pipeline_microbatches_per_stage=(2, 3, 4), pipeline_repeats=(1, 2, 3, 4),
                  max_bubble=0.08)
+# MoE experiments with an `expert` mesh axis (the pod MoEs): the experts stay split over each
+# slice as the experiment has them; the choice is the remat policy and, over several slices,
+# data across them or a pipeline whose stages go over them (its schedule: microbatches x
+# circular repeats, bubbles over 25% not compiled; inside a pipeline the lightest remat).
+MOE_PODS = Grid(model_axis=(), remat=("full", "moe_matmuls", "moe_returned", "dots", "none"),
+                microbatches=(1,), fsdp=False, tp=False, pipeline_stages=(),
+                pipeline_microbatches_per_stage=(1, 2, 4), pipeline_repeats=(1, 2, 3, 6),
+                max_bubble=0.25, pipeline_stages_per_slice=(1,), pipeline_remat=("none",))
 GRIDS = {"lm.llama3_8b_8k": Grid(microbatches=(1, 3), **_LONG_CONTEXT),   # 3 seqs per chip
          "lm.llama3_70b_8k": Grid(microbatches=(1,), **_LONG_CONTEXT),    # 1 seq per chip
          # 32k: the sequence split over 4 or 8 chips (context parallelism, preset fsdp_cp).
@@ -105,6 +124,8 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid(), slices: int = 1) -> l
   """`--set` overrides of every candidate layout for the experiment tree `cfg`, over
   `slices` slices of num_devices / slices devices each (the mesh's `dcn`): data across
   the slices, or a pipeline's stages (a whole number of stages per slice)."""
+  if _is_moe_pod(cfg):
+    return _moe_candidates(cfg, num_devices, grid, slices)
   prefix = "model."
   out = []
   dcn = slices if slices > 1 or tuple(cfg.mesh.dcn) else None
@@ -121,15 +142,75 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid(), slices: int = 1) -> l
   if grid.tp:
     out.append(_layout(("data", "model"), (-1, grid.model_axis[0]), "tp", dcn) + base)
   if cfg.model.pipeline.stages > 1:  # a pipelined experiment's layouts without its pipeline
-    out = [sets + ["model.pipeline.stages=1", "model.pipeline.microbatches=1",
-                   "model.pipeline.circular_repeats=1", "model.pipeline.delay_shift=False",
-                   "model.pipeline.grads_in_layout=True"] for sets in out]
-  if getattr(cfg.model, "moe", None) is None:  # MoE models are refused under a pipeline
+    out = [sets + _NO_PIPELINE for sets in out]
+  if cfg.model.moe is None:  # an MoE model pipelines on its expert mesh (_moe_candidates)
     out += [_layout(("stage", "data", "model"), (s // slices, -1, m), "pp_2d", dcn) + base + schedule
             for s, m, schedule in _pipelines(cfg.model.num_layers, grid) if s % slices == 0]
   if grid.quantization:  # 8-bit matmuls (layers/quantization.py) ranked with the layouts
     out = [sets + [f"{prefix}quantization={q}"] for sets in out for q in grid.quantization]
   return out
+
+
+_NO_PIPELINE = ["model.pipeline.stages=1", "model.pipeline.microbatches=1",
+                "model.pipeline.circular_repeats=1", "model.pipeline.delay_shift=False",
+                "model.pipeline.grads_in_layout=True"]
+
+
+def _is_moe_pod(cfg) -> bool:
+  return cfg.model.moe is not None and "expert" in tuple(cfg.mesh.axes)
+
+
+def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list[str]]:
+  """`candidates` of an MoE experiment with an `expert` mesh axis: each slice keeps the
+  experiment's expert axis (data = the rest of the slice). Unpipelined: (data, expert) with
+  data across the slices, the experiment's rules without their stage rules, once per
+  `grid.remat`. Over several slices also pipelines: (stage, data, expert) with
+  `pipeline_stages_per_slice` stages in each slice, the rules with ("stage", "stage") and the
+  batch split over the stages outside the loop (`rules.split_over_stages`), once per
+  schedule whose bubble is at most `max_bubble` and per `pipeline_remat`."""
+  ici = dict(zip(cfg.mesh.axes, cfg.mesh.ici))
+  per_slice = num_devices // slices
+  known = math.prod(n for a, n in ici.items() if a != "expert" and n > 0)
+  expert = ici["expert"] if ici["expert"] > 0 else per_slice // known
+  base = _without_stage(rules_lib.resolve(cfg.sharding.preset, cfg.sharding.rules))
+  multi = slices > 1 or bool(tuple(cfg.mesh.dcn))
+  rules = lambda r: [f"sharding.preset=None", f"sharding.rules={r!r}"]
+  out = [["mesh.axes=('data','expert')", f"mesh.ici={(per_slice // expert, expert)!r}",
+          *([f"mesh.dcn={(slices, 1)!r}"] if multi else []), *rules(base),
+          f"model.remat={remat}", f"train.microbatches={grid.microbatches[0]}", *_NO_PIPELINE]
+         for remat in grid.remat]
+  staged = split_over_stages((("stage", "stage"),) + base)
+  moe = cfg.model.moe
+  units = (cfg.model.num_layers - moe.first_dense_layers) // moe.every   # what the stages split
+  for per in grid.pipeline_stages_per_slice:
+    s = per * slices
+    if s < 2 or per_slice % (per * expert):
+      continue
+    for r in grid.pipeline_repeats:
+      for m in grid.pipeline_microbatches_per_stage:
+        if units % (s * r) or bubble_fraction(s, m * s, r) > grid.max_bubble:
+          continue
+        for remat in grid.pipeline_remat or grid.remat[:1]:
+          out.append(["mesh.axes=('stage','data','expert')",
+                      f"mesh.ici={(per, per_slice // (per * expert), expert)!r}",
+                      f"mesh.dcn={(slices, 1, 1)!r}", *rules(staged), f"model.remat={remat}",
+                      f"train.microbatches={grid.microbatches[0]}", f"model.pipeline.stages={s}",
+                      f"model.pipeline.microbatches={m * s}", f"model.pipeline.circular_repeats={r}"])
+  return out
+
+
+def _without_stage(rules) -> tuple:
+  """The rules with the `stage` mesh axis taken out (rules naming only it dropped, and the
+  duplicates that leaves)."""
+  out = []
+  for name, axes in rules:
+    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a != "stage")
+    if axes is not None and not kept:
+      continue
+    rule = (name, None if axes is None else kept[0] if len(kept) == 1 else kept)
+    if rule not in out:
+      out.append(rule)
+  return tuple(out)
 
 
 def _pipelines(layers: int, grid: Grid):
@@ -189,7 +270,8 @@ def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort
     return row
   try:
     report = extrapolate.dry_run(exp, full=not shallow, effort=effort)
-  except PipelineError as e:  # found while tracing: a microbatch the data axes do not divide
+  except ValueError as e:  # found while tracing: a microbatch the data axes do not divide
+    # (PipelineError), a grouped matmul the target refuses in a pipeline stage
     row.update(reason=str(e).splitlines()[0], seconds=time.perf_counter() - start)
     return row
   total = report["bytes_per_device"].get("total")
@@ -226,25 +308,32 @@ def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *
   cfg = configs.get(name)
   configs.apply_overrides(cfg, list(overrides))
   if grid == Grid():
-    grid = GRIDS.get(name, PIPELINED if cfg.model.pipeline.stages > 1 else grid)
+    grid = GRIDS.get(name, MOE_PODS if _is_moe_pod(cfg) else
+                     PIPELINED if cfg.model.pipeline.stages > 1 else grid)
   if quantization:
     grid = dataclasses.replace(grid, quantization=tuple(quantization))
   exp = configs.build(cfg)
   mesh, _ = dry_run_lib.prepare(exp)
   slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
   rows = []
+
+  def result():
+    return {"experiment": name, "overrides": list(overrides), "topology": exp.mesh.topology,
+            "num_devices": int(mesh.size), "device_kind": mesh.devices.flat[0].device_kind,
+            "effort": effort, "shallow": shallow, "grid": dataclasses.asdict(grid),
+            "candidates": rows, "ranked": [rows.index(r) for r in rank(rows)],
+            "compiled": sum(1 for r in rows if "compile_path" in r),
+            "wall_seconds": time.perf_counter() - start}
+
   for sets in candidates(cfg, int(mesh.size), grid, slices):
     rows.append(evaluate(name, overrides, sets, effort=effort, shallow=shallow))
+    if job_dir:  # after each candidate: a compiler that aborts the process loses no row
+      jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps(result(), indent=2))
     r = rows[-1]
     log(f"  [{len(rows)}] {r['status']:<13} {_seconds(r['predicted_step_seconds']):>9}  "
         f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}"
         + (f"\n      {r['reason']}" if r["reason"] else ""))
-  out = {"experiment": name, "overrides": list(overrides), "topology": exp.mesh.topology,
-         "num_devices": int(mesh.size), "device_kind": mesh.devices.flat[0].device_kind,
-         "effort": effort, "shallow": shallow, "grid": dataclasses.asdict(grid),
-         "candidates": rows, "ranked": [rows.index(r) for r in rank(rows)],
-         "compiled": sum(1 for r in rows if "compile_path" in r),
-         "wall_seconds": time.perf_counter() - start}
+  out = result()
   if job_dir:
     jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps(out, indent=2))
   return out
