@@ -174,7 +174,7 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
   expert = ici["expert"] if ici["expert"] > 0 else per_slice // known
   base = _without_stage(rules_lib.resolve(cfg.sharding.preset, cfg.sharding.rules))
   multi = slices > 1 or bool(tuple(cfg.mesh.dcn))
-  rules = lambda r: [f"sharding.preset=None", f"sharding.rules={r!r}"]
+  rules = lambda r: ["sharding.preset=None", f"sharding.rules={r!r}"]
   out = [["mesh.axes=('data','expert')", f"mesh.ici={(per_slice // expert, expert)!r}",
           *([f"mesh.dcn={(slices, 1)!r}"] if multi else []), *rules(base),
           f"model.remat={remat}", f"train.microbatches={grid.microbatches[0]}", *_NO_PIPELINE]
