@@ -81,6 +81,21 @@ def split_over_stages(rules: Rules) -> Rules:
 
 PRESETS.update({name: split_over_stages(rules) for name, rules in PRESETS.items() if name.startswith("pp_")})
 
+
+def without_stages(rules: Rules, axis: str = "stage") -> Rules:
+  """A pipeline's rules as the same layout without the pipeline: `axis` taken out of every
+  rule (rules that name only it dropped, with the duplicates that leaves; the inverse of
+  `split_over_stages` plus a ("stage", "stage") rule). Used by the planner (plan.py)."""
+  out = []
+  for name, axes in rules:
+    kept = tuple(a for a in _axes_tuple(axes) if a != axis)
+    if axes is not None and not kept:
+      continue
+    rule = (name, None if axes is None else kept[0] if len(kept) == 1 else kept)
+    if rule not in out:
+      out.append(rule)
+  return tuple(out)
+
 # (rules, allow_uneven) in force for `shard()`; set by `use_rules`.
 _current: contextvars.ContextVar[tuple[Rules | None, bool]] = contextvars.ContextVar(
     "shardax_rules", default=(None, False))

@@ -145,7 +145,8 @@ def candidates(cfg, num_devices: int, grid: Grid = Grid(), slices: int = 1) -> l
     out = [sets + _NO_PIPELINE for sets in out]
   if cfg.model.moe is None:  # an MoE model pipelines on its expert mesh (_moe_candidates)
     out += [_layout(("stage", "data", "model"), (s // slices, -1, m), "pp_2d", dcn) + base + schedule
-            for s, m, schedule in _pipelines(cfg.model.num_layers, grid) if s % slices == 0]
+            for s, schedule in _schedules(cfg.model.num_layers, grid.pipeline_stages, grid)
+            if s % slices == 0 for m in grid.pipeline_model_axis]
   if grid.quantization:  # 8-bit matmuls (layers/quantization.py) ranked with the layouts
     out = [sets + [f"{prefix}quantization={q}"] for sets in out for q in grid.quantization]
   return out
@@ -172,7 +173,7 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
   per_slice = num_devices // slices
   known = math.prod(n for a, n in ici.items() if a != "expert" and n > 0)
   expert = ici["expert"] if ici["expert"] > 0 else per_slice // known
-  base = _without_stage(rules_lib.resolve(cfg.sharding.preset, cfg.sharding.rules))
+  base = rules_lib.without_stages(rules_lib.resolve(cfg.sharding.preset, cfg.sharding.rules))
   multi = slices > 1 or bool(tuple(cfg.mesh.dcn))
   rules = lambda r: ["sharding.preset=None", f"sharding.rules={r!r}"]
   out = [["mesh.axes=('data','expert')", f"mesh.ici={(per_slice // expert, expert)!r}",
@@ -182,48 +183,27 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
   staged = split_over_stages((("stage", "stage"),) + base)
   moe = cfg.model.moe
   units = (cfg.model.num_layers - moe.first_dense_layers) // moe.every   # what the stages split
-  for per in grid.pipeline_stages_per_slice:
-    s = per * slices
-    if s < 2 or per_slice % (per * expert):
-      continue
-    for r in grid.pipeline_repeats:
-      for m in grid.pipeline_microbatches_per_stage:
-        if units % (s * r) or bubble_fraction(s, m * s, r) > grid.max_bubble:
-          continue
-        for remat in grid.pipeline_remat or grid.remat[:1]:
-          out.append(["mesh.axes=('stage','data','expert')",
-                      f"mesh.ici={(per, per_slice // (per * expert), expert)!r}",
-                      f"mesh.dcn={(slices, 1, 1)!r}", *rules(staged), f"model.remat={remat}",
-                      f"train.microbatches={grid.microbatches[0]}", f"model.pipeline.stages={s}",
-                      f"model.pipeline.microbatches={m * s}", f"model.pipeline.circular_repeats={r}"])
+  stages = [per * slices for per in grid.pipeline_stages_per_slice
+            if per * slices > 1 and per_slice % (per * expert) == 0]
+  for s, schedule in _schedules(units, stages, grid):
+    per = s // slices
+    out += [["mesh.axes=('stage','data','expert')", f"mesh.ici={(per, per_slice // (per * expert), expert)!r}",
+             f"mesh.dcn={(slices, 1, 1)!r}", *rules(staged), f"model.remat={remat}",
+             f"train.microbatches={grid.microbatches[0]}", *schedule]
+            for remat in grid.pipeline_remat or grid.remat[:1]]
   return out
 
 
-def _without_stage(rules) -> tuple:
-  """The rules with the `stage` mesh axis taken out (rules naming only it dropped, and the
-  duplicates that leaves)."""
-  out = []
-  for name, axes in rules:
-    kept = tuple(a for a in ((axes,) if isinstance(axes, str) else tuple(axes or ())) if a != "stage")
-    if axes is not None and not kept:
-      continue
-    rule = (name, None if axes is None else kept[0] if len(kept) == 1 else kept)
-    if rule not in out:
-      out.append(rule)
-  return tuple(out)
-
-
-def _pipelines(layers: int, grid: Grid):
-  """(stages, model axis, schedule --sets) of every pipeline in the grid whose S*R divides
-  the layers and whose bubble is at most grid.max_bubble."""
-  for s in grid.pipeline_stages:
+def _schedules(units: int, stages, grid: Grid):
+  """(stages, schedule --sets) of every pipeline of `stages` x the grid's circular repeats x
+  microbatches per stage whose S*R divides the units and whose bubble is <= grid.max_bubble."""
+  for s in stages:
     for r in grid.pipeline_repeats:
       for per_stage in grid.pipeline_microbatches_per_stage:
-        if layers % (s * r) or bubble_fraction(s, per_stage * s, r) > grid.max_bubble:
+        if units % (s * r) or bubble_fraction(s, per_stage * s, r) > grid.max_bubble:
           continue
-        for m in grid.pipeline_model_axis:
-          yield s, m, [f"model.pipeline.stages={s}", f"model.pipeline.microbatches={per_stage * s}",
-                       f"model.pipeline.circular_repeats={r}"]
+        yield s, [f"model.pipeline.stages={s}", f"model.pipeline.microbatches={per_stage * s}",
+                  f"model.pipeline.circular_repeats={r}"]
 
 
 def set_line(sets: Sequence[str]) -> str:
