@@ -266,8 +266,8 @@ def deepseek_v3():
   sigmoid scores renormalized and scaled by 2.5, 1 shared expert, auxiliary-loss-free bias
   (rate 1e-3) and a 1e-4 balance loss; vocab 129280. Not its attention: MLA is not
   implemented, so 128 query heads of 128 with 8 KV heads (GQA) stand in; nor multi-token
-  prediction. 1024 chips: 8 data x 128 expert (the topology's 8 x 16 plane), two experts
-  per chip and layer."""
+  prediction. 1024 chips: 16 data x 64 expert, the experts over the topology's 8 x 8
+  plane, four per chip and layer."""
   cfg = moe_experiment()
   t, m = cfg.model, cfg.model.moe
   t.num_layers = 61
@@ -294,7 +294,13 @@ def deepseek_v3():
   # layer and computed the whole square. --shallow, 2026-11-26: 10.58 s (22.5%) -> 10.06 s
   # (23.7%), memory 5.32 -> 3.12 s; the step is still the exchange's (docs/moe.md).
   t.attention = "flash"
-  cfg = pod_moe(cfg, "v5p:8x8x16", (8, 128), global_batch=1024, seq_len=4096)
+  # The experts over an 8 x 8 plane of the torus, not the 8 x 16 one of (8, 128): both
+  # closed rings, so an all-to-all's bytes travel 8/4 + 8/4 = 4 hops on average over 4 links
+  # instead of 8/4 + 16/4 = 6 (trainer/perf/links.py), and each chip holds 4 experts (their
+  # weights still FSDP-split over `data`, now 16-way). Full compile, default effort,
+  # 2026-11-26: 7.237 s (32.9%) -> 6.74 s (35.4%), all-to-all 3.20 -> 2.12 s, 89.92 -> 90.32
+  # GiB per chip (docs/moe.md).
+  cfg = pod_moe(cfg, "v5p:8x8x16", (16, 64), global_batch=1024, seq_len=4096)
   cfg.mesh.libtpu_flags = libtpu_flags.ASYNC_ALL_TO_ALL
   # Keep the expert gate/up outputs and the returned expert outputs (layers/blocks.py): the
   # backward recomputes the dispatch exchange but no expert matmul and not the return
