@@ -176,17 +176,24 @@ def test_a_multi_slice_experiment_plans_layouts_across_its_slices(tmp_path):
 
 def test_an_moe_pod_plans_data_across_its_slices_and_pipelines_over_them():
   """moe.maverick_4slices_1m (4 slices of 64 chips, expert axis 64 in each): the MoE grid keeps
-  each slice's expert axis and tries data across the slices once per remat policy, and
-  pipelines with a stage per slice once per schedule whose bubble is small enough. Both
-  registered layouts are among the candidates, and every printed --set line builds."""
+  each slice's expert axis and tries data across the slices once per remat policy, the
+  other expert-axis sizes that split the slice and the 128 experts with the experiment's
+  remat, and pipelines with a stage per slice once per schedule whose bubble is small
+  enough. Both registered layouts are among the candidates, and every printed --set line
+  builds."""
   from shardax.pipeline import bubble_fraction
   cfg = configs.get("moe.maverick_4slices_1m")
   found = plan.candidates(cfg, 256, plan.MOE_PODS, slices=4)
   plain = [c for c in found if _schedule(c)[0] == 1]
   piped = [c for c in found if _schedule(c)[0] > 1]
-  assert {s for c in plain for s in c if s.startswith("model.remat=")} == {
-      f"model.remat={r}" for r in plan.MOE_PODS.remat}
-  assert all("mesh.ici=(1, 64)" in c and "mesh.dcn=(4, 1)" in c for c in plain), plain[0]
+  own = [c for c in plain if "mesh.ici=(1, 64)" in c]
+  assert sorted(s for c in own for s in c if s.startswith("model.remat=")) == sorted(
+      f"model.remat={r}" for r in plan.MOE_PODS.remat)
+  other = {next(s for s in c if s.startswith("mesh.ici=")): next(s for s in c if s.startswith("model.remat="))
+           for c in plain if c not in own}
+  assert other == {"mesh.ici=(4, 16)": f"model.remat={cfg.model.remat}",
+                   "mesh.ici=(2, 32)": f"model.remat={cfg.model.remat}"}, other
+  assert all("mesh.dcn=(4, 1)" in c for c in plain), plain[0]
   assert all("mesh.ici=(1, 1, 64)" in c and "mesh.dcn=(4, 1, 1)" in c for c in piped), piped[0]
   assert {_schedule(c) for c in piped} >= {(4, 4, 6), (4, 4, 3), (4, 8, 2)}
   for s, m, r in map(_schedule, piped):
@@ -204,7 +211,9 @@ def test_an_moe_pod_plans_data_across_its_slices_and_pipelines_over_them():
   # A dense model keeps the dense grid; an MoE model on one slice gets no pipeline.
   assert not plan._is_moe_pod(configs.get("lm.gpt3_175b_pipelined"))
   one = plan.candidates(configs.get("moe.deepseek_v3"), 1024, plan.MOE_PODS)
-  assert one and all(_schedule(c)[0] == 1 and "mesh.ici=(16, 64)" in c for c in one)
+  assert all(_schedule(c)[0] == 1 for c in one)
+  assert sorted({s for c in one for s in c if s.startswith("mesh.ici=")}) == [
+      f"mesh.ici={ici}" for ici in ((16, 64), (32, 32), (4, 256), (64, 16), (8, 128))]
 
 
 def test_an_moe_plan_over_two_slices_compiles_and_ranks_both_layouts(tmp_path):

@@ -20,7 +20,7 @@ It prints the best layouts with the exact `--set` line that selects each, and wr
 candidate (libtpu can abort the process on a program it fails to compile: at effort -1 it
 did on a pipelined MoE, `moe.maverick_4slices_1m` at R=3, a CHECK in its all-reduce emitter).
 MoE experiments with an `expert` mesh axis have their own grid (`MOE_PODS`,
-`_moe_candidates`): the expert axis as the experiment has it, the remat policy and, over
+`_moe_candidates`): the expert axis as the experiment has it or another size, the remat policy and, over
 several slices, data across them or a pipeline with its stages over them.
 
 Speed: the planner compiles at effort -1 (jax 0.10's `exec_time_optimization_effort`, jax
@@ -83,6 +83,9 @@ class Grid:
   # their pipelines, and the remat policies those try (empty: remat's first).
   pipeline_stages_per_slice: tuple[int, ...] = (1,)
   pipeline_remat: tuple[str, ...] = ()
+  # ... and the other expert-axis sizes tried on each slice (data = the rest of the slice),
+  # with the experiment's own remat: which torus dims the all-to-alls span is a choice too.
+  expert_axis: tuple[int, ...] = ()
 
 
 # Experiments whose layouts are not the 2D default's. Long-context LMs (experiments/
@@ -98,14 +101,17 @@ PIPELINED = Grid(model_axis=(8,), remat=("full",), microbatches=(2,), fsdp=False
                  pipeline_stages=(4, 8), pipeline_model_axis=(4, 8, 16),
                  pipeline_microbatches_per_stage=(2, 3, 4), pipeline_repeats=(1, 2, 3, 4),
                  max_bubble=0.08)
-# MoE experiments with an `expert` mesh axis (the pod MoEs): the experts stay split over each
-# slice as the experiment has them; the choice is the remat policy and, over several slices,
+# MoE experiments with an `expert` mesh axis (the pod MoEs): the experts split over each slice
+# as the experiment has them, or over another expert-axis size (which torus dims the
+# all-to-alls cross: moe.deepseek_v3 runs faster over v5p's 8 x 8 plane than its 8 x 16 one,
+# docs/moe.md); the choice is the remat policy and, over several slices,
 # data across them or a pipeline whose stages go over them (its schedule: microbatches x
 # circular repeats, bubbles over 25% not compiled; inside a pipeline the lightest remat).
 MOE_PODS = Grid(model_axis=(), remat=("full", "moe_matmuls", "moe_returned", "dots", "none"),
                 microbatches=(1,), fsdp=False, tp=False, pipeline_stages=(),
                 pipeline_microbatches_per_stage=(1, 2, 4), pipeline_repeats=(1, 2, 3, 6),
-                max_bubble=0.25, pipeline_stages_per_slice=(1,), pipeline_remat=("none",))
+                max_bubble=0.25, pipeline_stages_per_slice=(1,), pipeline_remat=("none",),
+                expert_axis=(16, 32, 64, 128, 256))
 GRIDS = {"lm.llama3_8b_8k": Grid(microbatches=(1, 3), **_LONG_CONTEXT),   # 3 seqs per chip
          "lm.llama3_70b_8k": Grid(microbatches=(1,), **_LONG_CONTEXT),    # 1 seq per chip
          # 32k: the sequence split over 4 or 8 chips (context parallelism, preset fsdp_cp).
@@ -165,7 +171,8 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
   """`candidates` of an MoE experiment with an `expert` mesh axis: each slice keeps the
   experiment's expert axis (data = the rest of the slice). Unpipelined: (data, expert) with
   data across the slices, the experiment's rules without their stage rules, once per
-  `grid.remat`. Over several slices also pipelines: (stage, data, expert) with
+  `grid.remat`, and once per other size in `grid.expert_axis` (whole experts per chip) with
+  the experiment's remat. Over several slices also pipelines: (stage, data, expert) with
   `pipeline_stages_per_slice` stages in each slice, the rules with ("stage", "stage") and the
   batch split over the stages outside the loop (`rules.split_over_stages`), once per
   schedule whose bubble is at most `max_bubble` and per `pipeline_remat`."""
@@ -176,10 +183,13 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
   base = rules_lib.without_stages(rules_lib.resolve(cfg.sharding.preset, cfg.sharding.rules))
   multi = slices > 1 or bool(tuple(cfg.mesh.dcn))
   rules = lambda r: ["sharding.preset=None", f"sharding.rules={r!r}"]
-  out = [["mesh.axes=('data','expert')", f"mesh.ici={(per_slice // expert, expert)!r}",
-          *([f"mesh.dcn={(slices, 1)!r}"] if multi else []), *rules(base),
-          f"model.remat={remat}", f"train.microbatches={grid.microbatches[0]}", *_NO_PIPELINE]
-         for remat in grid.remat]
+  unpipelined = lambda e, remat: [
+      "mesh.axes=('data','expert')", f"mesh.ici={(per_slice // e, e)!r}",
+      *([f"mesh.dcn={(slices, 1)!r}"] if multi else []), *rules(base),
+      f"model.remat={remat}", f"train.microbatches={grid.microbatches[0]}", *_NO_PIPELINE]
+  out = [unpipelined(expert, remat) for remat in grid.remat]
+  out += [unpipelined(e, cfg.model.remat) for e in grid.expert_axis
+          if e != expert and per_slice % e == 0 and cfg.model.moe.num_experts % e == 0]
   staged = split_over_stages((("stage", "stage"),) + base)
   moe = cfg.model.moe
   units = (cfg.model.num_layers - moe.first_dense_layers) // moe.every   # what the stages split
