@@ -40,18 +40,23 @@ def parse():
   p.add_argument("--job_dir", required=True)
   p.add_argument("--set", action="append", default=[], help="config override PATH=VALUE")
   p.add_argument("--devices", type=int, default=8, help="devices the experts are split over")
-  p.add_argument("--groups", default="8,64", help="senders per expert group (ragged), comma-separated")
+  p.add_argument("--groups", default="8,64", help="senders (each one sequence) per expert group (ragged), comma-separated")
   p.add_argument("--buffers", default="1.0,1.1,1.25,1.5,2.0", help="expert_buffer values, comma-separated")
+  p.add_argument("--pieces", type=int, default=1,
+                 help="model.moe.dispatch_chunks: each sender's tokens in this many contiguous pieces, "
+                      "each exchanged (and bounded) on its own")
   p.add_argument("--batches", type=int, default=8)
   p.add_argument("--batch", type=int, default=64, help="sequences per evaluation batch (a multiple of each group)")
   return p.parse_args()
 
 
-def chip_counts(index, num_experts: int, devices: int):
-  """[b, l, k] expert ids -> [b, devices]: copies each sequence sends to each device."""
+def chip_counts(index, num_experts: int, devices: int, pieces: int = 1):
+  """[b, l, k] expert ids -> [pieces * b, devices]: copies each piece of each sequence sends
+  to each device, piece-major (the rows of one piece of every sequence are contiguous)."""
   import numpy as np
+  b, l, k = index.shape
   per = num_experts // devices
-  dest = np.asarray(index).reshape(index.shape[0], -1) // per
+  dest = np.asarray(index).reshape(b, pieces, l // pieces * k).swapaxes(0, 1).reshape(b * pieces, -1) // per
   return np.stack([np.bincount(row, minlength=devices) for row in dest])
 
 
@@ -103,15 +108,17 @@ def main():
   b, l, k = routed[0].shape
   print(f"{args.exp} at step {int(state['step'])}: {len(batches)} batches x {b} sequences x {l} tokens, "
         f"{moe_layers} MoE layers, top-{k} of {m.num_experts} experts over {args.devices} devices "
-        f"({m.num_experts // args.devices} each)")
-  fair = l * k / args.devices                          # one sequence's copies per device, balanced
-  loads = [chip_counts(r, m.num_experts, args.devices) for r in routed]
+        f"({m.num_experts // args.devices} each), each sequence in {args.pieces} piece(s)")
+  if l % args.pieces:
+    raise SystemExit(f"--pieces={args.pieces} must divide the {l} tokens of a sequence")
+  fair = l // args.pieces * k / args.devices           # one piece's copies per device, balanced
+  loads = [chip_counts(r, m.num_experts, args.devices, args.pieces) for r in routed]
   total = sum(c.sum() for c in loads)
-  print(f"  max device load over a sequence (x fair): median {np.median([c.max(1).mean() / fair for c in loads]):.2f}; "
-        f"over a batch: {np.max([c.sum(0).max() / (fair * b) for c in loads]):.2f} (worst layer and batch)")
+  print(f"  max device load over a piece (x fair): median {np.median([c.max(1).mean() / fair for c in loads]):.2f}; "
+        f"over a batch: {np.max([c.sum(0).max() / (fair * c.shape[0]) for c in loads]):.2f} (worst layer and batch)")
   print(f"  {'bet':28s} " + " ".join(f"{'buffer ' + str(x):>14s}" for x in buffers))
-  rows = [("padded (per sequence)", lambda c, x: dropped(c, fair, x))]
-  rows += [(f"ragged (group of {g})", lambda c, x, g=g: dropped(c.reshape(-1, g, c.shape[1]).sum(1), fair * g, x))
+  rows = [("padded (per piece)", lambda c, x: dropped(c, fair, x))]
+  rows += [(f"ragged (group of {g} pieces)", lambda c, x, g=g: dropped(c.reshape(-1, g, c.shape[1]).sum(1), fair * g, x))
            for g in groups]
   for name, lost in rows:
     cells = []

@@ -238,7 +238,8 @@ def mixtral_8x7b():
 
 
 def padded_exchange(m):
-  """The dropless exchange of the fine-grained pod configs (moe.deepseek_v3, the Maverick ones).
+  """The dropless exchange of the fine-grained pod configs (the Maverick ones; moe.deepseek_v3
+  starts from it and bounds each device's total instead, with the ragged exchange).
 
   The no-overflow bound (None) is 32 fair shares on DeepSeek-V3 (128 shards x min(8, 2) / 8):
   the compiler asks 97.31 GiB per chip for it, over v5p's 95.74 usable; the largest that fits
@@ -290,6 +291,18 @@ def deepseek_v3():
   m.aux_loss_weight = 1e-4
   m.dispatch = "dropless"
   padded_exchange(m)
+  # The ragged exchange: only the rows that go travel, and each device's receive buffer holds
+  # 1.25 fair shares of what its expert group sends it, however the senders split it (copies
+  # past it are dropped and logged as moe/dropped_copies). A bet on the batch's balance, which
+  # bias balancing steers, measured on a trained router (benchmarks/moe_drops.py,
+  # moe.deepseek_tiny, 4 experts a device, groups of 64 half-sequences): 0.00% of the copies
+  # dropped once the bias has settled (1000 steps at rate 1e-3, or 250 at 1e-2), as the padded
+  # exchange's 2 fair shares per (sequence piece, device) block (0.01%); 1.82% against 0.15%
+  # at step 250 while it settles (docs/moe.md). Full compile, 2026-11-26: 6.74 s (35.4%) ->
+  # 5.82 s (41.0%), 90.32 -> 74.63 GiB per chip; this libtpu runs ragged-all-to-all
+  # synchronously, so all 1.25 s of it is exposed.
+  m.expert_exchange = "ragged"
+  m.expert_buffer = 1.25
   # The splash kernel: the XLA einsum attention wrote f32 [8, 16, 4096, 4096] scores per
   # layer and computed the whole square. --shallow, 2026-11-26: 10.58 s (22.5%) -> 10.06 s
   # (23.7%), memory 5.32 -> 3.12 s; the step is still the exchange's (docs/moe.md).
