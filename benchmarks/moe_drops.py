@@ -106,11 +106,11 @@ def main():
   jax.effects_barrier()
   moe_layers = len(routed) // len(batches)
   b, l, k = routed[0].shape
+  if l % args.pieces:
+    raise SystemExit(f"--pieces={args.pieces} must divide the {l} tokens of a sequence")
   print(f"{args.exp} at step {int(state['step'])}: {len(batches)} batches x {b} sequences x {l} tokens, "
         f"{moe_layers} MoE layers, top-{k} of {m.num_experts} experts over {args.devices} devices "
         f"({m.num_experts // args.devices} each), each sequence in {args.pieces} piece(s)")
-  if l % args.pieces:
-    raise SystemExit(f"--pieces={args.pieces} must divide the {l} tokens of a sequence")
   fair = l // args.pieces * k / args.devices           # one piece's copies per device, balanced
   loads = [chip_counts(r, m.num_experts, args.devices, args.pieces) for r in routed]
   total = sum(c.sum() for c in loads)
