@@ -176,6 +176,7 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
   `pipeline_stages_per_slice` stages in each slice, the rules with ("stage", "stage") and the
   batch split over the stages outside the loop (`rules.split_over_stages`), once per
   schedule whose bubble is at most `max_bubble` and per `pipeline_remat`."""
+  moe = cfg.model.moe
   ici = dict(zip(cfg.mesh.axes, cfg.mesh.ici))
   per_slice = num_devices // slices
   known = math.prod(n for a, n in ici.items() if a != "expert" and n > 0)
@@ -189,9 +190,8 @@ def _moe_candidates(cfg, num_devices: int, grid: Grid, slices: int) -> list[list
       f"model.remat={remat}", f"train.microbatches={grid.microbatches[0]}", *_NO_PIPELINE]
   out = [unpipelined(expert, remat) for remat in grid.remat]
   out += [unpipelined(e, cfg.model.remat) for e in grid.expert_axis
-          if e != expert and per_slice % e == 0 and cfg.model.moe.num_experts % e == 0]
+          if e != expert and per_slice % e == 0 and moe.num_experts % e == 0]
   staged = split_over_stages((("stage", "stage"),) + base)
-  moe = cfg.model.moe
   units = (cfg.model.num_layers - moe.first_dense_layers) // moe.every   # what the stages split
   stages = [per * slices for per in grid.pipeline_stages_per_slice
             if per * slices > 1 and per_slice % (per * expert) == 0]
