@@ -435,8 +435,11 @@ class CheckpointConfig:
   enabled: bool = True
   local_dir: str = ""                 # per-host local tier (SSD, /dev/shm); '' = off (trainer/local_tier.py)
   local_every: int = 0                # ... written every N steps (needs local_dir)
+  local_keep: int = 2                 # ... keeping each process's newest N local steps
 
   def __post_init__(self):
+    _require(self.local_keep >= 1, f"checkpoint.local_keep={self.local_keep} must be >= 1 (the newest "
+             f"local steps each process keeps; the local tier is turned off with checkpoint.local_dir='')")
     _require(not self.local_dir or self.local_every >= 1,
              f"checkpoint.local_every={self.local_every} must be >= 1 with checkpoint.local_dir="
              f"{self.local_dir!r} (or set checkpoint.local_dir='' to turn the local tier off)")
