@@ -216,19 +216,31 @@ class TransformerConfig:
     return 0 if self.moe is None else self.num_units
 
   def for_decode(self) -> "TransformerConfig":
-    """The same model (same params) as decoding runs it: no token is ever dropped.
+    """The same model (same params) as decoding runs it: no token copy is ever dropped,
+    whatever the training config bets on balance.
 
     Capacity dispatch: one gating group per sequence of the call (prefill: the padded
     prompt; a generate step: its one token) and capacity = group size
     (`capacity_factor = E/2` reaches the cap S: an expert gets each token at most once),
     so padding and the other rows of the batch cannot change a sequence's output; the
     second expert is always used ('all'), so a token's output does not depend on random
-    gating or on how calls group tokens. Dense and dropless models are returned as they are.
+    gating or on how calls group tokens.
+    Dropless dispatch: `expert_buffer=None`, the no-overflow bound of the exchange (ragged
+    or padded blocks) whatever buffer training used, and `expert_overflow='error'`, so a
+    copy that still did not fit poisons the output and is counted, never silently left
+    out (decoding raises on the count, naming the layer: trainer/decode.py). A generate
+    step carries one token per sequence, so the bound is cheap there; a prefill's receive
+    buffers grow with its prompt tokens like a train step's at the bound.
+    Both: `dispatch_chunks=1` (the same outputs; a generate step's few tokens per device
+    need not divide into pieces). Dense models are returned as they are.
     """
-    if self.moe is None or self.moe.dispatch == "dropless":
+    if self.moe is None:
       return self
-    moe = dataclasses.replace(self.moe, group_size=None, second_expert="all",
-                              capacity_factor=self.moe.num_experts / 2)
+    if self.moe.dispatch == "dropless":
+      moe = dataclasses.replace(self.moe, expert_buffer=None, expert_overflow="error", dispatch_chunks=1)
+    else:
+      moe = dataclasses.replace(self.moe, group_size=None, second_expert="all", dispatch_chunks=1,
+                                capacity_factor=self.moe.num_experts / 2)
     return dataclasses.replace(self, moe=moe)
 
   def param_count(self) -> int:
