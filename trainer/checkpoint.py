@@ -223,6 +223,14 @@ class Checkpointer:
     """The newest committed step (it may still turn out unreadable; restore handles that)."""
     return self._manager.latest_step()
 
+  def lineage(self) -> tuple[int | None, int | None]:
+    """(the newest committed step, the step whose async save is still in flight or None):
+    what the state trained now descends from in this job dir (the local tier records it)."""
+    steps = sorted(self._manager.all_steps())   # orbax lists a step from its save's start
+    saving = getattr(self._manager, "is_saving_in_progress", lambda: False)()
+    pending = steps.pop() if steps and saving else None
+    return (steps[-1] if steps else None), pending
+
   def preempted(self) -> bool:
     """True once SIGTERM arrived or orbax/jax reported a preemption sync point."""
     return self._sigterm.is_set() or self._orbax_preempted

@@ -142,6 +142,51 @@ def stop_trace() -> None:
   shutil.rmtree(local, ignore_errors=True)
 
 
+
+# --- the job dir's identity: which job a file outside the job dir belongs to -----------------
+
+IDENTITY_FILE = "identity.json"
+
+
+def identity(job_dir, primary: bool = True, sync=lambda: None, timeout_s: float = 60.0) -> str:
+  """The job dir's identity: a random id made once, when the job first writes into the job
+  dir, and kept in `identity.json` there for as long as the job dir exists.
+
+  Files a job keeps outside its job dir (the local checkpoint tier) record it, so that a
+  job dir deleted and made again at the same path (a new identity) never takes them for
+  its own. The primary process creates the file atomically (`create_exclusive`: of two
+  creators one wins, and both read the winner's id) or rewrites a damaged one; `sync` is a
+  barrier across the job's processes (run by every process), after which the others read
+  it, waiting up to `timeout_s` for an object store to show it.
+  """
+  file = path(job_dir) / IDENTITY_FILE
+  if primary:
+    import uuid
+    text = json.dumps({"id": uuid.uuid4().hex, "created": time.time()})
+    if not is_remote(file):
+      file.parent.mkdir(parents=True, exist_ok=True)
+    if not create_exclusive(file, text) and _read_identity(file) is None:
+      from absl import logging
+      logging.warning("job dir identity %s is damaged; writing a new one (files kept outside the "
+                      "job dir under the old one, such as local checkpoint steps, are dropped)", file)
+      write_text(file, text)
+  sync()
+  deadline = time.monotonic() + timeout_s
+  while (found := _read_identity(file)) is None:
+    if time.monotonic() > deadline:
+      raise FileNotFoundError(f"job dir identity {file} was not readable within {timeout_s:.0f}s of "
+                              f"process 0 writing it: every process must see the same --job_dir")
+    time.sleep(0.2)
+  return found
+
+
+def _read_identity(file) -> str | None:
+  try:
+    return str(json.loads(file.read_text())["id"])
+  except (FileNotFoundError, ValueError, KeyError, TypeError):
+    return None
+
+
 # --- the job dir's lease: one live job per job dir ----------------------------------------
 
 LEASE_FILE = "lease.json"

@@ -6,11 +6,25 @@ complete, else the persistent tier's, and says which and why.
 
 Layout: `<local_dir>/shardax-<hash of the job dir>/process_<i>-of-<n>/<step>/`, holding one raw
 file per distinct shard this process addresses (replicated shards once), `manifest.json`
-(leaf paths, shapes, dtypes, shard indices, the data iterator's state) and, written last
-after an fsync of everything else, `COMPLETE`. A step without `COMPLETE`, or one whose
-files are missing or short, is not complete: it is never restored, and a process that
-lost its disk simply holds no steps. Only the same process count and layout read a step
-back (another count or mesh uses the persistent tier, which reshards on read).
+(leaf paths, shapes, dtypes, shard indices, the data iterator's state, and where the step
+comes from: below) and, written last after an fsync of everything else, `COMPLETE`. A step
+without `COMPLETE`, or one whose files are missing or short, is not complete: it is never
+restored, and a process that lost its disk simply holds no steps. Only the same process
+count and layout read a step back (another count or mesh uses the persistent tier, which
+reshards on read). Each process keeps its newest `checkpoint.local_keep` steps, none older
+than the newest committed persistent step.
+
+A local step belongs to one job: its manifest records the job dir's identity
+(`jobdir.identity`, made when the job dir is first written) and the persistent step the
+state descends from (the newest committed one, and the one whose async save was in flight).
+At restart a step is used only when both still hold:
+- identity rule: written for this job dir, not for a deleted one at the same path; a step of
+  another identity is removed at once, with a log line;
+- history rule: the job dir's newest persistent step is the one the step descends from, so
+  a user who deleted newer persistent steps to roll back is not rolled forward again.
+Every local step the restart does not restore is then removed (a later run must not mix
+another history into its own), and a job that finishes cleanly removes its local copies.
+The restore line names the rule that decided.
 
 Why not Orbax's emergency / multi-tier managers (orbax 0.12.8,
 `orbax.checkpoint.experimental.emergency`): `emergency.CheckpointManager` restores a local
@@ -41,7 +55,6 @@ from absl import logging
 from shardax.trainer import distributed, jobdir
 
 MARKER, MANIFEST = "COMPLETE", "manifest.json"
-KEEP = 2                 # newest complete steps each process keeps
 IO_THREADS = 8           # files written / read at once (numpy's file I/O releases the GIL)
 REPORTED = 4             # newest complete steps each process reports at restore
 
@@ -72,14 +85,22 @@ def _host_views(shards: list[jax.Array]) -> list[np.ndarray]:
 
 
 class LocalTier:
-  """This process's local steps: save (async write), list complete ones, restore."""
+  """This process's local steps: save (async write), list complete ones, restore.
 
-  def __init__(self, local_dir: str, every: int, job_dir: str):
+  `identity`: the job dir's (`jobdir.identity`), recorded in every step and required of the
+  steps `usable` returns. `persistent`: the job's Checkpointer (anything with `lineage()`),
+  asked at each save which persistent step the state descends from; None: no persistent tier.
+  """
+
+  def __init__(self, local_dir: str, every: int, job_dir: str, identity: str = "", keep: int = 2,
+               persistent=None):
+    if keep < 1:
+      raise ValueError(f"checkpoint.local_keep={keep} must be >= 1")
     # jobdir.path: absolute for a local dir (the key existing tiers have), a gs:// URL as is
     job = hashlib.sha1(os.fspath(jobdir.path(job_dir)).encode()).hexdigest()[:10]
     self.root = os.path.join(os.path.expanduser(local_dir), f"shardax-{job}")
     self.dir = os.path.join(self.root, f"process_{jax.process_index()}-of-{jax.process_count()}")
-    self.every = every
+    self.every, self.identity, self.keep, self.persistent = every, identity, keep, persistent
     self._thread: threading.Thread | None = None
     self._error: BaseException | None = None
     os.makedirs(self.dir, exist_ok=True)
@@ -102,23 +123,26 @@ class LocalTier:
     host = iter(_host_views(shards))   # device -> host: the blocking part
     leaves = [(key, shape, dtype, {index: next(host) for index in indices})
               for key, shape, dtype, indices in leaves]
+    committed, pending = self.persistent.lineage() if self.persistent is not None else (None, None)
+    origin = {"job": self.identity, "persistent": committed, "pending": pending}
     blocked = time.perf_counter() - start
-    self._thread = threading.Thread(target=self._write_guarded, args=(step, leaves, data_state), daemon=True)
+    self._thread = threading.Thread(target=self._write_guarded, args=(step, leaves, data_state, origin),
+                                    daemon=True)
     self._thread.start()
     return blocked
 
-  def _write_guarded(self, step, leaves, data_state) -> None:
+  def _write_guarded(self, step, leaves, data_state, origin) -> None:
     try:
-      self._write(step, leaves, data_state)
+      self._write(step, leaves, data_state, origin)
     except BaseException as e:  # noqa: BLE001 - reported by wait()
       self._error = e
 
-  def _write(self, step: int, leaves, data_state) -> None:
+  def _write(self, step: int, leaves, data_state, origin: dict) -> None:
     final, tmp = os.path.join(self.dir, str(step)), os.path.join(self.dir, f"{step}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     shutil.rmtree(final, ignore_errors=True)   # an incomplete leftover of this step
     os.makedirs(tmp)
-    manifest = {"step": step, "leaves": [], "data_state": data_state}
+    manifest = {"step": step, **origin, "leaves": [], "data_state": data_state}
     jobs = []
     for n, (key, shape, dtype, host) in enumerate(leaves):
       entry = {"path": key, "shape": list(shape), "dtype": dtype, "shards": []}
@@ -132,7 +156,9 @@ class LocalTier:
     _fsync_write(os.path.join(tmp, MANIFEST), json.dumps(manifest).encode())
     os.rename(tmp, final)
     _fsync_write(os.path.join(final, MARKER), b"")   # last: the step is complete from here on
-    for old in self.complete_steps()[:-KEEP]:
+    steps = self.complete_steps()
+    floor = origin["persistent"] if origin["persistent"] is not None else -1
+    for old in steps[:-self.keep] + [s for s in steps[-self.keep:] if s < floor]:
       shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
 
   def wait(self) -> None:
@@ -160,6 +186,61 @@ class LocalTier:
       if intact:
         out.append(int(name))
     return sorted(out)
+
+  def _manifest(self, step: int) -> dict:
+    return json.loads(open(os.path.join(self.dir, str(step), MANIFEST)).read())
+
+  def usable(self, persistent: int | None) -> tuple[list[int], str]:
+    """(complete steps that may be restored, oldest first; why the others may not, or '').
+
+    `persistent`: the job dir's newest persistent step. A step written for another job dir
+    identity is removed here (identity rule); one that does not descend from `persistent`
+    is kept out (history rule) and removed by `discard` once the restart has chosen.
+    """
+    ok, foreign, others, theirs = [], [], [], set()
+    for step in self.complete_steps():
+      try:
+        m = self._manifest(step)
+      except (OSError, ValueError):
+        continue
+      if m.get("job", "") != self.identity:
+        foreign.append(step)
+        theirs.add(m.get("job") or "none")
+      elif persistent == m.get("persistent") or (m.get("pending") is not None and persistent == m["pending"]):
+        ok.append(step)   # it continues the job dir's newest persistent step (None: there is none)
+      else:
+        others.append((step, m.get("persistent"), m.get("pending")))
+    why = []
+    if foreign:
+      for step in foreign:
+        shutil.rmtree(os.path.join(self.dir, str(step)), ignore_errors=True)
+      why.append(f"identity rule: local step(s) {foreign} were written for another job dir at this "
+                 f"path (identity {', '.join(sorted(theirs))}; this job dir's is {self.identity}: it was "
+                 f"deleted or replaced since) and were removed from {self.dir}")
+      logging.warning("local tier: %s", why[-1])
+    if others:
+      after = sorted({c for _, c, _ in others if c is not None} | {p for _, _, p in others if p is not None})
+      why.append(f"history rule: local step(s) {[s for s, _, _ in others]} descend from persistent "
+                 f"step(s) {after or [None]}, not from the job dir's newest ({persistent}): its "
+                 f"persistent steps were rolled back or deleted since")
+    return ok, "; ".join(why)
+
+  def discard(self, keep: int | None = None) -> None:
+    """Removes every local step of this process but `keep` (the one restored, if any)."""
+    self.wait()
+    for name in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
+      if name != str(keep):
+        shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
+
+  def remove(self) -> None:
+    """Removes this process's local copies, and the job's folder once no process has any
+    (a job that finished cleanly: its local steps would only hold RAM or disk)."""
+    self.wait()
+    shutil.rmtree(self.dir, ignore_errors=True)
+    try:
+      os.rmdir(self.root)
+    except OSError:   # another process's copies are still there (it removes the folder)
+      pass
 
   def restore(self, step: int, abstract_state):
     """(state, data state) of local `step`, placed as `abstract_state`'s shardings say."""
@@ -190,12 +271,15 @@ class LocalTier:
     return jax.make_array_from_single_device_arrays(want.shape, want.sharding, singles)
 
 
-def choose(held: list[list[int]], persistent: int | None) -> tuple[str, int | None, str]:
-  """(tier, step, why): the newest local step every process holds complete when it is at
-  least as new as the persistent tier's newest step, else the persistent tier."""
+def choose(held: list[list[int]], persistent: int | None, refused: str = "") -> tuple[str, int | None, str]:
+  """(tier, step, why): the newest local step every process holds complete (and usable:
+  `LocalTier.usable`) when it is at least as new as the persistent tier's newest step, else
+  the persistent tier. `refused`: why this process's other local steps were not usable,
+  said when the persistent tier wins."""
   common = set(held[0]).intersection(*held[1:]) if held else set()
   if common and (persistent is None or max(common) >= persistent):
-    return "local", max(common), f"every process holds it complete (persistent tier: {persistent})"
+    return "local", max(common), (f"every process holds it complete and it continues the job dir's "
+                                  f"persistent history (persistent tier: {persistent})")
   if common:
     why = f"the persistent step is newer than the newest local step all processes hold ({max(common)})"
   else:
@@ -203,11 +287,13 @@ def choose(held: list[list[int]], persistent: int | None) -> tuple[str, int | No
     why = (f"process(es) {empty} hold no complete local step" if empty else
            "no local step is complete on every process (" +
            ", ".join(f"process {i}: {steps}" for i, steps in enumerate(held)) + ")")
-  return "persistent", persistent, why
+  return "persistent", persistent, f"{refused}; {why}" if refused else why
 
 
 def agree(tier: LocalTier, persistent: int | None) -> tuple[str, int | None, str]:
-  """`choose` over every process's newest complete steps (a small all-gather)."""
-  mine = tier.complete_steps()[-REPORTED:]
+  """`choose` over every process's newest usable complete steps (a small all-gather);
+  `persistent`: the job dir's newest persistent step."""
+  mine, refused = tier.usable(persistent)
+  mine = mine[-REPORTED:]
   rows = distributed.allgather(mine + [-1] * (REPORTED - len(mine)))
-  return choose([[int(s) for s in row if s >= 0] for row in rows], persistent)
+  return choose([[int(s) for s in row if s >= 0] for row in rows], persistent, refused)
