@@ -141,6 +141,7 @@ def _from_local(setup, local, persistent: int | None, rec):
       error = f"{type(e).__name__}: {e}"
     if distributed.any_process(restored is None):   # never half a job from the local tier
       restored, why = None, f"local step {step} did not restore on every process ({error or 'a peer failed'})"
+  local.discard(keep=step if restored is not None else None)   # no other history stays behind
   if restored is not None:
     _status(f"restore: local tier, step {step}: {why}")
   elif persistent is not None:
@@ -228,9 +229,12 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       check_tokenizer(exp)
       train_iter = inputs.Batches(exp.data, "train", exp.train.global_batch, setup.batch_sharding,
                                   seed=exp.data.seed, vocab_size=getattr(exp.model, "vocab_size", inputs.BYTE_VOCAB))
+    # the job dir's identity, written with its first files: what the local tier's steps belong to
+    identity = jobdir.identity(job_dir, distributed.is_primary(), sync=lambda: distributed.any_process(False))
     checkpointer = (ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
                     if exp.checkpoint.enabled else None)
-    local = (local_tier.LocalTier(exp.checkpoint.local_dir, exp.checkpoint.local_every, job_dir)
+    local = (local_tier.LocalTier(exp.checkpoint.local_dir, exp.checkpoint.local_every, job_dir, identity,
+                                  keep=exp.checkpoint.local_keep, persistent=checkpointer)
              if exp.checkpoint.local_dir and exp.checkpoint.enabled else None)
     state = restore_or_init(setup, checkpointer, train_iter, rec, local)
     if on_ready is not None:
@@ -301,7 +305,9 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
       rec.switch("checkpoint")   # the last save's wait blocks
       if checkpointer is not None:
         checkpointer.wait()
-      if local is not None:
+      if local is not None and not summary.get("preempted"):
+        local.remove()   # finished: the job dir holds the last step; local copies would only hold RAM
+      elif local is not None:
         local.wait()
       rec.switch("other")
     finally:
