@@ -14,7 +14,7 @@ import sys
 
 AT_EXIT = []   # registered before jax is imported, so run after jax's own exit handlers (LIFO)
 atexit.register(lambda: [f() for f in AT_EXIT])
-from shardax.trainer import platform  # decides JAX_PLATFORMS, so it runs before jax is imported
+from shardax.trainer import platform  # decides the platform before jax starts a backend
 
 PLATFORM = platform.apply()
 from shardax.trainer import logs  # noqa: E402  (stdlib only: safe before jax and TensorFlow load)

@@ -1,6 +1,7 @@
 """The platform choice over its inputs, and the first log line of a real run."""
 
 import os
+import sys
 
 import pytest
 
@@ -52,16 +53,40 @@ def test_cpu_collectives_only_without_an_accelerator(monkeypatch):
   assert not platform.is_cpu_only({})
 
 
-def test_first_log_line_names_platform_and_devices(tmp_path):
-  """A real run with JAX_PLATFORMS unset on this machine (libtpu installed, no TPU)."""
-  env = cli.env(devices=2)
-  env.pop("JAX_PLATFORMS")
+# What libtpu prints when jax starts it on a machine with no TPU (its three startup lines).
+LIBTPU_CHATTER = ("host bounds", "InitGoogle", "TPU_WORKER_HOSTNAMES", "TPU_ACCELERATOR_TYPE", "libtpu.so",
+                  "libtpu_init_utils")
+
+
+def user_environment() -> dict:
+  """This process's environment without what the test harness adds (conftest.py, clitools.env):
+  no JAX_PLATFORMS, device count or log level, as a user's shell has it."""
+  drop = ("JAX_PLATFORMS", "JAX_NUM_CPU_DEVICES", "TF_CPP_MIN_LOG_LEVEL", "XLA_FLAGS")
+  return {k: v for k, v in os.environ.items() if k not in drop}
+
+
+def shardax_command() -> list[str]:
+  """The installed console script beside this Python, else the module it runs."""
+  script = os.path.join(os.path.dirname(sys.executable), "shardax")
+  return [script] if os.path.exists(script) else [sys.executable, "-m", "shardax.main"]
+
+
+def test_first_log_line_names_platform_and_devices_and_libtpu_stays_silent(tmp_path):
+  """A real dry run as a user starts it (JAX_PLATFORMS unset, no log level set) on this
+  machine (with the test extra: libtpu installed, no TPU). Importing shardax imports jax
+  before main.py decides the platform; had the decision not reached jax's config, jax would
+  start libtpu, which prints three lines before the platform line."""
   args = cli.command(tmp_path / "job", tmp_path / "data", "mesh.num_cpu_devices=2", "mesh.ici=(2, 1)",
                      "train.steps=1", mode="dry_run")
-  out = cli.subprocess.run(args, capture_output=True, text=True, env=env, timeout=240)
+  args = shardax_command() + args[3:]   # [python, -m, shardax.main, ...] -> [shardax, ...]
+  out = cli.subprocess.run(args, capture_output=True, text=True, env=user_environment(), timeout=240,
+                           cwd=tmp_path)
   assert out.returncode == 0, out.stderr[-3000:]
   # The first line on the (quiet) terminal: the platform status line, also in log.txt.
   logged = [l for l in out.stderr.splitlines() if l.strip()]
+  libtpu = platform.probe(user_environment()).libtpu
   expected = ("platform cpu: 2 devices, 2 local; one process; libtpu installed but no TPU or GPU attached"
-              if platform.probe(os.environ).libtpu else "platform cpu: 2 devices, 2 local; one process")
-  assert expected in logged[0], logged[:3]
+              if libtpu else "platform cpu: 2 devices, 2 local; one process")
+  assert logged and expected in logged[0], logged[:3]
+  chatter = [l for l in logged if any(s in l for s in LIBTPU_CHATTER)]
+  assert not chatter, chatter

@@ -9,6 +9,12 @@ to the CPU. Everything else is left to jax, and an explicit `JAX_PLATFORMS` alwa
 `choose` is a pure function of what was found, so every case is unit-tested;
 `probe` gathers those facts from this machine (files and installed packages only:
 it must not start jax, which would fix the backend before we decide).
+
+`apply` must run before jax starts a backend, not necessarily before jax is imported:
+importing shardax imports jax (the package registers its experiments), and jax reads
+JAX_PLATFORMS into its config when it is imported, so `apply` also sets that config
+when jax is already loaded. Without it, jax would start libtpu on a machine with no
+TPU and libtpu would print its errors before the run's first line.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import dataclasses
 import glob
 import importlib.util
 import os
+import sys
 
 # jax's GPU plugins, by the platform name JAX_PLATFORMS uses for them.
 _GPU_PLUGINS = {"cuda": ("jax_cuda13_plugin", "jax_cuda12_plugin"), "rocm": ("jax_rocm7_plugin", "jax_rocm60_plugin")}
@@ -69,10 +76,15 @@ def probe(environ=os.environ) -> Machine:
 
 
 def apply(environ=os.environ) -> Choice:
-  """Decide for this machine and set JAX_PLATFORMS when needed; call before jax starts."""
+  """Decide for this machine and set JAX_PLATFORMS when needed (in `environ`, for this process
+  and its children, and in jax's config when jax is already imported and `environ` is this
+  process's); call before jax starts a backend."""
   choice = choose(probe(environ))
   if choice.jax_platforms:
     environ["JAX_PLATFORMS"] = choice.jax_platforms
+    jax = sys.modules.get("jax")
+    if jax is not None and environ is os.environ:
+      jax.config.update("jax_platforms", choice.jax_platforms)
   return choice
 
 
