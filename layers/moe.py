@@ -101,8 +101,10 @@ class MoEFeedForward(nnx.Module):
     """`deterministic` (evaluation): the capacity path sends every token to both of its
     top-2 experts (policy 'all'), whatever `cfg.second_expert` draws in training.
 
-    stats: scalars (aux_loss, z_loss, max_load, ...) and, with bias balancing,
-    'next_bias' [e]: the bias the train step writes back (`routers.next_bias`)."""
+    stats: scalars (aux_loss, z_loss, max_load, ...; 'routed_copies_count' and
+    'dropped_copies_count': the token copies sent to experts and those that got no expert
+    output, past capacity or past a dropless buffer with expert_overflow='drop') and, with
+    bias balancing, 'next_bias' [e]: the bias the train step writes back (`routers.next_bias`)."""
     if self.cfg.dispatch == "dropless":
       y, stats = self.dropless(x)
     else:
@@ -123,10 +125,12 @@ class MoEFeedForward(nnx.Module):
                                         impl=cfg.grouped_matmul, quantization=self.quantization,
                                         overflow=cfg.expert_overflow, chunks=cfg.dispatch_chunks,
                                         fp8_dispatch=cfg.fp8_dispatch)
-    stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics}
-    if cfg.expert_overflow == "drop":   # a fraction of the batch's token copies, logged, not raised on
-      stats["dropped_copies"] = overflow.astype(jnp.float32) / r.index.size
+    stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics,
+             "routed_copies_count": jnp.float32(r.index.size)}
+    if cfg.expert_overflow == "drop":   # counted (the loop sums and reports them), not raised on
+      stats["dropped_copies_count"] = overflow.astype(jnp.float32)
     else:
+      stats["dropped_copies_count"] = jnp.float32(0.0)
       stats["expert_buffer_overflow"] = overflow.astype(jnp.float32)
     if bias is not None:
       stats["next_bias"] = routers.next_bias(bias, r.load, cfg.bias_update_rate)

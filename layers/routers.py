@@ -127,7 +127,9 @@ def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
 
   metrics: 'dropped_fraction' (tokens that reach no expert), 'top1_overflow' (tokens
   whose first choice was over capacity), 'max_load' (max over experts of the share of
-  first choices, times E: 1.0 is perfectly balanced, E is all tokens on one expert).
+  first choices, times E: 1.0 is perfectly balanced, E is all tokens on one expert),
+  'routed_copies_count' / 'dropped_copies_count' (token copies sent to an expert, after the
+  second-expert policy, and those of them past capacity: counts over all groups).
   """
   if logits.ndim != 3:
     raise ValueError(f"top2_gating expects logits [groups, tokens, experts], got {logits.shape}")
@@ -162,6 +164,7 @@ def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
     keep = jax.random.uniform(key, (g, s), jnp.float32) < 2.0 * gate_2
     mask_2 = mask_2 * keep[..., None]
 
+  routed = jnp.sum(mask_1) + jnp.sum(mask_2)               # token copies sent, before capacity
   # Slot of each token in its expert's queue: exclusive cumsum over the group.
   pos_1 = (jnp.cumsum(mask_1, axis=1) - 1.0) * mask_1
   mask_1 = mask_1 * (pos_1 < capacity)
@@ -180,6 +183,8 @@ def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
       "dropped_fraction": jnp.mean((kept_1 + kept_2) == 0),
       "top1_overflow": 1.0 - jnp.mean(kept_1),
       "max_load": jnp.max(jnp.mean(ce, axis=0)) * e,
+      "routed_copies_count": routed,
+      "dropped_copies_count": routed - jnp.sum(kept_1) - jnp.sum(kept_2),
   }
   return Gating(combine, (d1 + d2) > 0, jnp.stack([index_1, index_2], -1).astype(jnp.int32),
                 jnp.stack([kept_1, kept_2], -1) > 0, aux_loss, z_loss, metrics)

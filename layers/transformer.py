@@ -46,6 +46,10 @@ from shardax.sharding import shard
 # overwrite (state it updates itself, not by gradient: the MoE balance biases).
 # trainer/step.py imports it from here (layers do not import the trainer).
 STATE_UPDATES = "state_updates"
+# MoE statistics kept per MoE layer ([moe layers, ...]), not averaged over them: the next
+# balance bias, and the token copies each layer routed and dropped (counts).
+PER_LAYER_STATS = ("next_bias", "routed_copies_count", "dropped_copies_count")
+COUNT_STATS = ("routed_copies_count", "dropped_copies_count")
 
 
 def _run_list(modules, x, positions, segment_ids, remat, keys=None, deterministic=False):
@@ -60,11 +64,13 @@ def _run_list(modules, x, positions, segment_ids, remat, keys=None, deterministi
 
 
 def _cached_list(modules, x, positions, cache):
-  out = []
+  """Unscanned units at decode: (x, their caches, their dropped copies stacked [units])."""
+  out, dropped = [], []
   for module, module_cache in zip(modules, cache):
-    x, module_cache = module.cached(x, positions, module_cache)
+    x, module_cache, d = module.cached(x, positions, module_cache)
     out.append(module_cache)
-  return x, out
+    dropped.append(d)
+  return x, out, jnp.stack(dropped)
 
 
 class LayerStack(nnx.Module):
@@ -109,8 +115,12 @@ class LayerStack(nnx.Module):
       names = ([v.get_metadata().get("logical_axes")
                 for v in jax.tree.leaves(state, is_leaf=lambda a: isinstance(a, nnx.Variable))]
                if self.grads_in_layout else None)
-      return pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
-                          segment_ids=segment_ids, weight_axes=names, with_stats=True)
+      # the run averages its statistics over the microbatches (none below M rows); counts are
+      # of the whole batch
+      m = self.schedule.microbatches if x.shape[0] >= self.schedule.microbatches else 1
+      x, stats = pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
+                              segment_ids=segment_ids, weight_axes=names, with_stats=True)
+      return x, {k: v * m if k in COUNT_STATS else v for k, v in stats.items()}
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)
       return scan_units(graphdef, state, x, positions, remat=self.remat, segment_ids=segment_ids,
@@ -138,13 +148,15 @@ class LayerStack(nnx.Module):
       first = jax.tree.map(lambda c: c.stacked(k), block) if k else None
     return {"first_dense": first, "units": units} if k else units
 
-  def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
-    """Decode through the stack. A pipelined stack runs its stages in order, on its
-    weights unstacked to [L, ...] (one token per step leaves nothing to pipeline)."""
-    if self.first_dense is not None:
-      x, first = self._cached(self.first_dense, x, positions, cache["first_dense"])
-      x, units = self._cached(self.blocks, x, positions, cache["units"])
-      return x, {"first_dense": first, "units": units}
+  def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object, jax.Array]:
+    """Decode through the stack: (x, the cache, `dropped` float32 [units]: the token copies
+    each unit's MoE layer routed to an expert that gave no output, 0 for dense units;
+    `Block.cached`). A pipelined stack runs its stages in order, on its weights unstacked
+    to [L, ...] (one token per step leaves nothing to pipeline)."""
+    if self.first_dense is not None:   # dense blocks: nothing to drop
+      x, first, _ = self._cached(self.first_dense, x, positions, cache["first_dense"])
+      x, units, dropped = self._cached(self.blocks, x, positions, cache["units"])
+      return x, {"first_dense": first, "units": units}, dropped
     return self._cached(self.blocks, x, positions, cache)
 
   def _cached(self, modules, x, positions, cache):
@@ -155,6 +167,14 @@ class LayerStack(nnx.Module):
     if self.scan_layers:
       return scan_cached(*nnx.split(modules), x, positions, cache)
     return _cached_list(modules, x, positions, cache)
+
+
+def unit_layer(cfg: TransformerConfig, unit: int) -> int:
+  """The 0-based model layer of the stack's unit `unit`'s last block: a dense model's layer
+  `unit`; an MoE model's MoE layer (after its first dense layers and the unit's dense ones)."""
+  if cfg.moe is None:
+    return unit
+  return cfg.num_first_dense + unit * cfg.moe.every + cfg.moe.every - 1
 
 
 def batch_key(seed: int, tokens: jax.Array) -> jax.Array:
@@ -182,7 +202,8 @@ class TransformerLM(nnx.Module):
               segment_ids: jax.Array | None = None, *, key: jax.Array | None = None,
               deterministic: bool = False) -> tuple[jax.Array, dict]:
     """(logits, stats): stats are each MoE gating statistic averaged over the MoE layers
-    ('next_bias' kept per layer); {} for a dense model. `key`: the step's gating key."""
+    (those of `PER_LAYER_STATS` kept per layer); {} for a dense model. `key`: the step's
+    gating key."""
     x, stats = self.hidden(tokens, positions, segment_ids, key=key, deterministic=deterministic)
     return self.logits(x), stats
 
@@ -198,10 +219,9 @@ class TransformerLM(nnx.Module):
                               self.cfg.num_units)
     x = shard(self.embed(tokens), RESIDUAL)
     x, stats = self.layers(x, positions, segment_ids, keys, deterministic)
-    next_bias = stats.pop("next_bias", None)          # [moe layers, e]: kept per layer
+    per_layer = {k: stats.pop(k) for k in PER_LAYER_STATS if k in stats}   # [moe layers, ...]
     stats = jax.tree.map(jnp.mean, stats)
-    if next_bias is not None:
-      stats["next_bias"] = next_bias
+    stats.update(per_layer)
     return x, stats
 
   def __call__(self, tokens: jax.Array, positions: jax.Array | None = None,
@@ -212,11 +232,16 @@ class TransformerLM(nnx.Module):
     """Tree of `CacheSpec` (shape, dtype, logical axes) of the decode cache."""
     return self.layers.cache_spec(self.cfg, batch, length)
 
-  def cached(self, tokens: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object]:
-    """(logits float32[b, l, vocab], cache): a prefill or a generate step (attention.py)."""
+  def cached(self, tokens: jax.Array, positions: jax.Array, cache
+             ) -> tuple[jax.Array, object, jax.Array]:
+    """(logits float32[b, l, vocab], cache, dropped float32 [cfg.num_units]): a prefill or a
+    generate step (attention.py). `dropped`: per unit of the stack (`unit_layer` gives its
+    layer), the token copies its MoE layer routed to an expert that gave no output; 0
+    under `TransformerConfig.for_decode`, the config decoding builds (trainer/decode.py
+    raises on anything else: the logits of such a call are not the model's)."""
     x = shard(self.embed(tokens), RESIDUAL)
-    x, cache = self.layers.cached(x, positions, cache)
-    return self.logits(x), cache
+    x, cache, dropped = self.layers.cached(x, positions, cache)
+    return self.logits(x), cache, dropped
 
   def logits(self, x: jax.Array) -> jax.Array:
     """Final norm and head (or the tied embedding): [b, l, embed] -> float32 [b, l, vocab]."""
@@ -268,11 +293,14 @@ class TransformerLM(nnx.Module):
   def eval_loss(self, batch: dict) -> tuple[jax.Array, dict]:
     """The validation loss and {'loss_weight'}: cross entropy alone (no z-loss or MoE
     regularizers: they are training terms, logged with the train metrics), MoE routing
-    deterministic. Packed batches as in `loss_and_metrics`."""
+    deterministic. Packed batches as in `loss_and_metrics`. An MoE model adds the copies
+    each layer routed and dropped ('moe/routed_copies_count', 'moe/dropped_copies_count'),
+    which evaluation reports beside the loss."""
     ce, weight, _, stats = self._losses(batch, deterministic=True)
     metrics = {"loss_weight": weight}
     if "expert_buffer_overflow" in stats:   # dropless MoE: the loop raises on it, as in training
       metrics["moe/expert_buffer_overflow"] = stats["expert_buffer_overflow"]
+    metrics.update({f"moe/{k}": stats[k] for k in COUNT_STATS if k in stats})
     return ce, metrics
 
   def balance_updates(self, next_bias: jax.Array) -> dict:

@@ -306,7 +306,8 @@ def test_default_expert_buffer_holds_the_worst_routing(reference_run):
 def test_overflow_drop_leaves_the_copies_out_and_counts_them(reference_run):
   """expert_overflow='drop' at 2.0 with the zero router (above: 4 fair shares per
   destination): half of each device's copies travel, half are dropped, so
-  moe/dropped_copies is 0.5 in each MoE layer; the step stays finite (nothing poisoned, no
+  each MoE layer drops half the copies it routes (moe/dropped_copies_count against
+  moe/routed_copies_count, per layer); the step stays finite (nothing poisoned, no
   overflow count for the loop to raise on) and its loss is not the no-overflow step's (the
   dropped copies got no expert output)."""
   params, batch, *_ = reference_run
@@ -320,7 +321,9 @@ def test_overflow_drop_leaves_the_copies_out_and_counts_them(reference_run):
     assert np.isfinite(loss) and all(np.isfinite(g).all() for g in jax.tree.leaves(grads))
     assert "moe/expert_buffer_overflow" not in metrics
     losses[buffer] = float(loss)
-    assert float(metrics["moe/dropped_copies"]) == (0.5 if buffer else 0.0)
+    dropped, routed = metrics["moe/dropped_copies_count"], metrics["moe/routed_copies_count"]
+    assert dropped.shape == routed.shape == (setup.exp.model.num_moe_layers,)
+    np.testing.assert_array_equal(dropped / routed, 0.5 if buffer else 0.0)
   assert abs(losses[2.0] - losses[None]) > 1e-4, losses
 
 
