@@ -1,6 +1,6 @@
 """Check the step-time model against published training runs; regenerate docs/scale.md's table.
 
-    PYTHONPATH=... python benchmarks/calibrate.py [--runs published-runs/calibration.json]
+    PYTHONPATH=... python benchmarks/calibrate.py [--runs ../shared/published-runs/calibration.json]
         [--rows ID,ID,...] [--compile] [--layers 3] [--write-docs]
 
 Each row of the published-runs table is rebuilt as a shardax experiment
@@ -29,6 +29,7 @@ import statistics
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+RUNS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "published-runs", "calibration.json")
 CACHE = os.path.join(HERE, "calibration")
 DOCS = os.path.join(os.path.dirname(HERE), "docs", "scale.md")
 BEGIN, END = "<!-- calibration:begin -->", "<!-- calibration:end -->"
@@ -176,7 +177,7 @@ def by_family(rows: list[dict], results: dict) -> list[str]:
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--runs", default="/work/shared/published-runs/calibration.json")
+  p.add_argument("--runs", default=RUNS, help="the published-runs table (default: ../shared beside the checkout)")
   p.add_argument("--rows", default="")
   p.add_argument("--compile", action="store_true")
   p.add_argument("--layers", type=int, default=3)
