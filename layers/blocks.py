@@ -128,16 +128,40 @@ class Block(nnx.Module):
     y, stats = self.ffn(self.mlp_norm(x), key, deterministic)
     return shard(x + y, RESIDUAL), stats
 
-  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
-    """The block at decode: (x, its attention cache updated). An MoE FFN drops nothing
-    here: decoding builds the model from `TransformerConfig.for_decode`."""
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict
+             ) -> tuple[jax.Array, dict, jax.Array]:
+    """The block at decode: (x, its attention cache updated, `dropped`: float32, the token
+    copies its MoE FFN routed to an expert that gave them no output; 0 for a dense block).
+
+    Decoding builds the model from `TransformerConfig.for_decode`, where every dispatch runs
+    at its no-overflow bound, so `dropped` is 0 by construction; it is returned rather than
+    discarded so that a dispatch forced below the bound fails by name (trainer/decode.py),
+    where its poisoned (NaN) logits would otherwise be argmaxed into tokens."""
     x = shard(x, RESIDUAL)
     h = self.attn_norm(x)
     y, cache = self.attn.cached(h, positions, cache)
     if self.mlp_norm is None:  # parallel block: both branches read the same norm
-      return shard(x + y + self.ffn(h)[0], RESIDUAL), cache
+      f, dropped = self._decode_ffn(h)
+      return shard(x + y + f, RESIDUAL), cache, dropped
     x = shard(x + y, RESIDUAL)
-    return shard(x + self.ffn(self.mlp_norm(x))[0], RESIDUAL), cache
+    f, dropped = self._decode_ffn(self.mlp_norm(x))
+    return shard(x + f, RESIDUAL), cache, dropped
+
+  def _decode_ffn(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(ffn(h) with deterministic routing, the copies it dropped: `copies_without_output`)."""
+    y, stats = self.ffn(h, deterministic=True)
+    return y, copies_without_output(stats)
+
+
+def copies_without_output(stats: dict) -> jax.Array:
+  """float32: the token copies an MoE FFN call routed to an expert and got no output for,
+  from its stats: those dropped (capacity, or a dropless buffer with expert_overflow='drop')
+  plus those past a dropless buffer with 'error' (whose output is NaN). 0 without MoE."""
+  count = jnp.zeros((), jnp.float32)
+  for key in ("dropped_copies_count", "expert_buffer_overflow"):
+    if key in stats:
+      count = count + jnp.sum(stats[key]).astype(jnp.float32)
+  return count
 
 
 class Unit(nnx.Module):
@@ -153,13 +177,15 @@ class Unit(nnx.Module):
       x, _ = block(x, positions, segment_ids)
     return self.moe_block(x, positions, segment_ids, key, deterministic)
 
-  def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
+  def cached(self, x: jax.Array, positions: jax.Array, cache: dict
+             ) -> tuple[jax.Array, dict, jax.Array]:
+    """As `Block.cached`; `dropped` is the MoE block's (the dense blocks drop nothing)."""
     dense = []
     for block, block_cache in zip(self.dense, cache["dense"]):
-      x, block_cache = block.cached(x, positions, block_cache)
+      x, block_cache, _ = block.cached(x, positions, block_cache)
       dense.append(block_cache)
-    x, moe_cache = self.moe_block.cached(x, positions, cache["moe"])
-    return x, {"dense": dense, "moe": moe_cache}
+    x, moe_cache, dropped = self.moe_block.cached(x, positions, cache["moe"])
+    return x, {"dense": dense, "moe": moe_cache}, dropped
 
 
 def make_unit(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block | Unit:
@@ -247,10 +273,13 @@ def apply_layers(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
 
 
 def scan_cached(graphdef: nnx.GraphDef, stacked_state: nnx.State, x: jax.Array,
-                positions: jax.Array, cache) -> tuple[jax.Array, object]:
+                positions: jax.Array, cache) -> tuple[jax.Array, object, jax.Array]:
   """Decode through stacked units (leading dim = layers) with their stacked cache:
-  one compiled layer body, the cache scanned alongside the weights."""
+  one compiled layer body, the cache scanned alongside the weights. Returns (x, the cache,
+  each unit's dropped copies [layers]: `Block.cached`)."""
   def step(carry, layer):
     state, layer_cache = layer
-    return nnx.merge(graphdef, state).cached(carry, positions, layer_cache)
-  return jax.lax.scan(step, x, (stacked_state, cache))
+    x, layer_cache, dropped = nnx.merge(graphdef, state).cached(carry, positions, layer_cache)
+    return x, (layer_cache, dropped)
+  x, (cache, dropped) = jax.lax.scan(step, x, (stacked_state, cache))
+  return x, cache, dropped

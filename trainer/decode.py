@@ -18,6 +18,13 @@ quadratic work.
 
 Sampling keys: row r, step t uses fold_in(fold_in(key(seed), r), t), so a row's
 text depends on its prompt, its row and the seed, not on the batch size or mesh.
+
+MoE models decode on `TransformerConfig.for_decode()`: every dispatch at its no-overflow
+bound, whatever the training config bets on balance, so no token copy is dropped and an
+expert-parallel decode is one device's. Each prefill and generate step also returns the
+copies each MoE layer routed to an expert that gave them no output (0 at the bound); any
+other count stops the decode with `DroppedCopiesError` naming the layer and the phase,
+never tokens argmaxed from poisoned (NaN) or truncated logits.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardax.layers.attention import CacheSpec, default_positions
+from shardax.layers.transformer import unit_layer
 from shardax.sharding import rules as rules_lib
 from shardax.sharding import shard
 from shardax.trainer.data import preparation, tokenizers
@@ -125,6 +133,31 @@ def next_tokens(logits: jax.Array, key: jax.Array, step: jax.Array, s: Sampling)
 def decode_config(model_cfg):
   """The model config as decoding runs it (MoE: no token dropping; see `for_decode`)."""
   return model_cfg.for_decode() if hasattr(model_cfg, "for_decode") else model_cfg
+
+
+class DroppedCopiesError(ValueError):
+  """A decode call's MoE dispatch gave some token copies no expert output."""
+
+
+def check_dropped(model_cfg, dropped, phase: str) -> None:
+  """Raises `DroppedCopiesError` naming each layer whose count in `dropped` [units] (a
+  cached call's, `TransformerLM.cached`) is not 0, and the decode `phase`."""
+  dropped = np.asarray(dropped)
+  bad = np.flatnonzero(dropped > 0)
+  if not bad.size:
+    return
+  moe = model_cfg.moe
+  layers = ", ".join(f"layer {unit_layer(model_cfg, int(u))} ({int(round(dropped[u]))} copies)"
+                     for u in bad)
+  fields = (f"expert_buffer={moe.expert_buffer}, expert_overflow={moe.expert_overflow!r}"
+            if moe.dispatch == "dropless" else
+            f"capacity_factor={moe.capacity_factor}, group_size={moe.group_size}")
+  raise DroppedCopiesError(
+      f"decode ({phase}): MoE {layers} routed token copies to experts that gave them no output, "
+      f"so its logits are not the model's; the config decoding ran is below the no-overflow bound "
+      f"(model.moe.dispatch={moe.dispatch!r}, {fields}, dispatch_chunks={moe.dispatch_chunks}): "
+      f"decode with the config TransformerConfig.for_decode() gives (decode_config), which "
+      f"Generator builds unless that is overridden")
 
 
 def cache_bytes(spec) -> int:
@@ -228,14 +261,16 @@ class Generator:
                            is_leaf=lambda x: isinstance(x, CacheSpec))
       model = nnx.merge(self.graphdef, params)
       positions = default_positions(*tokens.shape)
-      logits, cache = model.cached(tokens, positions, cache)
+      logits, cache, dropped = model.cached(tokens, positions, cache)
       last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
-      return cache, last
+      return cache, last, dropped
 
-    return jax.jit(prefill, out_shardings=(self.cache_shardings(batch, length), None))
+    return jax.jit(prefill, out_shardings=(self.cache_shardings(batch, length), None, None))
 
   def _generate_fn(self, batch: int, length: int, s: Sampling):
-    """(params, cache, logits, lengths, key) -> (ids, counts, stopped, steps)."""
+    """(params, cache, logits, lengths, key) -> (ids, counts, stopped, steps, dropped, at):
+    `dropped` [units] the copies each MoE layer left without expert output, summed over the
+    steps, `at` the first step with any (-1: none); the loop ends at that step."""
     n = s.max_new_tokens
     stop = jnp.asarray(s.stop_tokens or (-1,), jnp.int32)
 
@@ -243,21 +278,24 @@ class Generator:
       model = nnx.merge(self.graphdef, params)
 
       def body(carry):
-        t, cache, logits, ids, counts, stopped = carry
+        t, cache, logits, ids, counts, stopped, dropped, at = carry
         tok = jnp.where(stopped, PAD_ID, next_tokens(logits, key, t, s))
         ids = ids.at[:, t].set(tok)
         counts = counts + (~stopped).astype(jnp.int32)
         stopped = stopped | jnp.isin(tok, stop)
-        logits, cache = model.cached(tok[:, None], (lengths + t)[:, None], cache)
-        return t + 1, cache, logits[:, 0], ids, counts, stopped
+        logits, cache, lost = model.cached(tok[:, None], (lengths + t)[:, None], cache)
+        at = jnp.where((at < 0) & jnp.any(lost > 0), t, at)
+        return t + 1, cache, logits[:, 0], ids, counts, stopped, dropped + lost, at
 
       def more(carry):
-        return (carry[0] < n) & ~jnp.all(carry[5])
+        return (carry[0] < n) & ~jnp.all(carry[5]) & (carry[7] < 0)
 
+      units = self._abstract_model.cfg.num_units
       init = (jnp.int32(0), cache, logits, jnp.full((batch, n), PAD_ID, jnp.int32),
-              jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool))
-      t, _, _, ids, counts, stopped = jax.lax.while_loop(more, body, init)
-      return ids, counts, stopped, t
+              jnp.zeros((batch,), jnp.int32), jnp.zeros((batch,), bool),
+              jnp.zeros((units,), jnp.float32), jnp.int32(-1))
+      t, _, _, ids, counts, stopped, dropped, at = jax.lax.while_loop(more, body, init)
+      return ids, counts, stopped, t, dropped, at
 
     return jax.jit(loop)
 
@@ -333,12 +371,26 @@ class Generator:
   def prefill(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int):
     """(cache, logits of each row's last prompt token) for padded `tokens` [rows, width]
     (width = prompt part + max_new, as `padded` makes them); the cache is sharded as the
-    rules say (`cache_shardings`)."""
+    rules say (`cache_shardings`). `DroppedCopiesError` if an MoE layer dropped copies."""
     rows, width = tokens.shape
     with self._context():
-      return self._fn("prefill", rows, width)(
+      cache, logits, dropped = self._fn("prefill", rows, width)(
           self.params, self._put(tokens[:, :width - max_new], ("batch", "length")),
           self._put(lengths, ("batch",)))
+    check_dropped(self.model_cfg, jax.device_get(dropped), "prefill")
+    return cache, logits
+
+  def generate(self, cache, logits, lengths: np.ndarray, s: Sampling, width: int):
+    """(ids [rows, max_new], counts, stopped, steps): the generate loop from a prefill's
+    cache and last logits, for rows of `width` slots (`padded`). `DroppedCopiesError` if
+    an MoE layer dropped copies in a step (the loop stops at that step)."""
+    rows = lengths.shape[0]
+    with self._context():
+      out = self._fn("generate", rows, width, s)(self.params, cache, logits,
+                                                  self._put(lengths, ("batch",)), jax.random.key(s.seed))
+      ids, counts, stopped, steps, dropped, at = jax.device_get(out)
+    check_dropped(self.model_cfg, dropped, f"generate step {int(at)}")
+    return ids, counts, stopped, steps
 
   def run(self, prompts: Sequence[Sequence[int]], s: Sampling) -> Result:
     """Decode a batch of id sequences; rows beyond len(prompts) are padding."""
@@ -351,14 +403,13 @@ class Generator:
       jax.block_until_ready(logits)
     prefill_s = time.perf_counter() - start if self.use_cache else 0.0
     start = time.perf_counter()
-    with self._context():
-      len_dev = self._put(lengths, ("batch",))
-      if self.use_cache:
-        out = self._fn("generate", rows, width, s)(self.params, cache, logits, len_dev, key)
-      else:
-        tok_dev = self._put(tokens, ("batch", "length"))
-        out = self._fn("uncached", rows, width, s)(self.params, tok_dev, len_dev, key)
-      ids, counts, stopped, steps = jax.device_get(out)
+    if self.use_cache:
+      ids, counts, stopped, steps = self.generate(cache, logits, lengths, s, width)
+    else:
+      with self._context():
+        out = self._fn("uncached", rows, width, s)(self.params, self._put(tokens, ("batch", "length")),
+                                                    self._put(lengths, ("batch",)), key)
+        ids, counts, stopped, steps = jax.device_get(out)
     generate_s = time.perf_counter() - start
     n = len(prompts)
     return Result(ids[:n], counts[:n], stopped[:n], prefill_s, generate_s, int(steps))
