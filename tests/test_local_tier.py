@@ -1,5 +1,6 @@
 """The local checkpoint tier (trainer/local_tier.py): each process's shards round-trip onto
-the same layout, a step is restored only when complete, and the tier choice."""
+the same layout, a step is restored only when complete and only by the job dir (identity)
+and history it was written for, and the tier choice."""
 
 import os
 
@@ -31,7 +32,7 @@ def test_a_step_round_trips_with_its_data_state(tmp_path, mesh):
   for step in (2, 4, 6):
     tier.save(step, _state(mesh, step), {"position": step * 10})
   tier.wait()
-  assert tier.complete_steps() == [4, 6]   # the newest KEEP=2
+  assert tier.complete_steps() == [4, 6]   # the newest checkpoint.local_keep=2
   want = _state(mesh, 6)
   abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), want)
   got, data_state = tier.restore(6, abstract)
@@ -79,6 +80,60 @@ def test_the_newest_step_every_process_holds_wins_over_an_older_persistent_one()
   tier, step, why = local_tier.choose([[4, 8], []], 6)                # process 1's disk wiped
   assert (tier, step) == ("persistent", 6) and "process(es) [1] hold no complete local step" in why
   assert local_tier.choose([[8], [8]], 8)[:2] == ("local", 8)         # as new: the faster read
+
+
+class Persistent:
+  """The job's persistent tier as the local tier sees it: its newest step so far."""
+  def __init__(self, step=None):
+    self.step = step
+
+  def latest_step(self):
+    return self.step
+
+
+def test_a_step_of_another_job_dir_identity_is_removed_not_restored(tmp_path, mesh):
+  old = local_tier.LocalTier(str(tmp_path), every=1, job_dir="/jobs/i", identity="old")
+  old.save(2, _state(mesh, 2), {})
+  old.wait()
+  new = local_tier.LocalTier(str(tmp_path), every=1, job_dir="/jobs/i", identity="new")
+  assert new.dir == old.dir and new.complete_steps() == [2]
+  steps, why = new.usable(None)
+  assert steps == [] and why.startswith("identity rule: local step(s) [2] were written for another job dir")
+  assert new.complete_steps() == []   # removed, not only skipped
+
+
+def test_a_step_is_usable_only_while_the_persistent_step_it_descends_from_is_the_newest(tmp_path, mesh):
+  persistent = Persistent()
+  tier = local_tier.LocalTier(str(tmp_path), every=1, job_dir="/jobs/h", identity="j", keep=5,
+                              persistent=persistent)
+  for step in (1, 2, 3):                # before any persistent step
+    tier.save(step, _state(mesh, step), {})
+  tier.wait()
+  assert tier.complete_steps() == [1, 2, 3]   # checkpoint.local_keep=5
+  persistent.step = 4                   # saved (or being saved) at step 4
+  tier.save(6, _state(mesh, 6), {})
+  tier.save(8, _state(mesh, 8), {})
+  tier.wait()
+  assert tier.complete_steps() == [6, 8]   # steps 1-3 predate persistent step 4: another history
+  assert tier.usable(4) == ([6, 8], "")    # a crash after local step 8: both continue step 4
+  steps, why = tier.usable(None)           # the persistent steps were deleted (or 4 never committed)
+  assert steps == [] and why.startswith("history rule: local step(s) [6, 8] descend from persistent step(s) [4]")
+  assert tier.usable(0)[0] == []           # rolled back to an older persistent step
+  assert tier.usable(12) == ([6, 8], "")   # a newer persistent step: `choose` takes it
+  tier.discard(restored=8)                   # what the restart did not restore goes
+  assert tier.complete_steps() == [8]
+
+
+def test_a_finished_job_removes_its_local_copies(tmp_path, mesh):
+  tier = local_tier.LocalTier(str(tmp_path), every=1, job_dir="/jobs/f")
+  tier.save(1, _state(mesh, 1), {})
+  tier.remove()
+  assert os.listdir(tmp_path) == []
+
+
+def test_local_keep_must_be_positive():
+  with pytest.raises(ConfigError, match="checkpoint.local_keep=0 must be >= 1"):
+    CheckpointConfig(local_keep=0)
 
 
 def test_local_every_must_be_set():

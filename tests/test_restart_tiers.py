@@ -1,6 +1,8 @@
 """Restarts from the local checkpoint tier (trainer/local_tier.py) with real processes and
 SIGKILL: the losses continue exactly from the newest local step every process holds; a
-wiped local dir or an incomplete step on one host is never restored."""
+wiped local dir or an incomplete step on one host is never restored; a job dir deleted and
+made again, or rolled back to an older persistent step, is never handed the old local
+steps; a clean finish leaves no local copies."""
 
 import glob
 import os
@@ -38,6 +40,20 @@ def kill_when(job, procs, step, victim, tmp_path, tag):
         p.kill()
 
 
+def left_behind(tmp_path, ready, *sets):
+  """(job dir, local dir, args(steps)) after a run SIGKILLed once `ready(job, local)`."""
+  data_dir, job, local = tmp_path / "data", tmp_path / "job", tmp_path / "local"
+  args = lambda steps: cli.command(job, data_dir, f"train.steps={steps}", SCHEDULE,  # noqa: E731
+                                   *tier_sets(local), *sets)
+  proc = cli.start(args(1000), log=tmp_path / "run.log")
+  try:
+    assert cli.wait_for(lambda: ready(job, local), timeout=400), open(tmp_path / "run.log").read()[-3000:]
+  finally:
+    proc.kill()
+    proc.wait()
+  return job, local, args
+
+
 def test_one_process_resumes_from_its_local_step(tmp_path):
   data_dir, job, local = tmp_path / "data", tmp_path / "job", tmp_path / "local"
   args = lambda steps: cli.command(job, data_dir, f"train.steps={steps}", "checkpoint.every=100",  # noqa: E731
@@ -53,6 +69,39 @@ def test_one_process_resumes_from_its_local_step(tmp_path):
   after = cli.losses(job)
   redone = range(steps[-1] + 1, max(before) + 1)   # steps the killed run had logged
   np.testing.assert_allclose([after[s] for s in redone], [before[s] for s in redone], rtol=1e-6)
+  assert os.listdir(local) == [], os.listdir(local)   # finished: no local copy is left behind
+
+
+def test_a_deleted_and_recreated_job_dir_starts_fresh(tmp_path):
+  """Identity rule: the killed run saved no persistent step, so only the job dir's identity
+  tells its local steps from a new job's at the same path."""
+  job, local, args = left_behind(tmp_path, lambda job, local: held(local) and held(local)[0],
+                                 "checkpoint.every=100")
+  [steps] = held(local)
+  assert steps and not cli.checkpoint_steps(job), (steps, cli.checkpoint_steps(job))
+  shutil.rmtree(job)
+  out = cli.run(args(2))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "restore: no checkpoint in either tier (identity rule: local step(s) " in out.stderr, out.stderr[-3000:]
+  assert "resumed from step" not in out.stderr and sorted(cli.losses(job)) == [1, 2], out.stderr[-3000:]
+
+
+def test_a_rolled_back_persistent_tier_is_not_rolled_forward(tmp_path):
+  """History rule: the user deletes the persistent steps after 4; the local steps written
+  after them must not bring that history back."""
+  def ready(job, local):   # every local step is newer than a committed persistent step after 4
+    persistent, mine = cli.checkpoint_steps(job), held(local)
+    return len(persistent) > 1 and mine and mine[0] and mine[0][0] > persistent[1]
+  job, local, args = left_behind(tmp_path, ready, "checkpoint.every=4", "checkpoint.keep=10")
+  [steps], persistent, before = held(local), cli.checkpoint_steps(job), cli.losses(job)
+  assert persistent[0] == 4 and len(persistent) > 1 and steps and steps[0] > 4, (steps, persistent)
+  for step in persistent[1:]:
+    shutil.rmtree(job / "checkpoints" / str(step))
+  out = cli.run(args(5))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "restore: persistent tier, step 4: history rule: local step(s) " in out.stderr, out.stderr[-3000:]
+  assert "resumed from step 4" in out.stderr, out.stderr[-3000:]
+  np.testing.assert_allclose(cli.losses(job)[5], before[5], rtol=1e-6)   # step 5 again, from step 4
 
 
 @pytest.mark.slow

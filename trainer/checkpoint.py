@@ -220,16 +220,10 @@ class Checkpointer:
     self._sigterm.set()   # only set a flag: the loop saves and exits at a step boundary
 
   def latest_step(self) -> int | None:
-    """The newest committed step (it may still turn out unreadable; restore handles that)."""
+    """The newest committed step (it may still turn out unreadable; restore handles that);
+    after this run's `save` of a step, that step, from the save's start (orbax lists it then:
+    the local tier records it as the step its later states descend from)."""
     return self._manager.latest_step()
-
-  def lineage(self) -> tuple[int | None, int | None]:
-    """(the newest committed step, the step whose async save is still in flight or None):
-    what the state trained now descends from in this job dir (the local tier records it)."""
-    steps = sorted(self._manager.all_steps())   # orbax lists a step from its save's start
-    saving = getattr(self._manager, "is_saving_in_progress", lambda: False)()
-    pending = steps.pop() if steps and saving else None
-    return (steps[-1] if steps else None), pending
 
   def preempted(self) -> bool:
     """True once SIGTERM arrived or orbax/jax reported a preemption sync point."""

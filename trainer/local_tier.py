@@ -12,16 +12,17 @@ without `COMPLETE`, or one whose files are missing or short, is not complete: it
 restored, and a process that lost its disk simply holds no steps. Only the same process
 count and layout read a step back (another count or mesh uses the persistent tier, which
 reshards on read). Each process keeps its newest `checkpoint.local_keep` steps, none older
-than the newest committed persistent step.
+than the persistent step they descend from.
 
 A local step belongs to one job: its manifest records the job dir's identity
 (`jobdir.identity`, made when the job dir is first written) and the persistent step the
-state descends from (the newest committed one, and the one whose async save was in flight).
-At restart a step is used only when both still hold:
+state descends from (the newest one saved, or being saved, when it was written; None before
+the first). At restart a step is used only when both rules hold:
 - identity rule: written for this job dir, not for a deleted one at the same path; a step of
   another identity is removed at once, with a log line;
 - history rule: the job dir's newest persistent step is the one the step descends from, so
-  a user who deleted newer persistent steps to roll back is not rolled forward again.
+  a user who deleted newer persistent steps to roll back is not rolled forward again (nor is
+  a step whose persistent save never committed: the job dir's older step is restored).
 Every local step the restart does not restore is then removed (a later run must not mix
 another history into its own), and a job that finishes cleanly removes its local copies.
 The restore line names the rule that decided.
@@ -88,8 +89,9 @@ class LocalTier:
   """This process's local steps: save (async write), list complete ones, restore.
 
   `identity`: the job dir's (`jobdir.identity`), recorded in every step and required of the
-  steps `usable` returns. `persistent`: the job's Checkpointer (anything with `lineage()`),
-  asked at each save which persistent step the state descends from; None: no persistent tier.
+  steps `usable` returns. `persistent`: the job's Checkpointer (anything with `latest_step()`,
+  counting a save from its start), asked at each save which persistent step the state
+  descends from; None: no persistent tier.
   """
 
   def __init__(self, local_dir: str, every: int, job_dir: str, identity: str = "", keep: int = 2,
@@ -123,8 +125,8 @@ class LocalTier:
     host = iter(_host_views(shards))   # device -> host: the blocking part
     leaves = [(key, shape, dtype, {index: next(host) for index in indices})
               for key, shape, dtype, indices in leaves]
-    committed, pending = self.persistent.lineage() if self.persistent is not None else (None, None)
-    origin = {"job": self.identity, "persistent": committed, "pending": pending}
+    origin = {"job": self.identity,
+              "persistent": self.persistent.latest_step() if self.persistent is not None else None}
     blocked = time.perf_counter() - start
     self._thread = threading.Thread(target=self._write_guarded, args=(step, leaves, data_state, origin),
                                     daemon=True)
@@ -158,7 +160,7 @@ class LocalTier:
     _fsync_write(os.path.join(final, MARKER), b"")   # last: the step is complete from here on
     steps = self.complete_steps()
     floor = origin["persistent"] if origin["persistent"] is not None else -1
-    for old in steps[:-self.keep] + [s for s in steps[-self.keep:] if s < floor]:
+    for old in steps[:-self.keep] + [s for s in steps[-self.keep:] if s < floor]:   # another history
       shutil.rmtree(os.path.join(self.dir, str(old)), ignore_errors=True)
 
   def wait(self) -> None:
@@ -194,10 +196,11 @@ class LocalTier:
     """(complete steps that may be restored, oldest first; why the others may not, or '').
 
     `persistent`: the job dir's newest persistent step. A step written for another job dir
-    identity is removed here (identity rule); one that does not descend from `persistent`
-    is kept out (history rule) and removed by `discard` once the restart has chosen.
+    identity is removed here (identity rule); one at least as new as `persistent` that does
+    not descend from it is kept out (history rule) and removed by `discard` once the restart
+    has chosen. Older steps are returned: `choose` prefers the persistent step to them.
     """
-    ok, foreign, others, theirs = [], [], [], set()
+    ok, foreign, others, theirs = [], [], {}, set()
     for step in self.complete_steps():
       try:
         m = self._manifest(step)
@@ -206,10 +209,10 @@ class LocalTier:
       if m.get("job", "") != self.identity:
         foreign.append(step)
         theirs.add(m.get("job") or "none")
-      elif persistent == m.get("persistent") or (m.get("pending") is not None and persistent == m["pending"]):
-        ok.append(step)   # it continues the job dir's newest persistent step (None: there is none)
+      elif m.get("persistent") == persistent or (persistent is not None and step < persistent):
+        ok.append(step)   # it continues the job dir's newest step (or is older: `choose` says so)
       else:
-        others.append((step, m.get("persistent"), m.get("pending")))
+        others[step] = m.get("persistent")
     why = []
     if foreign:
       for step in foreign:
@@ -219,17 +222,17 @@ class LocalTier:
                  f"deleted or replaced since) and were removed from {self.dir}")
       logging.warning("local tier: %s", why[-1])
     if others:
-      after = sorted({c for _, c, _ in others if c is not None} | {p for _, _, p in others if p is not None})
-      why.append(f"history rule: local step(s) {[s for s, _, _ in others]} descend from persistent "
-                 f"step(s) {after or [None]}, not from the job dir's newest ({persistent}): its "
-                 f"persistent steps were rolled back or deleted since")
+      bases = sorted(set(others.values()), key=lambda b: -1 if b is None else b)
+      why.append(f"history rule: local step(s) {sorted(others)} descend from persistent step(s) "
+                 f"{bases}, not from the job dir's newest ({persistent}): the job dir was rolled back, "
+                 f"or their persistent step was deleted or never committed")
     return ok, "; ".join(why)
 
-  def discard(self, keep: int | None = None) -> None:
-    """Removes every local step of this process but `keep` (the one restored, if any)."""
+  def discard(self, restored: int | None = None) -> None:
+    """Removes every local step of this process but `restored` (the one the restart read)."""
     self.wait()
     for name in os.listdir(self.dir) if os.path.isdir(self.dir) else []:
-      if name != str(keep):
+      if name != str(restored):
         shutil.rmtree(os.path.join(self.dir, name), ignore_errors=True)
 
   def remove(self) -> None:
