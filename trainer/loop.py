@@ -141,7 +141,7 @@ def _from_local(setup, local, persistent: int | None, rec):
       error = f"{type(e).__name__}: {e}"
     if distributed.any_process(restored is None):   # never half a job from the local tier
       restored, why = None, f"local step {step} did not restore on every process ({error or 'a peer failed'})"
-  local.discard(keep=step if restored is not None else None)   # no other history stays behind
+  local.discard(restored=step if restored is not None else None)   # no other history stays behind
   if restored is not None:
     _status(f"restore: local tier, step {step}: {why}")
   elif persistent is not None:
