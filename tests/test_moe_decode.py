@@ -78,8 +78,8 @@ def test_capacity_dispatch_decodes_as_one_device_whatever_its_capacity_factor():
   """GShard capacity dispatch trained at capacity_factor 0.25 in 2 dispatch pieces, experts
   over 8 devices (preset expert): its forward drops copies; decode (one group per sequence,
   capacity = group, one piece) equals one device's."""
-  bet = [*SHAPE, "model.num_layers=2", "model.moe.d_ff=32", "model.moe.capacity_factor=0.25", "model.moe.min_capacity=4",
-         "model.moe.dispatch_chunks=2", "sharding.preset='expert'"]
+  bet = [*SHAPE, "model.num_layers=2", "model.moe.d_ff=32", "model.moe.capacity_factor=0.25",
+         "model.moe.min_capacity=4", "model.moe.dispatch_chunks=2", "sharding.preset='expert'"]
   sharded = experiment(*bet, "mesh.ici=(8,)", "mesh.axes=('data',)", name="moe.tiny")
   one = experiment(*bet, "mesh.ici=(1,)", "mesh.axes=('data',)", name="moe.tiny")
   params = params_of(one)
