@@ -3,8 +3,8 @@
 Composed, not inherited, and one model: the TransformerConfig describes every layer's
 attention and the dense FFN of the layers that are not MoE; `moe` describes the expert FFN
 that replaces the dense one in every `moe.every`-th layer. Overrides reach both by path:
-`--set model.moe.num_experts=16`, `--set model.num_layers=8` (before 2026-11-26 an MoE
-model's own fields lived under `model.transformer.`; those paths are refused with the new one).
+`--set model.moe.num_experts=16`, `--set model.num_layers=8` (an MoE model's own fields
+once lived under `model.transformer.`; those paths are refused with the new one).
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ class MoEConfig:
   group_size:       S, tokens per gating group (tokens are regrouped to [G, S, embed];
                     capacity and the balance statistics are per group). None = seq_len.
   capacity_factor:  expert capacity C = max(min_capacity, ceil(capacity_factor * 2S / E)),
-                    capped at S; tokens past C in an expert are dropped (residual only).
+                    capped at S; token copies past C in an expert are dropped (no expert
+                    output, the residual carries them) and counted (warn_dropped_fraction).
   second_expert:    'all' (always dispatch to the second-best expert), 'random' (keep it
                     with probability 2 * its normalized gate, GShard), 'sampling' (draw the
                     second expert from the softmax of the remaining router logits).
@@ -52,14 +53,16 @@ class MoEConfig:
                     step by this rate towards uniform load: b_e += rate * sign(mean load - load_e).
                     0 = off. Needs dispatch='dropless'.
   dispatch:         'capacity' (GShard: fixed slots per expert, tokens past them dropped) or
-                    'dropless' (tokens sorted by expert, a grouped matmul, nothing dropped).
+                    'dropless' (tokens sorted by expert, a grouped matmul; nothing dropped
+                    unless expert_overflow='drop' with an expert_buffer below the bound).
   num_shared_experts: experts every token goes through beside its routed ones (DeepSeek), as
                     one gated FFN of width num_shared_experts * d_ff.
   first_dense_layers: the first this-many layers keep a dense FFN (DeepSeek-V3: 3); the
                     every-th rule counts from the layer after them.
   expert_buffer:    dropless under expert parallelism: each device's buffer of token copies
                     sent to one expert shard holds expert_buffer x its fair share (k x its
-                    tokens / shards); more is an error (raise it), never a silent drop.
+                    tokens / shards); what happens to copies past it is expert_overflow's
+                    choice: an error that stops the run, or a drop that is counted.
                     None (default): the no-overflow bound n x min(k, E/n) / k for the n
                     expert shards of the mesh in force (a device sends one shard at most
                     min(k, E/n) copies of each token), so no routing can overflow: 4 for
@@ -68,8 +71,8 @@ class MoEConfig:
                     saves memory and bets on balance (layers/moe_dispatch.py).
   expert_overflow:  what a token copy past a smaller expert_buffer does: 'error' (the step is
                     not applied and the loop raises naming expert_buffer) or 'drop' (it gets no
-                    expert output, the residual carries it, as capacity dispatch drops; the
-                    fraction of copies dropped is logged as moe/dropped_copies).
+                    expert output, the residual carries it, as capacity dispatch drops; counted:
+                    warn_dropped_fraction).
   expert_exchange:  how dropless tokens travel under expert parallelism: 'ragged'
                     (jax.lax.ragged_all_to_all: TPU, GPU), 'padded' (all_to_all of fixed
                     blocks: any backend), 'auto' (ragged unless the mesh is on CPU).
@@ -92,6 +95,12 @@ class MoEConfig:
                     (DeepSeek-V3's dispatch). The expert outputs and the rows' gradient come
                     back in the activations' dtype (its combine). The experts compute on the
                     dequantized rows (layers/moe_dispatch.py `_fp8_sent`).
+  warn_dropped_fraction: the share of token copies dropped (capacity, or expert_overflow=
+                    'drop') over one logging window above which training warns, once per
+                    run, naming the worst layers and the field that changes it. Every window's
+                    fraction goes to metrics.jsonl / TensorBoard as moe/dropped_copies (each
+                    layer's as moe/dropped_copies/layer_<i> when any dropped), on the progress
+                    line whenever it is not 0, and eval reports its own (eval_moe/dropped_copies).
   """
   num_experts: int = 8
   d_ff: int = 512
@@ -117,6 +126,7 @@ class MoEConfig:
   grouped_matmul: str = "auto"
   dispatch_chunks: int = 1
   fp8_dispatch: bool = False
+  warn_dropped_fraction: float = 0.01
 
   def __post_init__(self):
     _require(self.num_experts >= 2, f"model.moe.num_experts={self.num_experts} must be >= 2 (top-2 gating)")
@@ -149,6 +159,9 @@ class MoEConfig:
     _require(self.grouped_matmul in ("auto", "ragged_dot", "tiled", "megablox"),
              f"model.moe.grouped_matmul={self.grouped_matmul!r}: use 'auto', 'ragged_dot', 'tiled' "
              f"or 'megablox'")
+    _require(0 <= self.warn_dropped_fraction <= 1,
+             f"model.moe.warn_dropped_fraction={self.warn_dropped_fraction} must be in [0, 1] (a "
+             f"share of the token copies routed; 0.01 = warn above 1%)")
     _require(self.dispatch_chunks >= 1, f"model.moe.dispatch_chunks={self.dispatch_chunks} must be >= 1")
     _require(not self.fp8_dispatch or self.dispatch == "dropless",
              f"model.moe.fp8_dispatch=True is for model.moe.dispatch='dropless' (got {self.dispatch!r}): "

@@ -72,6 +72,10 @@ def test_pipelined_moe_equals_accumulation_microbatches_on_one_device(case):
   assert any(k.startswith("moe/") for k in want)
   for k, v in want.items():
     np.testing.assert_allclose(scalars(p_metrics)[k], v, rtol=1e-5, atol=1e-7, err_msg=f"{case}: {k}")
+  for k in ("moe/routed_copies_count", "moe/dropped_copies_count"):   # per layer, the whole batch's
+    np.testing.assert_array_equal(p_metrics[k], metrics[k], err_msg=f"{case}: {k}")
+  model = ref.exp.model
+  assert metrics["moe/routed_copies_count"].tolist() == [BATCH * 16 * model.moe.top_k] * model.num_moe_layers
   updates, p_updates = metrics.get("state_updates"), p_metrics.get("state_updates")
   assert (updates is None) == (p_updates is None)
   if p_updates is not None:  # written in the params' stage layout

@@ -3,7 +3,8 @@
 Compiles the real train step from abstract shapes (nothing allocated) on the
 experiment's mesh (a TPU topology too, with `mesh.topology`) and reads the compiled
 program: per-parameter placement, per-device memory and its largest buffers
-(trainer/perf/buffers.py), FLOPs, and each collective
+(trainer/perf/buffers.py), an MoE's bet on balance where it makes one (token copies past
+a finite capacity or expert buffer dropped: trainer/moe_drops.py), FLOPs, and each collective
 with the model source line that caused it (HLO metadata). Activation shardings
 come from tracing the forward pass: every `shard(x, logical_axes)` the model makes
 is a sharding constraint in the jaxpr, with its shape, spec and source line, so
@@ -26,7 +27,7 @@ from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
 from shardax.trainer import jobdir
 from shardax.trainer.perf import buffers as buffers_lib, dry_run
-from shardax.trainer import decode
+from shardax.trainer import decode, moe_drops
 from shardax.trainer import step as step_lib
 
 _PACKAGE = os.path.dirname(os.path.abspath(shardax.__file__))
@@ -91,6 +92,7 @@ def format_activations(rows: list[Activation]) -> str:
 
 def explain(exp: Experiment, job_dir: str | None = None) -> str:
   mesh, setup = dry_run.prepare(exp)
+  bet = moe_drops.bet(exp, dict(mesh.shape), setup.rules)
   compiled, buffers = dry_run.compile_with_buffers(setup)
   if isinstance(compiled, Exception):  # does not fit: --mode=dry_run says by how much, and why
     raise compiled
@@ -104,6 +106,7 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
            format_activations(activations), "",
            "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
+           *filter(None, [bet]),
            *filter(None, [decode.cache_summary(exp, mesh, setup.rules)]),
            *buffers_lib.format_table(buffers),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
@@ -119,5 +122,5 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
                  "memory": memory, "buffers": [dataclasses.asdict(b) for b in buffers],
                  "collectives": summary,
                  "collective_ops": [dataclasses.asdict(c) for c in report.collectives(hlo)],
-                 "flops_per_device": report.flops(compiled)}, indent=2, default=str))
+                 "flops_per_device": report.flops(compiled), "balance_bet": bet}, indent=2, default=str))
   return text

@@ -21,7 +21,7 @@ from absl import logging
 from shardax.configs.schema import IMAGE_SOURCES, Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
-from shardax.trainer import distributed, goodput, jobdir, local_tier
+from shardax.trainer import distributed, goodput, jobdir, local_tier, moe_drops
 from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -30,6 +30,9 @@ from shardax.trainer.metrics import MetricsWriter
 
 class NonFiniteError(RuntimeError):
   pass
+
+
+EVAL_PREFIX = "eval_"   # eval's MoE drop figures: 'eval_moe/dropped_copies', ...
 
 
 def expert_buffer_error(where: str, copies: float) -> NonFiniteError:
@@ -52,32 +55,41 @@ def _eval_batches(setup, data=None):
 
 
 def eval_sums_fn(setup) -> Callable:
-  """A jitted `(params, batch) -> (loss x weight, weight, overflow)`: weight = the batch's
+  """A jitted `(params, batch) -> (loss x weight, weight, moe)`: weight = the batch's
   target tokens (its loss mask) where the model reports it, else 1, so batches (and
-  padding) weigh what they hold; overflow: the dropless MoE's token copies that did not
-  fit (`step.OVERFLOW`). The loss is the evaluation loss (`step.eval_loss_fn`: for the
-  MoE LM cross entropy with deterministic routing), not the training objective."""
+  padding) weigh what they hold; moe: {`step.OVERFLOW`: the dropless MoE's token copies
+  that did not fit, and for an MoE model each layer's routed and dropped copies
+  (`step.COUNTS`)}. The loss is the evaluation loss (`step.eval_loss_fn`: for the MoE LM
+  cross entropy with deterministic routing), not the training objective."""
   def sums(params, batch):
     loss, metrics = step_lib.eval_loss_and_metrics(setup)(params, batch)
-    weight = metrics["loss_weight"]
-    return loss * weight, weight, metrics[step_lib.OVERFLOW]
+    weight = metrics.pop("loss_weight")
+    return loss * weight, weight, metrics
   return jax.jit(sums, in_shardings=(setup.shardings["params"], setup.batch_sharding),
                  out_shardings=setup.replicated)
 
 
-def _eval(eval_sums, params, batches, targets_per_byte: float | None) -> dict[str, float]:
+def _eval(eval_sums, params, batches, targets_per_byte: float | None, model=None) -> dict[str, float]:
   """Loss per target token over `batches` (one host sync at the end) and, for text,
   bits per byte: loss x targets per byte / ln 2 (comparable across tokenizers). A
-  dropless MoE's buffer overflow raises as in training (its loss would be NaN)."""
-  total = weight = overflow = jnp.float32(0.0)
+  dropless MoE's buffer overflow raises as in training (its loss would be NaN). An MoE
+  `model` (its config) adds the token copies routing dropped (`moe_drops.scalars`,
+  'eval_moe/...'): the loss of a model that drops is not hidden behind a plain number."""
+  total = weight = jnp.float32(0.0)
+  moe = None
   n = 0
   for batch in batches:
     s, w, o = eval_sums(params, batch)
-    total, weight, overflow, n = total + s, weight + w, overflow + o, n + 1
-  total, weight = float(total), float(weight)
-  if float(overflow) > 0:
-    raise expert_buffer_error(f"eval ({n} batches)", float(overflow))
+    total, weight, n = total + s, weight + w, n + 1
+    moe = o if moe is None else jax.tree.map(jnp.add, moe, o)
+  total, weight, moe = float(total), float(weight), jax.device_get(moe or {})
+  overflow = float(moe.get(step_lib.OVERFLOW, 0.0))
+  if overflow > 0:
+    raise expert_buffer_error(f"eval ({n} batches)", overflow)
   out = {"eval_loss": total / max(weight, 1.0), "eval_weight": weight, "eval_batches": n}
+  drops = moe_drops.of_metrics([moe])
+  if drops is not None and model is not None:
+    out.update(moe_drops.scalars(drops, model, prefix=EVAL_PREFIX))
   if targets_per_byte is not None:
     out["eval_bits_per_byte"] = out["eval_loss"] * targets_per_byte / math.log(2)
   return out
@@ -90,35 +102,43 @@ def _eval_sources(eval_sums, params, setup) -> dict[str, float]:
   tokens, the total bits per byte all nats over all bytes (a source's bytes = its tokens
   / its targets per byte), so a source with short batches or a padded tail counts for
   what it holds."""
-  data = setup.exp.data
+  data, model = setup.exp.data, setup.exp.model
   if not data.mixture:
-    return _eval(eval_sums, params, _eval_batches(setup), inputs.targets_per_byte(data))
+    return _eval(eval_sums, params, _eval_batches(setup), inputs.targets_per_byte(data), model)
   out: dict[str, float] = {}
   nats = weight = text_bytes = 0.0
   batches = 0
+  routed = dropped = 0.0
   sources = [src for src, _ in data.components]
   for src, name in zip(sources, inputs.source_labels(sources)):
     one = data.for_source(src)
     per_byte = inputs.targets_per_byte(one)
-    e = _eval(eval_sums, params, _eval_batches(setup, one), per_byte)
+    e = _eval(eval_sums, params, _eval_batches(setup, one), per_byte, model)
+    routed += e.get(EVAL_PREFIX + step_lib.ROUTED, 0.0)
+    dropped += e.get(EVAL_PREFIX + step_lib.DROPPED, 0.0)
     out.update({f"eval_loss/{name}": e["eval_loss"], f"eval_weight/{name}": e["eval_weight"],
                 f"eval_bits_per_byte/{name}": e["eval_bits_per_byte"]})
     nats += e["eval_loss"] * e["eval_weight"]
     weight += e["eval_weight"]
     text_bytes += e["eval_weight"] / per_byte
     batches += e["eval_batches"]
+  if routed:   # all sources' copies together (each layer's share is per source only)
+    out.update({EVAL_PREFIX + moe_drops.FRACTION: dropped / routed,
+                EVAL_PREFIX + step_lib.ROUTED: routed, EVAL_PREFIX + step_lib.DROPPED: dropped})
   return {"eval_loss": nats / max(weight, 1.0), "eval_weight": weight, "eval_batches": batches,
           "eval_bits_per_byte": nats / max(text_bytes, 1e-9) / math.log(2), **out}
 
 
 def format_eval(step: int, total_steps: int, exp: Experiment, e: dict[str, float]) -> str:
-  """One line: the loss, bits per byte, and what the eval covered."""
+  """One line: the loss, bits per byte, the share of MoE token copies dropped (when not 0),
+  and what the eval covered."""
   what = ("whole validation split" if exp.train.eval_batches is None
           else f"first {exp.train.eval_batches} validation batches")
   bpb = f" | bits/byte {e['eval_bits_per_byte']:.4f}" if "eval_bits_per_byte" in e else ""
   sources = "".join(f" | {k.split('/', 1)[1]}: {v:.4f} bits/byte" for k, v in e.items()
                     if k.startswith("eval_bits_per_byte/"))
-  return (f"step {step:>6}/{total_steps} | eval_loss {e['eval_loss']:.4f}{bpb} "
+  dropped = moe_drops.note(e.get(EVAL_PREFIX + moe_drops.FRACTION, 0.0))
+  return (f"step {step:>6}/{total_steps} | eval_loss {e['eval_loss']:.4f}{bpb}{dropped} "
           f"({what}: {e['eval_batches']} batches, {e['eval_weight']:.0f} tokens){sources}")
 
 
@@ -249,7 +269,8 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     logging.info("training %s: %s params, steps %d -> %d on mesh %s",
                  exp.name, f"{state_lib.count_params(setup):,}", start, exp.train.steps, dict(mesh.shape))
     summary: dict[str, Any] = {"start_step": start, "losses": {}, "eval_losses": {}, "skipped_steps": [],
-                               "eval_bits_per_byte": {}}
+                               "eval_bits_per_byte": {}, "dropped_copies": {}}
+    drop_warning = moe_drops.OnceWarning(exp.model)
     pending: list[tuple[int, dict]] = []
     t0 = time.perf_counter()
     step = start
@@ -284,7 +305,7 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
         pending.append((step, metrics))
         last = step == exp.train.steps
         if step % exp.train.log_every == 0 or last or (checkpointer and checkpointer.should_save(step)):
-          _log(writer, pending, exp, summary, tokens_per_step, flops_per_device)
+          _log(writer, pending, exp, summary, tokens_per_step, flops_per_device, drop_warning)
           pending = []
         if step % exp.train.eval_every == 0 or last:
           run_eval(step)
@@ -326,7 +347,10 @@ def train(exp: Experiment, job_dir: str, on_ready: Callable[[], None] | None = N
     return summary
 
 
-def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device) -> None:
+def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device, drop_warning=None) -> None:
+  """Every step's metrics since the last log point, fetched at once: the last step's
+  scalars, the window's MoE drops summed over all its steps (`moe_drops`; in
+  summary['dropped_copies'] by the window's last step), the progress line."""
   fetched = jax.device_get([m for _, m in pending])
   for (step, _), m in zip(pending, fetched):
     summary["losses"][step] = float(m["loss"])
@@ -342,9 +366,17 @@ def _log(writer, pending, exp, summary, tokens_per_step, flops_per_device) -> No
             f"(train.nonfinite='stop'); the last checkpoint before it is intact. Lower "
             f"optimizer.learning_rate or set --set train.nonfinite=skip to skip such steps")
   step, last = pending[-1][0], fetched[-1]
-  rates = writer.progress(step, float(last["loss"]), tokens_per_step)
+  drops = moe_drops.of_metrics(fetched)
+  if drops is not None:
+    summary["dropped_copies"][step] = drops.fraction
+    if drop_warning is not None:
+      drop_warning.check(pending[0][0], step, drops)
+  rates = writer.progress(step, float(last["loss"]), tokens_per_step,
+                          moe_drops.note(drops.fraction) if drops is not None else "")
   scalars = {"loss": last["loss"], "learning_rate": last["learning_rate"], "grad_norm": last["grad_norm"],
              "skipped_steps": len(summary["skipped_steps"])}
+  if drops is not None:
+    scalars.update(moe_drops.scalars(drops, exp.model))
   scalars.update({k: v for k, v in last.items() if k not in scalars and k != "finite" and np.ndim(v) == 0})
   if rates:
     scalars["tokens_per_s"] = rates["tokens_per_s"]

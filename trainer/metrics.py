@@ -76,8 +76,9 @@ class MetricsWriter:
     self._jsonl.write(json.dumps({"step": step, **scalars}) + "\n")
     self._jsonl.flush()
 
-  def progress(self, step: int, loss: float, tokens_per_step: int) -> dict[str, float]:
-    """Print a progress line; returns the rates it measured since the previous one."""
+  def progress(self, step: int, loss: float, tokens_per_step: int, note: str = "") -> dict[str, float]:
+    """Print a progress line (`note`, e.g. what MoE routing dropped, after the loss); returns
+    the rates it measured since the previous one."""
     now = time.perf_counter()
     rates = {}
     if self._last is not None and step > self._last[1]:
@@ -86,7 +87,7 @@ class MetricsWriter:
       rates = {"steps_per_s": steps_per_s, "tokens_per_s": steps_per_s * tokens_per_step}
     self._last = (now, step)
     if self.enabled:
-      line = f"step {step:>6}/{self.total_steps} | loss {loss:.4f}"
+      line = f"step {step:>6}/{self.total_steps} | loss {loss:.4f}{note}"
       if rates:
         eta = (self.total_steps - step) / rates["steps_per_s"]
         line += (f" | {rates['steps_per_s']:.2f} steps/s | {rates['tokens_per_s']:,.0f} tokens/s"

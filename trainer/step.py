@@ -33,6 +33,11 @@ STATE_UPDATES = transformer.STATE_UPDATES
 # Token copies a dropless MoE could not fit in its expert-parallel buffers (the step's
 # loss is NaN then): the loop raises `loop.expert_buffer_error` on it, in training and eval.
 OVERFLOW = "moe/expert_buffer_overflow"
+# Token copies each MoE layer routed to experts and those that got no expert output
+# ([moe layers] each, counts of the whole batch): trainer/moe_drops.py reports them.
+ROUTED = "moe/routed_copies_count"
+DROPPED = "moe/dropped_copies_count"
+COUNTS = (ROUTED, DROPPED)
 
 
 def loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:
@@ -51,7 +56,8 @@ def _microbatches(batch: dict, m: int) -> dict:
 
 
 def grads_and_loss(setup: Setup, params, batch: dict):
-  """(loss, grads, metrics), averaged over the microbatches."""
+  """(loss, grads, metrics), averaged over the microbatches (`COUNTS` summed: they count
+  the whole batch's copies)."""
   grad_fn = jax.value_and_grad(loss_fn(setup), has_aux=True)
   m = setup.exp.train.microbatches
   if m == 1:
@@ -69,7 +75,8 @@ def grads_and_loss(setup: Setup, params, batch: dict):
   zeros = (jnp.zeros((), jnp.float32), jax.tree.map(jnp.zeros_like, params),
            jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), metrics_shape))
   (total, grads, metrics), _ = jax.lax.scan(body, zeros, _microbatches(batch, m))
-  return total / m, quantization.mean_grads(grads, m), jax.tree.map(lambda x: x / m, metrics)
+  metrics = {k: v if k in COUNTS else jax.tree.map(lambda x: x / m, v) for k, v in metrics.items()}
+  return total / m, quantization.mean_grads(grads, m), metrics
 
 
 def train_step_fn(setup: Setup) -> Callable:
@@ -153,9 +160,10 @@ def eval_loss_fn(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, jax.Arr
 
 
 def eval_loss_and_metrics(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array, dict]]:
-  """`eval_loss_fn` with its metrics: 'loss_weight' and, for a dropless MoE, the token
+  """`eval_loss_fn` with its metrics: 'loss_weight'; for a dropless MoE, the token
   copies that did not fit the expert-parallel buffers ('moe/expert_buffer_overflow', 0
-  else), which turn the loss NaN: the caller raises on them as training does."""
+  else), which turn the loss NaN: the caller raises on them as training does; for an MoE
+  model, each layer's routed and dropped copies (`COUNTS`), which the caller reports."""
   def loss(params, batch):
     model = setup.model(params)
     if hasattr(model, "eval_loss"):
@@ -164,7 +172,8 @@ def eval_loss_and_metrics(setup: Setup) -> Callable[[Any, dict], tuple[jax.Array
       value, metrics = model.loss_and_metrics(batch)
       value = metrics.get("ce_loss", value)
     return value, {"loss_weight": jnp.asarray(metrics.get("loss_weight", 1.0), jnp.float32),
-                   OVERFLOW: jnp.asarray(metrics.get(OVERFLOW, 0.0), jnp.float32)}
+                   OVERFLOW: jnp.asarray(metrics.get(OVERFLOW, 0.0), jnp.float32),
+                   **{k: jnp.asarray(metrics[k], jnp.float32) for k in COUNTS if k in metrics}}
   return loss
 
 

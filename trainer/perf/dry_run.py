@@ -27,11 +27,18 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
                     instruction, op_name, source line), read from XLA's buffer assignment
                     (trainer/perf/buffers.py); also when the compiler refuses the program.
   collectives       per kind: count and bytes per step, loops unrolled.
+  balance_bet       for an MoE whose token copies past a finite capacity or expert buffer
+                    are dropped (or stop the run): that bound and the field that changes it
+                    (trainer/moe_drops.py `bet`); None when no routing can overflow.
   predicted         the step-time model (trainer/perf/stepmodel.py, assumptions in its
                     docstring): step_seconds, mfu (model FLOPs), hfu (compiled FLOPs),
                     tokens_per_second_per_device, and a breakdown into compute, memory,
-                    collectives by kind / mesh axis / link, exposed vs hidden, bubble.
-                    None when the chip is not in trainer/perf/chips.py (e.g. CPU).
+                    collectives by kind / mesh axis / link, exposed vs hidden, bubble, and
+                    the roofline it is checked against. None when the chip is not in
+                    trainer/perf/chips.py (e.g. CPU), or when the prediction is refused.
+  prediction_refused  None, or why the step model's figure was refused: a step under the
+                    roofline (model FLOPs at the chips' peak, the HBM floor: stepmodel.roofline)
+                    cannot be true; message, the refused step_seconds and the bound.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ import numpy as np
 
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
-from shardax.trainer import jobdir
+from shardax.trainer import jobdir, moe_drops
 from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
 from shardax.trainer.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
@@ -142,7 +149,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
       "global_batch": exp.train.global_batch, "tokens_per_step":
           exp.model.tokens_per_example(exp.data) * exp.train.global_batch,
       "hbm_bytes_per_device": usable_hbm_bytes(mesh, chip) or (chip.hbm_bytes if chip else None),
-      "error": None}
+      "balance_bet": moe_drops.bet(exp, dict(mesh.shape), setup.rules), "error": None}
   start, cpu_start = time.perf_counter(), time.process_time()
   compiled, buffers = compile_with_buffers(setup, top=24)  # the report prints 12 of each space
   out["buffers"] = [dataclasses.asdict(b) for b in buffers]
@@ -156,7 +163,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
     out.update(bytes_per_device=mem, fits=False, flops_per_device=None,
                flops_loop_bodies_once=None, bytes_accessed_per_device=None,
                model_flops_per_step=model_flops, flops_convention=CONVENTION, collectives={},
-               predicted=None, error=str(e).splitlines()[0])
+               predicted=None, prediction_refused=None, error=str(e).splitlines()[0])
     out["hint"] = hint(mem, out["hbm_bytes_per_device"], exp, out["buffers"])
     return write(out, job_dir)
   out["compile_seconds"] = time.perf_counter() - start
@@ -173,24 +180,42 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   if costs_out is not None:
     costs_out.append(cost)
   mxu = mxu_lib.by_piece(hlo, cost.owner)   # the dots' padding to each MXU tile, per piece
-  predicted = stepmodel.from_costs(cost, mesh, exp, chip, mxu) if chip else None
-  if predicted and "tpu_custom_call" in hlo and "splash" in hlo:
-    predicted = stepmodel.with_flash_kernel(predicted, exp, mesh, chip)
   out.update(bytes_per_device=mem, fits=fits, flops_per_device=cost.flops,
              flops_loop_bodies_once=cost.flops_loop_bodies_once,
              bytes_accessed_per_device=cost.bytes_accessed,
              model_flops_per_step=model_flops, flops_convention=CONVENTION,
              collectives=report.collective_summary(hlo),
-             predicted=_brief(predicted.as_dict()) if predicted else None,
              hint=None if fits is not False else hint(mem, hbm, exp, out["buffers"]))
-  if out["predicted"]:  # the MXU read per piece, for a depth extrapolation from this report (JSON keys)
-    out["predicted"]["breakdown"]["mxu_by_piece"] = {p: {str(t): u for t, u in v.items()} for p, v in mxu.items()}
-  if out["predicted"]:  # offloaded activations (model.remat='offload*'): their host transfers
+  predicted = price(out, cost, mesh, exp, chip, mxu, stepmodel.runs_flash_kernel(hlo))
+  if predicted:  # offloaded activations (model.remat='offload*'): their host transfers
     out["predicted"]["breakdown"]["offload"] = stepmodel.offload_seconds(
         mem["host_temp"], predicted.breakdown["compute_seconds"], chip)
   if exp.mesh.dcn:  # several granules: which collectives stay on ICI, which cross DCN
     out["networks"] = networks.split_by_network(hlo, mesh, report.collectives(hlo))
   return write(out, job_dir)
+
+
+def price(out: dict, cost, mesh, exp: Experiment, chip, mxu: dict | None, flash_kernel: bool):
+  """The step model's prediction for the report `out` (its bytes_per_device already set):
+  out['predicted'] (brief, with the MXU read per piece for a depth extrapolation), or, when the
+  step model refuses a step under the roofline (stepmodel.ImpossiblePrediction), predicted None
+  and out['prediction_refused'] (message, the refused step, the bound). Returns the Prediction
+  or None (refused, or no chip row)."""
+  out["predicted"], out["prediction_refused"] = None, None
+  if chip is None:
+    return None
+  mem = out["bytes_per_device"]
+  state = (mem.get("params") or 0) + (mem.get("optimizer_state") or 0) or None
+  try:
+    predicted = stepmodel.from_costs(cost, mesh, exp, chip, mxu, flash_kernel=flash_kernel,
+                                     state_bytes_per_device=state)
+  except stepmodel.ImpossiblePrediction as e:
+    out["prediction_refused"] = e.as_dict()
+    return None
+  out["predicted"] = _brief(predicted.as_dict())
+  out["predicted"]["breakdown"]["mxu_by_piece"] = {  # JSON keys
+      p: {str(t): u for t, u in v.items()} for p, v in (mxu or {}).items()}
+  return predicted
 
 
 _USABLE_HBM: dict[str, int | None] = {}
@@ -269,6 +294,8 @@ def format_report(r: dict) -> str:
   lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}{usable}")
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
+  if r.get("balance_bet"):
+    lines.append(f"  {r['balance_bet']}")
   copy = (r.get("shallow") or {}).get("layers") if r.get("compile_path") == "shallow" else None
   lines += buffers_lib.format_table([buffers_lib.Buffer(**b) for b in r.get("buffers") or []],
                                     source=f"the {copy[-1]}-layer shallow copy" if copy else None)
@@ -282,6 +309,8 @@ def format_report(r: dict) -> str:
   for net, rows in (r.get("networks") or {}).items():
     lines.append(f"  over {net.upper()}: " + (", ".join(
         f"{kind} x{c['count']:,} ({c['bytes']:,} bytes)" for kind, c in sorted(rows.items())) or "none"))
+  if refused := r.get("prediction_refused"):
+    lines.append(f"  PREDICTION REFUSED: {refused['message']}")
   if p := r.get("predicted"):
     lines.extend(stepmodel.format_prediction(stepmodel.Prediction(**p)))
     if kernel := p["breakdown"].get("flash_kernel_seconds"):
@@ -302,7 +331,7 @@ def markdown_table(reports: list[dict]) -> str:
           "predicted step | predicted MFU | compile (CPU) |", "|---|---|---|---|---|---|---|---|"]
   for r in reports:
     m, pr = r["bytes_per_device"], r.get("predicted") or {}
-    step = f"{pr['step_seconds']:.2f} s" if pr else "-"
+    step = f"{pr['step_seconds']:.2f} s" if pr else "refused (under the roofline)" if r.get("prediction_refused") else "-"
     mfu = f"{pr['mfu']:.0%}" if pr else "-"
     fits = {True: "yes", False: "**no**", None: "?"}[r["fits"]]
     cpu = f"{r['compile_cpu_seconds']:.0f} s" if r.get("compile_cpu_seconds") else "-"

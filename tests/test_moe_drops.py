@@ -1,0 +1,124 @@
+"""What MoE routing drops is seen: summed over every step of a logging window, on the
+progress line, in one warning naming the layer, in eval, and as a stated bet in explain and
+the dry run (trainer/moe_drops.py)."""
+
+import json
+import os
+import re
+
+import numpy as np
+import pytest
+
+from shardax import configs
+from shardax.sharding import rules as rules_lib
+from shardax.trainer import moe_drops
+
+from clitools import command, run
+
+# moe.tiny (capacity dispatch, 'random' second expert: the copies routed vary by step) at 4
+# layers (MoE layers 1 and 3), with too few slots per expert for its tokens: copies drop.
+DROPPING = ["model.num_layers=4", "model.d_model=32", "model.moe.d_ff=32", "data.source='synthetic'",
+            "model.moe.capacity_factor=0.5", "model.moe.min_capacity=1", "train.steps=6",
+            "checkpoint.enabled=False"]
+
+
+def rows(job_dir) -> dict[int, dict]:
+  """The training rows of metrics.jsonl by step, and eval's under 'eval' of each row."""
+  out: dict[int, dict] = {}
+  for line in open(os.path.join(job_dir, "metrics.jsonl")):
+    row = json.loads(line)
+    out.setdefault(row["step"], {}).update(row)
+  return out
+
+
+def test_a_window_sums_every_step_and_the_run_says_what_it_drops(tmp_path):
+  """The same 6 steps logged every step and every 3 steps (same seed, same data): each
+  3-step window's dropped and routed copies are the sums of its steps' own, and its
+  fraction is their ratio. The run with 3-step windows prints the fraction on its progress
+  lines, warns once (both windows are above 1%) naming the layer that dropped the largest
+  share and the field that changes it, and its evals report what they drop."""
+  jobs = {every: tmp_path / f"every_{every}" for every in (1, 3)}
+  out = {}
+  for every, job in jobs.items():
+    proc = run(command(job, tmp_path / "data", *DROPPING, f"train.log_every={every}", exp="moe.tiny"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out[every] = proc
+  step, window = rows(jobs[1]), rows(jobs[3])
+  assert [window[s]["loss"] for s in (3, 6)] == [step[s]["loss"] for s in (3, 6)]  # the same run
+  for end in (3, 6):
+    w = window[end]
+    for key in ("moe/dropped_copies_count", "moe/routed_copies_count"):
+      assert w[key] == sum(step[s][key] for s in range(end - 2, end + 1)), (end, key)
+    assert w["moe/dropped_copies"] == w["moe/dropped_copies_count"] / w["moe/routed_copies_count"]
+    assert w["moe/dropped_copies"] > 0.01
+  # the steps differ, so a window that kept only its last step would not match
+  assert len({step[s]["moe/dropped_copies_count"] for s in (1, 2, 3)}) > 1
+
+  text = out[3].stdout + out[3].stderr
+  for end in (3, 6):
+    shown = moe_drops.percent(window[end]["moe/dropped_copies"])
+    assert re.search(rf"step +{end}/6 \| loss \S+ \| MoE dropped {re.escape(shown)} of token copies", text), text
+  warnings = re.findall(r"MoE routing dropped .*", text)
+  assert len(warnings) == 1, warnings
+  per_layer = {int(k.rsplit("_", 1)[1]): v for k, v in window[3].items()
+               if k.startswith("moe/dropped_copies/layer_")}
+  assert sorted(per_layer) == [1, 3]
+  worst = max(per_layer, key=per_layer.get)
+  assert "steps 1-3" in warnings[0] and f"most in layer {worst} (" in warnings[0], warnings
+  assert "model.moe.capacity_factor (now 0.5" in warnings[0] and "warn_dropped_fraction" in warnings[0]
+  for at in (0, 6):   # eval routes deterministically (both experts of each token) and drops too
+    assert window[at]["eval_moe/dropped_copies"] > 0
+    shown = moe_drops.percent(window[at]["eval_moe/dropped_copies"])
+    assert re.search(rf"step +{at}/6 \| eval_loss \S+ \| MoE dropped {re.escape(shown)} of token copies",
+                     text), text
+
+
+def test_the_threshold_field_silences_the_warning_and_is_checked():
+  """A threshold above what the run drops warns of nothing; a threshold outside [0, 1] is
+  refused naming the field."""
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, ["model.moe.warn_dropped_fraction=1.5"])
+  with pytest.raises(Exception, match=r"model\.moe\.warn_dropped_fraction=1\.5 must be in \[0, 1\]"):
+    configs.build(cfg)
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, ["model.moe.warn_dropped_fraction=0.5"])
+  warn = moe_drops.OnceWarning(configs.build(cfg).model)
+  assert warn.check(1, 3, moe_drops.Drops(np.array([100.0, 100.0]), np.array([40.0, 50.0]))) is None
+  assert warn.check(4, 6, moe_drops.Drops(np.array([100.0, 100.0]), np.array([40.0, 70.0])))
+
+
+def registered(name: str, *sets: str):
+  cfg = configs.get(name)
+  configs.apply_overrides(cfg, list(sets))
+  exp = configs.build(cfg)
+  return exp, dict(zip(exp.mesh.axes, exp.mesh.ici)), rules_lib.resolve(exp.sharding.preset, exp.sharding.rules)
+
+
+def test_deepseek_v3_states_its_bet_on_balance():
+  """moe.deepseek_v3 (the ragged exchange at 1.25 fair shares, overflow dropped, 64 expert
+  shards of 256 top-8 experts: the bound is 64 x 4 / 8 = 32) says so, with the field that
+  changes it; at the bound, or without expert parallelism, there is no bet."""
+  line = moe_drops.bet(*registered("moe.deepseek_v3"))
+  assert line is not None
+  for words in ("expert_buffer=1.25 fair shares", "64 expert shards", "the no-overflow bound is 32",
+                "are dropped", "Change it: model.moe.expert_buffer", "expert_overflow='error'"):
+    assert words in line, (words, line)
+  assert moe_drops.bet(*registered("moe.deepseek_v3", "model.moe.expert_buffer=None")) is None
+  assert "stops the run" in moe_drops.bet(*registered("moe.deepseek_v3", "model.moe.expert_overflow='error'"))
+  assert "C=4 token copies per group of 2048" in moe_drops.bet(*registered("moe.gshard_1t"))
+  assert moe_drops.bet(*registered("moe.mixtral_8x7b")) is None   # no expert axis: nothing to overflow
+
+
+def test_explain_and_the_dry_run_print_the_bet(tmp_path):
+  """--mode=explain and --mode=dry_run of a dropless expert-parallel MoE at a buffer below
+  the bound (2 shards, top-2 of 8: bound 2) print the line, in their reports too."""
+  sets = ["model.moe.dispatch='dropless'", "model.moe.top_k=2", "model.num_layers=2",
+          "model.d_model=32", "model.moe.d_ff=32", "data.source='synthetic'", "mesh.ici=(2, 1)",
+          "model.moe.expert_buffer=1.0", "model.moe.expert_overflow='drop'"]
+  for mode, report in (("explain", "explain.json"), ("dry_run", "dry_run.json")):
+    proc = run(command(tmp_path / mode, tmp_path / "data", *sets, exp="moe.tiny", mode=mode), devices=2)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "MoE routing bets on balance: each device's expert-parallel buffer holds expert_buffer=1 " \
+           "fair shares" in proc.stdout, proc.stdout[-3000:]
+    saved = json.loads((tmp_path / mode / report).read_text())["balance_bet"]
+    assert saved and "the no-overflow bound is 2" in saved
