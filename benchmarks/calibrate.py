@@ -88,7 +88,8 @@ def _params(exp) -> int:
 
 
 def predict_row(row: dict, entry: dict):
-  """The model's prediction for the full-depth row from its cached shallow costs."""
+  """The model's prediction for the full-depth row from its cached shallow costs; raises
+  stepmodel.ImpossiblePrediction when the step model's figure is under the roofline."""
   from shardax.experiments import calibration
   from shardax.sharding import make_mesh
   from shardax.trainer.perf import chips, costs, stepmodel
@@ -99,10 +100,15 @@ def predict_row(row: dict, entry: dict):
   mesh = make_mesh(exp.mesh)
   kind = calibration.gpu_kind(row) if calibration.is_gpu(row) else mesh.devices.flat[0].device_kind
   chip = chips.lookup(kind, exp.mesh.network)
-  pr = stepmodel.from_costs(deep, mesh, exp, chip, entry.get("mxu"))
-  if entry.get("attention") == "flash":   # a Pallas call is 0 FLOPs in XLA's costs: add the kernel's time
-    return stepmodel.with_flash_kernel(pr, exp, mesh, chip)
-  return pr
+  # a Pallas flash call is 0 FLOPs in XLA's costs: from_costs adds the kernel's time
+  return stepmodel.from_costs(deep, mesh, exp, chip, entry.get("mxu"), flash_kernel=entry.get("attention") == "flash")
+
+
+def refused(e) -> str:
+  """A row's table cell when the step model refuses its figure (stepmodel.ImpossiblePrediction)."""
+  r = e.roofline
+  return (f"refused: {e.prediction.step_seconds:.2f} s is under the roofline {r['seconds']:.2f} s (model FLOPs "
+          f"at peak {r['model_flops_seconds']:.2f} s, HBM floor {r['hbm_floor_seconds']:.2f} s)")
 
 
 def _published(row: dict) -> float:
@@ -184,6 +190,7 @@ def main():
   p.add_argument("--write-docs", action="store_true")
   a = p.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  from shardax.trainer.perf import stepmodel
   rows = json.load(open(a.runs))
   if a.rows:
     order = a.rows.split(",")
@@ -210,7 +217,10 @@ def main():
       stale[row["id"]] = notes
     if dcn_unread(row, entry):
       unread.add(row["id"])
-    results[row["id"]] = predict_row(row, entry)
+    try:
+      results[row["id"]] = predict_row(row, entry)
+    except stepmodel.ImpossiblePrediction as e:   # recorded, left out of the error bar
+      results[row["id"]] = refused(e)
   text, errors = table(rows, results, unread, stale)
   if not a.rows:   # the whole table: the dry run's error bar reads it (trainer/perf/error_bar.py)
     from shardax.trainer.perf import error_bar

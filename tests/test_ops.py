@@ -96,8 +96,8 @@ def test_a_program_priced_as_another_chip_says_so_first():
 
   class Exp:
     class model:
-      flops_per_example = staticmethod(lambda data: 1e12)
-      tokens_per_example = staticmethod(lambda data: 1)
+      flops_per_example = staticmethod(lambda data: GEMM)   # what the program's GEMM does (no more:
+      tokens_per_example = staticmethod(lambda data: 1)      # a step under its roofline is refused)
     data, train = None, type("T", (), {"global_batch": 1})
 
   c = costs.of_hlo_text(GPU_HLO)

@@ -211,7 +211,6 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   count. Memory stays affine (above): temporaries are not a per-loop cost."""
   from shardax.sharding import make_mesh
   from shardax.trainer.perf import costs as costs_lib
-  from shardax.trainer.perf import stepmodel
   scale = out["num_params"] / b["num_params"] if b.get("num_params") else 1.0
   # the layer loop runs once per unit after the first dense layers (their own loop, as deep
   # in the copy as in the model): its trip count is (layers - offset) / unit
@@ -220,13 +219,11 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   chip = chips.lookup(out["device_kind"])
   out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
   if chip is not None:
-    mesh = make_mesh(exp.mesh)
-    predicted = stepmodel.from_costs(deep, mesh, exp, chip, ((b.get("predicted") or {}).get("breakdown") or {}).get("mxu_by_piece"))
-    if "flash_kernel_seconds" in ((b.get("predicted") or {}).get("breakdown") or {}):
-      # the shallow copy ran the Pallas flash kernel (0 FLOPs in XLA's costs): the full
-      # depth's kernel time, as the full compile's dry run adds it
-      predicted = stepmodel.with_flash_kernel(predicted, exp, mesh, chip)
-    out["predicted"] = dry_run_lib._brief(predicted.as_dict())
+    brief = (b.get("predicted") or {}).get("breakdown") or {}
+    # a shallow copy that ran the Pallas flash kernel (0 FLOPs in XLA's costs): the full
+    # depth's kernel time, as the full compile's dry run adds it; refused under the roofline
+    dry_run_lib.price(out, deep, make_mesh(exp.mesh), exp, chip, brief.get("mxu_by_piece"),
+                      flash_kernel="flash_kernel_seconds" in brief)
   return out
 
 

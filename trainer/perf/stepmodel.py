@@ -62,6 +62,12 @@ Assumptions
 step_seconds = sum over pieces of executions x cost(piece). MFU counts model FLOPs
 (trainer/perf/flops.py: 6N + causal-halved attention, the PaLM/MaxText convention);
 HFU counts the compiled program's FLOPs (recompute and padding included).
+
+The roofline guard: no step is faster than the model FLOPs it trains at the chips' peak,
+or than the HBM traffic it cannot avoid (`roofline`). A prediction under that bound means
+a term above is wrong (a kernel the costs miss, a loop counted too few times), so
+`from_costs` refuses it with `ImpossiblePrediction`, naming the terms, rather than report
+an MFU at or above 100%.
 """
 
 from __future__ import annotations
@@ -99,18 +105,88 @@ class Prediction:
     return dataclasses.asdict(self)
 
 
+class ImpossiblePrediction(ValueError):
+  """A predicted step under the roofline of what it trains (`roofline`): some term of the
+  model is wrong. `prediction`: the refused Prediction; `roofline`: the bound it broke."""
+
+  def __init__(self, prediction: "Prediction", bound: dict):
+    self.prediction, self.roofline = prediction, bound
+    super().__init__(
+        f"step model: predicted step {prediction.step_seconds:.4g} s on {prediction.chip} is under the "
+        f"roofline of what it trains, {bound['seconds']:.4g} s (model FLOPs time at peak "
+        f"{bound['model_flops_seconds']:.4g} s: {bound['model_flops']:.4g} FLOPs over {bound['devices']} "
+        f"devices at {bound['peak_flops'] / 1e12:,.0f} T/s; HBM floor {bound['hbm_floor_seconds']:.4g} s: "
+        f"{bound['hbm_floor_bytes']:.4g} bytes per device at {bound['hbm_bandwidth'] / 1e9:,.0f} GB/s); "
+        f"refused: a term of the step model under-counts this program (compute "
+        f"{prediction.breakdown['compute_seconds']:.4g} s, memory {prediction.breakdown['memory_seconds']:.4g} s)")
+
+  def as_dict(self) -> dict[str, Any]:
+    return {"message": str(self), "step_seconds": self.prediction.step_seconds, "roofline": self.roofline}
+
+
+def roofline(exp, num_devices: int, chip: chips_lib.Chip, state_bytes_per_device: float | None = None,
+             dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
+  """The least time any train step of `exp` can take on `num_devices` x `chip`.
+
+  model_flops_seconds  the model's FLOPs per step (flops.py's convention: only what training
+      needs, no recompute or padding) over all devices at the fastest peak among `dtypes`,
+      the operand types of the program's dots (bf16, and int8/fp8 where it has 8-bit dots).
+  hbm_floor_seconds  each device reads every byte of the training state it holds at least
+      once a step (the forward pass, the optimizer) and writes it back once (the update):
+      2 x state bytes per device at the HBM bandwidth. `state_bytes_per_device`: the exact
+      parameters + optimizer state of the busiest device (the dry run reads them from the
+      shardings); without it, the parameters alone (param_count x param dtype) spread evenly
+      over the devices, the least any sharding leaves the busiest device.
+  seconds  the larger of the two: compute and memory traffic can overlap, so not the sum.
+  Known limit: model FLOPs count every routed MoE copy as processed, so an MoE whose capacity
+  is below one fair share (capacity_factor < 1, none registered) could run under this bound.
+  """
+  model_flops = float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch
+  peak = max(ops.peak(chip, d) for d in dtypes)
+  if state_bytes_per_device is None:
+    count = getattr(exp.model, "param_count", None)
+    width = 2 if getattr(exp.model, "param_dtype", "float32") == "bfloat16" else 4
+    state_bytes_per_device = count() * width / num_devices if callable(count) else 0.0
+  floor_bytes = 2.0 * state_bytes_per_device
+  compute, memory = model_flops / (num_devices * peak), floor_bytes / chip.hbm_bandwidth
+  return {"seconds": max(compute, memory), "model_flops_seconds": compute, "hbm_floor_seconds": memory,
+          "model_flops": model_flops, "devices": num_devices, "peak_flops": peak,
+          "hbm_floor_bytes": floor_bytes, "hbm_bandwidth": chip.hbm_bandwidth}
+
+
+def checked(pr: "Prediction") -> "Prediction":
+  """`pr`, or ImpossiblePrediction when its step is under its roofline (breakdown['roofline'])."""
+  bound = pr.breakdown["roofline"]
+  if pr.step_seconds < bound["seconds"] * (1 - 1e-9):
+    raise ImpossiblePrediction(pr, bound)
+  return pr
+
+
+def runs_flash_kernel(hlo_text: str) -> bool:
+  """Whether the program calls the Pallas splash-attention kernel, which XLA's costs price at
+  0 FLOPs (its time is added by `with_flash_kernel`)."""
+  return "tpu_custom_call" in hlo_text and "splash" in hlo_text
+
+
 def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Prediction | None:
-  """The step time of `compiled` (the train step of `exp` on `mesh`); None without a chip row."""
+  """The step time of `compiled` (the train step of `exp` on `mesh`); None without a chip row.
+  ImpossiblePrediction when it is under the roofline (`from_costs`)."""
   chip = chip or chips_lib.lookup(mesh.devices.flat[0].device_kind)
   if chip is None:
     return None
   cost = costs_lib.of_compiled(compiled)
-  return from_costs(cost, mesh, exp, chip, mxu_lib.by_piece(compiled.as_text(), cost.owner))
+  hlo = compiled.as_text()
+  return from_costs(cost, mesh, exp, chip, mxu_lib.by_piece(hlo, cost.owner), flash_kernel=runs_flash_kernel(hlo))
 
 
-def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dict | None = None) -> Prediction:
+def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dict | None = None,
+               flash_kernel: bool = False, state_bytes_per_device: float | None = None) -> Prediction:
   """`predict` from loop-aware costs already read from the program; `mxu`: each piece's dot
-  utilization per MXU tile (trainer/perf/mxu.py `by_piece`), None where not read (taken as 1)."""
+  utilization per MXU tile (trainer/perf/mxu.py `by_piece`), None where not read (taken as 1);
+  `flash_kernel`: the program runs the Pallas flash kernel its costs miss (`with_flash_kernel`);
+  `state_bytes_per_device`: parameters + optimizer state of one device, for the HBM floor.
+  Raises ImpossiblePrediction when the step is under the roofline (`roofline`): never a figure
+  faster than the model FLOPs at peak or the HBM floor."""
   n = int(mesh.size)
   comm = _collective_times(costs, mesh, chip)
   own = _own_times(costs, chip, mxu)
@@ -152,14 +228,16 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dic
       "mxu_utilization": totals["mxu_flops"] / totals["mxu_spent"] if totals["mxu_spent"] else 1.0,
       "dcn_bandwidth": chip.dcn_bandwidth,
       "eight_bit_flops": {d: {"flops": f, "peak": ops.peak(chip, d)} for d, f in eight_bit.items()},
+      "roofline": roofline(exp, n, chip, state_bytes_per_device, ("bf16", *(d for d, f in eight_bit.items() if f))),
       "pieces": pieces}
-  return Prediction(
+  pr = Prediction(
       step_seconds=step,
       mfu=model_flops / (n * chip.peak_bf16_flops * step) if step else 0.0,
       hfu=costs.flops / (chip.peak_bf16_flops * step) if step else 0.0,
       tokens_per_second_per_device=tokens / step / n if step else 0.0,
       chip=chip.name, model_flops_per_step=model_flops, hardware_flops_per_device=costs.flops,
       flops_convention=flops_lib.CONVENTION, breakdown=breakdown, stand_in_for=_stand_in(mesh, chip))
+  return checked(with_flash_kernel(pr, exp, mesh, chip) if flash_kernel else pr)
 
 
 def _stand_in(mesh, chip: chips_lib.Chip) -> str:
@@ -302,6 +380,9 @@ def format_prediction(pr: Prediction) -> list[str]:
            f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
            f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
            f"bubble {b['bubble_seconds']:.4g} s"]
+  if (r := b.get("roofline")) and r["seconds"]:
+    lines.append(f"    roofline {r['seconds']:.4g} s (model FLOPs at peak {r['model_flops_seconds']:.4g} s, "
+                 f"HBM floor {r['hbm_floor_seconds']:.4g} s): the step is {pr.step_seconds / r['seconds']:.2f}x it")
   lines = [l for l in lines if l]
   if b.get("mxu_utilization", 1.0) < 0.995:
     lines.append(f"    MXU tiles: the program's dot shapes use {b['mxu_utilization']:.0%} of the matrix units' "
@@ -367,7 +448,7 @@ def with_flash_kernel(pr: Prediction, exp, mesh, chip: chips_lib.Chip) -> Predic
   """`pr` for a program that runs the Pallas flash kernel, which its costs price at 0 FLOPs:
   the kernel's time (flash_kernel_seconds) added to the step, the ratios rescaled to match,
   and its FLOPs added to the hardware FLOPs (HFU, recompute factor): the chip runs them.
-  The one place a prediction gets it (the dry run, its depth extrapolation, the calibration)."""
+  Applied by `from_costs(flash_kernel=True)`, before the roofline check."""
   n = int(mesh.size)
   flops = flash_kernel_flops(exp, n)
   seconds = ops.seconds("attention", "bf16", flops, chip)
