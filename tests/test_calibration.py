@@ -6,8 +6,10 @@ clones the repository next to `shared/`). A test that needs it fails when it is 
 set SHARDAX_SKIP_PUBLISHED_RUNS=1 to skip those tests instead (a checkout without it)."""
 
 import copy
+import dataclasses
 import json
 import os
+import sys
 
 import pytest
 
@@ -265,3 +267,31 @@ def test_a_missing_published_runs_table_fails_unless_skipped_on_purpose(tmp_path
     published_runs(str(tmp_path / "none.json"))
   assert skipped.type is pytest.skip.Exception and SKIP_ENV in str(skipped.value)
   assert RUNS.startswith(os.path.dirname(ROOT) + os.sep)   # beside the checkout, wherever it is
+
+
+@needs_libtpu
+def test_a_row_priced_under_its_roofline_is_recorded_as_refused_not_a_crash(tmp_path, monkeypatch, capsys):
+  """A row whose cached costs miss most of the work (every piece's FLOPs and bytes a hundredth)
+  prices under the model FLOPs at peak: predict_row refuses it, and the table records the row
+  as refused, outside the error factors, instead of the calibration crashing."""
+  from shardax.trainer.perf import costs, stepmodel
+  cal = _calibrate()
+  row = _row()
+  path = os.path.join(cal.CACHE, f"{row['id']}.json")
+  if not os.path.exists(path):
+    pytest.skip("no cached costs for the row")
+  entry = json.load(open(path))
+  assert cal.predict_row(row, entry).step_seconds > 0   # as cached: priced
+  c = costs.from_json(entry["costs"])
+  short = dataclasses.replace(c, pieces=tuple(
+      dataclasses.replace(p, flops=p.flops / 100, bytes_accessed=p.bytes_accessed / 100) for p in c.pieces))
+  entry = dict(entry, costs=costs.to_json(short))
+  with pytest.raises(stepmodel.ImpossiblePrediction, match="model FLOPs time at peak"):
+    cal.predict_row(row, entry)
+  (tmp_path / f"{row['id']}.json").write_text(json.dumps(entry))
+  (tmp_path / "runs.json").write_text(json.dumps([row]))
+  monkeypatch.setattr(cal, "CACHE", str(tmp_path))
+  monkeypatch.setattr(sys, "argv", ["calibrate.py", "--runs", str(tmp_path / "runs.json"), "--rows", row["id"]])
+  cal.main()
+  line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {row['id']} |"))
+  assert "refused:" in line and "under the roofline" in line, line
