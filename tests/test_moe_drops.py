@@ -23,7 +23,7 @@ DROPPING = ["model.num_layers=4", "model.d_model=32", "model.moe.d_ff=32", "data
 
 
 def rows(job_dir) -> dict[int, dict]:
-  """The training rows of metrics.jsonl by step, and eval's under 'eval' of each row."""
+  """metrics.jsonl's rows by step (a step's training and eval rows merged)."""
   out: dict[int, dict] = {}
   for line in open(os.path.join(job_dir, "metrics.jsonl")):
     row = json.loads(line)
