@@ -8,6 +8,26 @@ import dataclasses
 
 from shardax.configs.errors import require as _require
 
+# model.remat choices a pipeline refuses, with why (pipeline/loop.py `stage_remat` maps every
+# other one to what it means inside a stage). The pipeline's per-iteration checkpoint keeps
+# only each stage's input across iterations, so what a policy parks on the host beyond the
+# block input lives one iteration and its round trip buys nothing.
+REMAT_REFUSED_IN_PIPELINE = {
+    "offload_proj": "inside a pipeline each iteration's stage is recomputed from its saved input "
+                    "alone, so projections offloaded to host would only travel there and back "
+                    "within that one iteration's backward",
+}
+
+
+def remat_refusal(remat: str, stages: int) -> str | None:
+  """The error for `model.remat=remat` in a pipeline of `stages` stages, or None when it runs.
+  Names the field, the reason and the policies to use instead."""
+  why = REMAT_REFUSED_IN_PIPELINE.get(remat) if stages > 1 else None
+  if why is None:
+    return None
+  return (f"model.remat={remat!r} with model.pipeline.stages={stages}: {why}; use "
+          f"model.remat='offload' (the saved stage inputs go to host memory) or model.remat='full'")
+
 
 @dataclasses.dataclass(frozen=True)
 class PipelineConfig:

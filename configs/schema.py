@@ -17,7 +17,7 @@ from shardax.configs import flops
 from shardax.configs.errors import ConfigError  # noqa: F401  (re-exported: configs/__init__.py)
 from shardax.configs.errors import require as _require
 from shardax.configs.moe import MoEConfig
-from shardax.configs.pipeline import PipelineConfig
+from shardax.configs.pipeline import PipelineConfig, remat_refusal
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
 from shardax.sharding.mesh import MeshConfig
 
@@ -155,6 +155,8 @@ class TransformerConfig:
                f"the megablox kernels run the expert matmuls in the compute dtype only; use "
                f"grouped_matmul='ragged_dot' (or 'auto') for 8-bit experts, or quantization='none'")
     p = self.pipeline
+    refusal = remat_refusal(self.remat, p.stages)
+    _require(refusal is None, refusal)
     _require(p.stages == 1 or m is None or m.dispatch == "dropless" or m.second_expert == "all",
              f"model.pipeline.stages={p.stages} with model.moe.dispatch='capacity' and "
              f"second_expert={m.second_expert if m else None!r}: a pipeline stage draws no gating "

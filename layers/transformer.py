@@ -119,7 +119,8 @@ class LayerStack(nnx.Module):
       # of the whole batch
       m = self.schedule.microbatches if x.shape[0] >= self.schedule.microbatches else 1
       x, stats = pipeline.run(stage, state, x, positions, self.schedule, RESIDUAL,
-                              segment_ids=segment_ids, weight_axes=names, with_stats=True)
+                              segment_ids=segment_ids, weight_axes=names, with_stats=True,
+                              inputs_on_host=pipeline.offloads_stage_inputs(self.remat))
       return x, {k: v * m if k in COUNT_STATS else v for k, v in stats.items()}
     if self.scan_layers:
       graphdef, state = nnx.split(self.blocks)

@@ -6,10 +6,12 @@
   circular.py  the queue where a microbatch waits between repeats (R > 1), split over stages
 """
 
-from shardax.pipeline.loop import in_stage_body, layer_stats, mesh_axes_of, run, stage_remat
+from shardax.pipeline.loop import (in_stage_body, layer_stats, mesh_axes_of, offloads_stage_inputs, run,
+                                   stage_remat)
 from shardax.pipeline.schedule import PipelineError, Schedule, bubble_fraction
 from shardax.pipeline.stages import (from_stages, restack_module, stage_axes, stage_params,
                                      to_stages, unstage_params)
 
 __all__ = ["PipelineError", "Schedule", "bubble_fraction", "from_stages", "in_stage_body", "layer_stats", "mesh_axes_of",
-           "restack_module", "run", "stage_axes", "stage_remat", "stage_params", "to_stages", "unstage_params"]
+           "offloads_stage_inputs", "restack_module", "run", "stage_axes", "stage_remat", "stage_params",
+           "to_stages", "unstage_params"]

@@ -40,7 +40,9 @@ forward-equivalents per step), and only one: `stage_remat` turns the model's
 remat='full' into 'dots' inside the stage ('none' for a one-unit visit), so the
 recomputed iteration keeps its matmul outputs and its backward redoes only
 elementwise work (before: the block's own full remat recomputed every layer a
-second time, 5 forward-equivalents).
+second time, 5 forward-equivalents); every other policy is mapped the same way or
+refused by name (`_INNER_REMAT` below). With remat='offload' the T saved stage inputs
+per group live in host memory instead, one brought back per iteration of the backward.
 Bubble iterations compute on stale or zero buffers; their outputs are never
 read as results and so add exactly zero to results and gradients. Running statistics
 among the weights (the fp8 amax histories) get one copy per iteration whose uses
@@ -58,7 +60,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from absl import logging
+from jax.ad_checkpoint import checkpoint_name
 
+from shardax.configs.pipeline import remat_refusal
 from shardax.pipeline import statistics
 from shardax.pipeline.circular import Queue
 from shardax.pipeline.schedule import PipelineError, Schedule
@@ -73,16 +77,29 @@ StageFn = Callable[..., jax.Array]
 
 
 # Inside the pipeline's per-iteration checkpoint, the model's remat policy only decides
-# what the one recomputed iteration keeps for its backward: 'full' there would
-# recompute each layer a second time. 'dots_no_batch' cannot tell weight matmuls from
-# attention products under the stage vmap (every dot gets the stage as a batch dim),
-# so it keeps nothing either. Both become 'dots': matmul outputs of one iteration's
-# L/(S*R) layers for one microbatch, the elementwise ops recomputed. A visit of one
-# unit has no layer loop: there XLA merges the two recomputes of 'full' into one and
-# keeps all of that one layer's intermediates, i.e. 'none', which also spares the
-# elementwise recompute of 'dots' (8 simulated CPU devices, 8 layers, S=4, R=2,
-# in-process A/B 2026-11-26: 'dots' 4-6% slower than 'full' or 'none').
-_INNER_REMAT = {"full": "dots", "dots_no_batch": "dots"}
+# what the one recomputed iteration keeps for its backward (`stage_remat`):
+#   'none', 'dots'        as given;
+#   'full'                'dots': 'full' there would recompute each layer a second time;
+#   'dots_no_batch'       'dots': under the stage vmap every dot gets the stage as a batch
+#                         dim, so it could not tell weight matmuls from attention products
+#                         and would keep nothing;
+#   'offload'             'dots', and the stage inputs the loop saves across iterations (the
+#                         block inputs of a pipeline) are offloaded to host memory (`run`);
+#   'moe_matmuls',        'none': they save the projections and expert matmuls so that no
+#   'moe_returned'        matmul is recomputed, but inside the recomputed iteration the
+#                         router and the dense MLPs would run a third time; keeping that one
+#                         iteration whole recomputes nothing twice;
+#   'offload_proj'        refused when the config is built (configs/pipeline.py).
+# A visit of one unit has no layer loop: there XLA merges the two recomputes of 'full' into
+# one and keeps all of that one layer's intermediates, i.e. 'none', which also spares the
+# elementwise recompute of 'dots' (8 simulated CPU devices, 8 layers, S=4, R=2, in-process
+# A/B: 'dots' 4-6% slower than 'full' or 'none'); so every mapped policy but a chosen
+# 'dots' runs as 'none' there.
+_INNER_REMAT = {"full": "dots", "dots_no_batch": "dots", "offload": "dots",
+                "moe_matmuls": "none", "moe_returned": "none"}
+# Remat policies whose saved tensors go to host memory: in a pipeline, the saved stage inputs.
+_OFFLOADS_STAGE_INPUTS = ("offload",)
+STAGE_INPUT = "pipeline_stage_input"   # the checkpoint name of a stage's input in `run`
 
 
 _IN_STAGE_BODY = contextvars.ContextVar("shardax_in_stage_body", default=False)
@@ -97,10 +114,20 @@ def in_stage_body() -> bool:
 
 def stage_remat(remat: str, units_per_visit: int) -> str:
   """The per-block remat policy to run inside a pipeline stage for the model's `remat`,
-  when a stage visit runs `units_per_visit` units (L / (S*R))."""
+  when a stage visit runs `units_per_visit` units (L / (S*R)). A policy the pipeline refuses
+  (configs/pipeline.py) raises PipelineError naming it."""
+  refusal = remat_refusal(remat, stages=2)
+  if refusal is not None:
+    raise PipelineError(refusal)
   if remat in _INNER_REMAT and units_per_visit == 1:
     return "none"
   return _INNER_REMAT.get(remat, remat)
+
+
+def offloads_stage_inputs(remat: str) -> bool:
+  """Whether the model's `remat` puts the stage inputs the loop saves in host memory
+  (`run(inputs_on_host=...)`)."""
+  return remat in _OFFLOADS_STAGE_INPUTS
 
 
 def mesh_axes_of(logical: str) -> str | tuple[str, ...] | None:
@@ -165,7 +192,7 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
         schedule: Schedule, x_axes: Sequence[str | None] = ("batch", "length", "embed"),
         segment_ids: jax.Array | None = None,
         weight_axes: Sequence[Sequence[str | None] | None] | None = None,
-        with_stats: bool = False) -> jax.Array | tuple[jax.Array, Any]:
+        with_stats: bool = False, inputs_on_host: bool = False) -> jax.Array | tuple[jax.Array, Any]:
   """x [B, ...] through S stages x R repeats of `stage_fn`; returns [B, ...].
 
   weights: pytree, every leaf [S, ...] (R = 1) or [S, R, ...] (see stages.py);
@@ -185,6 +212,9 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
   with_stats: stage_fn returns (x, stats), stats' leaves with a leading dim of the visit's
   units (an MoE unit's routing statistics, layers/blocks.py); then run returns (y, stats
   [L, ...] averaged over the microbatches: `layer_stats`).
+  inputs_on_host: the stage inputs saved for the backward pass (one per iteration, the only
+  activations the loop keeps) are offloaded to host memory ('pinned_host') in the forward
+  pass and brought back one iteration at a time in the backward (model.remat='offload').
   """
   S, M, R = schedule.stages, schedule.microbatches, schedule.repeats
   lead = (S,) if R == 1 else (S, R)
@@ -247,8 +277,11 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     it = iter(stats_t)
     return jax.tree.unflatten(treedef, [next(it) if s else a for a, s in zip(leaves, is_stat)])
 
-  @functools.partial(jax.checkpoint, prevent_cse=False)
+  policy = _stage_inputs_to_host() if inputs_on_host else None   # None: save the inputs on device
+
+  @functools.partial(jax.checkpoint, prevent_cse=False, policy=policy)
   def compute(w, buffer, t):  # saved for the backward pass: `buffer` alone (w is loop-invariant)
+    buffer = checkpoint_name(buffer, STAGE_INPUT)
     k = schedule.item(t, stage_ids)  # the work item of each stage; outside [0, M*R) = bubble
     y, stats = all_stages(w, buffer, tuple(a[k % M] for a in side), k)
     return shard(y, state_axes), stats
@@ -287,3 +320,10 @@ def run(stage_fn: StageFn, weights: Any, x: jax.Array, positions: jax.Array,
     return y
   units = jax.tree.leaves(weights)[0].shape[len(lead)]
   return y, layer_stats(unit_stats, schedule, units)
+
+
+def _stage_inputs_to_host():
+  """The per-iteration checkpoint's policy that keeps the stage input, in host memory."""
+  return jax.checkpoint_policies.save_and_offload_only_these_names(
+      names_which_can_be_saved=[], names_which_can_be_offloaded=[STAGE_INPUT],
+      offload_src="device", offload_dst="pinned_host")

@@ -5,7 +5,10 @@ Each lever looks for the buffers it removes in the list (device temp blocks, lar
   model.loss_chunk    the [batch, length, vocab] logits blocks (and their gradient): chunked,
                       one chunk of them remains (layers/transformer.py `head_losses`);
   model.remat         'offload': blocks stacked over the layers ([layers, batch, length, ...]:
-                      the activations the scan saves for the backward pass) move to host;
+                      the activations the scan saves for the backward pass), or in a pipeline
+                      over its iterations ([iterations, stage, rows, length, ...]: the saved
+                      stage inputs), move to host; never offered where the config would refuse
+                      it (configs/pipeline.py `remat_refusal`);
   train.microbatches  2: the blocks that hold the sequence ([..., length, ...]) halve, less
                       the f32 gradient accumulator (the params' bytes) that accumulation adds;
   FSDP width          weights and optimizer state over twice the chips (a slice twice as
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardax.configs.pipeline import remat_refusal
 from shardax.configs.schema import Experiment
+from shardax.pipeline.schedule import Schedule
 
 _FSDP = ("fsdp", "fsdp_cp", "2d")
 _KEEPS_INPUTS = ("none", "full", "dots", "dots_no_batch")
+_OFFLOAD = "offload"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,9 +69,13 @@ def rank(exp: Experiment, mem: dict, buffers: list[dict]) -> list[Lever]:
   if logits and not 0 < getattr(m, "loss_chunk", 0) < seq:
     c = _chunk(seq)
     out.append(Lever(f"model.loss_chunk={c}", int(_sum(logits) * (1 - c / seq)), f"logits {_named(logits)}"))
-  stacked = [b for b in device if len(b["shape"]) >= 3 and b["shape"][0] == m.num_layers and seq in b["shape"][1:]]
-  if stacked and m.remat in _KEEPS_INPUTS:
-    out.append(Lever("model.remat='offload'", _sum(stacked), f"saved activations {_named(stacked)}"))
+  p = getattr(m, "pipeline", None)
+  stages = p.stages if p is not None else 1
+  saved_over = {m.num_layers} if stages == 1 else {
+      Schedule(p.stages, p.microbatches, p.circular_repeats, p.delay_shift).iterations}
+  stacked = [b for b in device if len(b["shape"]) >= 3 and b["shape"][0] in saved_over and seq in b["shape"][1:]]
+  if stacked and m.remat in _KEEPS_INPUTS and remat_refusal(_OFFLOAD, stages) is None:
+    out.append(Lever(f"model.remat={_OFFLOAD!r}", _sum(stacked), f"saved activations {_named(stacked)}"))
   sequence = [b for b in device if seq in b["shape"]]
   if sequence and exp.train.microbatches == 1 and exp.train.global_batch > 1:
     saves = _sum(sequence) // 2 - (mem.get("params") or 0)
