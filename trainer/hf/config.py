@@ -1,7 +1,8 @@
 """config.json <-> our model config, for the decoder architectures we implement.
 
 Dense (Llama, Mistral, Qwen2, Qwen3) -> TransformerConfig fields (`model_fields`); Mixtral
--> the same fields for its attention plus MoEConfig fields (`moe_fields`) for a MoELMConfig.
+-> the same fields plus MoEConfig fields (`moe_fields`) for the model's `moe` section (one
+decoder, whose feed-forward blocks are dense MLPs or MoE).
 
 Every key of config.json is accounted for: mapped onto a field, checked against the one value
 we implement (e.g. `hidden_act` must be silu), or known to leave the math alone (ids, dtype,
@@ -106,10 +107,15 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   if hf.get("attention_dropout", 0.0):
     raise ConfigError(f"config.json attention_dropout={hf['attention_dropout']}: dropout is not implemented")
   if hf.get("use_sliding_window"):
-    raise ConfigError("config.json use_sliding_window=true: sliding-window attention is not implemented")
+    raise ConfigError(f"config.json use_sliding_window=true: Qwen2's window (on the layers from "
+                      f"max_window_layers={hf.get('max_window_layers')} on) is not imported; shardax's "
+                      f"sliding-window attention (model.attention_window, what Mistral's and Mixtral's "
+                      f"sliding_window map onto) windows every layer alike")
   types = set(hf.get("layer_types") or ["full_attention"])
   if types != {"full_attention"}:
-    raise ConfigError(f"config.json layer_types={sorted(types)}: only full attention is implemented")
+    raise ConfigError(f"config.json layer_types={sorted(types)}: per-layer attention types are not imported; "
+                      f"shardax attends alike in every layer (full, or model.attention_window for Mistral's "
+                      f"and Mixtral's sliding_window)")
   max_len = int(hf.get("max_position_embeddings", 2048))
   # Mistral/Mixtral's sliding window: every attention path (training kernels and the decode
   # cache) masks keys outside it. Qwen2's sliding_window is unused without use_sliding_window.
