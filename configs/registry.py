@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 
 import fiddle as fdl
 
+from shardax.configs.moe import MoEConfig
 from shardax.configs.schema import ConfigError, Experiment
 
 _REGISTRY: dict[str, tuple[Callable[[], fdl.Config], str]] = {}
@@ -117,8 +118,20 @@ def parse_value(text: str) -> Any:
     return text
 
 
+# The field whose --set creates an optional section the experiment leaves out (None), for each
+# such section type; any other field of an absent section is refused (`_child`), so no option
+# turns on a section, with every other field at its default, by accident.
+SECTION_SWITCHES: dict[type, str] = {MoEConfig: "num_experts"}
+
+
 def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
-  """Apply `PATH=VALUE` strings (e.g. `train.steps=10`, `mesh.ici=2,4`) in order."""
+  """Apply `PATH=VALUE` strings (e.g. `train.steps=10`, `mesh.ici=2,4`) in order.
+
+  A section the experiment leaves out (a dense model's `model.moe`) is created only when the
+  overrides set its switch (SECTION_SWITCHES: `model.moe.num_experts=N` turns lm.tiny into an
+  MoE model), in any order among them; a field of an absent section set without it is a
+  ConfigError naming the field and that switch."""
+  paths = {item.split("=", 1)[0].strip() for item in overrides if "=" in item}
   for item in overrides:
     if "=" not in item:
       raise ConfigError(f"--set {item!r}: expected PATH=VALUE, e.g. --set train.steps=10")
@@ -131,7 +144,7 @@ def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
     *parents, leaf = path.strip().split(".")
     node = cfg
     for i, part in enumerate(parents):
-      node = _child(node, part, ".".join(parents[:i + 1]))
+      node = _child(node, part, ".".join(parents[:i + 1]), path.strip(), paths)
     if not isinstance(node, fdl.Buildable):
       raise ConfigError(f"--set {item!r}: {'.'.join(parents)} is a value, not a config section")
     _check_name(node, leaf, path)
@@ -151,9 +164,9 @@ def _check_name(node: fdl.Buildable, name: str, path: str) -> None:
     raise ConfigError(f"--set {path}: unknown field {name!r}{hint}; valid names here: {', '.join(valid)}")
 
 
-def _child(node: Any, part: str, path: str) -> Any:
-  """node.part; an optional section left None (a dense model's `moe`) is created with its
-  defaults, so `--set model.moe.num_experts=8` turns lm.tiny into an MoE model."""
+def _child(node: Any, part: str, path: str, setting: str, paths: set[str]) -> Any:
+  """node.part, for the --set of `setting`; an optional section left None is created with its
+  defaults only when `paths` (every path the overrides set) holds its switch."""
   if not isinstance(node, fdl.Buildable):
     raise ConfigError(f"--set {path}: cannot descend into a plain value")
   _check_name(node, part, path)
@@ -161,9 +174,22 @@ def _child(node: Any, part: str, path: str) -> Any:
   if child is None:
     section = _optional_section(fdl.get_callable(node), part)
     if section is not None:
+      switch = SECTION_SWITCHES.get(section)
+      if switch is None or f"{path}.{switch}" not in paths:
+        raise ConfigError(_absent_section(path, setting, switch))
       child = config_tree(section)
       setattr(node, part, child)
   return child
+
+
+def _absent_section(path: str, setting: str, switch: str | None) -> str:
+  what = f"--set {setting}: this experiment has no {path} section ({path} is None)"
+  if switch is None:
+    return (f"{what}, and no --set creates one; use an experiment that has it, or register one "
+            f"that sets {path} (configs.register)")
+  return (f"{what}; setting one of its fields would create it with every other field at its "
+          f"default. To add it, say so: --set {path}.{switch}=N (then its other fields); "
+          f"otherwise drop --set {setting}")
 
 
 def _optional_section(cls: Any, name: str) -> type | None:

@@ -1,9 +1,11 @@
 """Config building, overrides and the command line's error messages."""
 
+import dataclasses
 import os
 import subprocess
 import sys
 
+import fiddle as fdl
 import pytest
 
 from shardax import configs
@@ -36,9 +38,10 @@ def test_overrides_parse_literals():
     (["train.microbatches=5"], "train.microbatches=5 must divide train.global_batch=32"),
     (["model.norm='batch'"], "model.norm='batch': use 'rms' or 'layer'"),
     (["mesh.ici=(2, 2, 2)"], "mesh.ici=.* has 3 entries but mesh.axes"),
-    (["model.moe.expert_overflow='drop'"], "expert_overflow='drop' is the dropless dispatch's buffer policy"),
-    (["model.moe.dispatch='dropless'", "model.moe.grouped_matmul='megablox'", "model.quantization='int8'"],
-     "grouped_matmul='megablox' with model.quantization='int8'"),
+    (["model.moe.num_experts=8", "model.moe.expert_overflow='drop'"],
+     "expert_overflow='drop' is the dropless dispatch's buffer policy"),
+    (["model.moe.num_experts=8", "model.moe.dispatch='dropless'", "model.moe.grouped_matmul='megablox'",
+      "model.quantization='int8'"], "grouped_matmul='megablox' with model.quantization='int8'"),
 ])
 def test_config_errors_name_the_field_and_fix(overrides, match):
   with pytest.raises((ConfigError, ValueError), match=match):
@@ -94,3 +97,37 @@ def test_setting_a_moe_field_on_a_dense_experiment_makes_it_a_moe_model():
   assert exp.model.flops_per_example(exp.data) != dense.model.flops_per_example(dense.data)
   with pytest.raises(ConfigError, match="second_expert='all' or dispatch='dropless'"):
     configs.build(configs.apply_overrides(configs.get("lm.tiny_pipelined"), ["model.moe.num_experts=4"]))
+
+
+@pytest.mark.parametrize("field", ["fp8_dispatch=False", "dispatch='dropless'", "every=2", "d_ff=64"])
+def test_a_field_of_an_absent_section_does_not_create_it(field):
+  """On a dense experiment a model.moe.* field alone (even one set to its default) is refused
+  naming the field and the switch that adds the section; it never builds an MoE model."""
+  with pytest.raises(ConfigError, match=rf"--set model\.moe\.{field.split('=')[0]}: this experiment has "
+                                        r"no model\.moe section.*--set model\.moe\.num_experts=N"):
+    build(f"model.moe.{field}")
+
+
+def test_the_switch_creates_the_section_whatever_the_order_of_the_overrides():
+  exp = build("model.moe.dispatch='dropless'", "model.moe.top_k=2", "model.moe.num_experts=4")
+  assert (exp.model.moe.num_experts, exp.model.moe.dispatch, exp.model.moe.top_k) == (4, "dropless", 2)
+  moe = build("model.moe.fp8_dispatch=False", name="moe.tiny")   # the section is there: a plain edit
+  assert moe.model.moe == dataclasses.replace(build(name="moe.tiny").model.moe, fp8_dispatch=False)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Extra:
+  size: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class _Holder:
+  extra: _Extra | None = None
+
+
+def test_an_absent_section_without_a_switch_is_never_created():
+  """The rule is generic: any `Section | None` field left None (not only model.moe) is created
+  by its switch alone (configs.registry.SECTION_SWITCHES); one without a switch never is."""
+  with pytest.raises(ConfigError, match=r"--set extra\.size: this experiment has no extra section.*no --set "
+                                        r"creates one"):
+    configs.apply_overrides(fdl.Config(_Holder), ["extra.size=2"])
