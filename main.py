@@ -78,16 +78,21 @@ def _set_cpu_devices(exp) -> None:
       raise UserError(f"mesh.num_cpu_devices={n} must be set before jax starts ({e})") from None
 
 
-def write_config(exp, job_dir: str) -> None:
+def write_config(exp, job_dir: str, mode: str) -> None:
+  """The resolved config (config.txt, config.json) in the job dir, and from now on the full
+  log (log.txt), for a mode that holds the job dir's lease. A mode without the lease may run
+  beside a live job, so it never touches that job's files: it writes its own, named after
+  it (dry_run.config.txt, dry_run.config.json, dry_run.log.txt)."""
   from shardax.configs import registry
   from shardax.trainer import distributed
   if not distributed.is_primary():
     return
   from shardax.trainer import jobdir
   root = jobdir.path(job_dir)   # a local directory or gs://bucket/run
-  logs.to_job_dir(str(root))
-  jobdir.write_text(root / "config.txt", registry.to_text(exp))
-  jobdir.write_text(root / "config.json", registry.to_json(exp))
+  prefix = "" if mode in LEASED_MODES else f"{mode}."
+  logs.to_job_dir(str(root), prefix + logs.LOG_NAME)
+  jobdir.write_text(root / f"{prefix}config.txt", registry.to_text(exp))
+  jobdir.write_text(root / f"{prefix}config.json", registry.to_json(exp))
 
 
 def _hf_import_if_new(exp, job_dir: str) -> None:
@@ -103,7 +108,8 @@ def _hf_import_if_new(exp, job_dir: str) -> None:
 
 
 # Modes that write checkpoints, metrics or imported weights hold the job dir's lease from
-# their first write (trainer/jobdir.py Lease); the others only read it or add a report
+# their first write (trainer/jobdir.py Lease), and they alone write its config.txt,
+# config.json and log.txt; the others only read it or add reports named after themselves
 # beside it (eval, decode, explain, dry_run, plan, export), so they may run next to a job.
 LEASED_MODES = ("train", "import", "benchmark")
 
@@ -123,7 +129,7 @@ def run_mode(mode: str, exp, job_dir: str) -> None:
 def _run(mode: str, exp, job_dir: str) -> None:
   if mode == "import":
     from shardax.trainer.hf import importer
-    write_config(exp, job_dir)
+    write_config(exp, job_dir, mode)
     importer.run(exp, job_dir)
     return
   if mode == "export":
@@ -138,7 +144,7 @@ def _run(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer import distributed, goodput
     rec = goodput.Recorder(job_dir, write=distributed.is_primary())   # from the process's start
     AT_EXIT.append(rec.at_exit)
-    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir), recorder=rec)
+    summary = loop.train(exp, job_dir, on_ready=lambda: write_config(exp, job_dir, mode), recorder=rec)
     evals = summary["eval_losses"]
     if summary["start_step"] == summary["final_step"]:
       print(f"nothing to do: {job_dir} is already at step {summary['final_step']} "
@@ -158,7 +164,7 @@ def _run(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer import decode
     decode.print_completions(decode.from_job_dir(exp, job_dir, _prompts(), _sampling(exp)))
   elif mode == "benchmark":  # throughput; with train.target_eval_loss set: time to train
-    write_config(exp, job_dir)
+    write_config(exp, job_dir, mode)
     if exp.train.target_eval_loss is None:
       from shardax.trainer.perf import benchmark
       print(benchmark.format_table(benchmark.run(exp, job_dir)), flush=True)
@@ -173,7 +179,7 @@ def _run(mode: str, exp, job_dir: str) -> None:
     print(explain.explain(exp, job_dir), flush=True)
   elif mode == "dry_run":
     from shardax.trainer.perf import dry_run
-    write_config(exp, job_dir)
+    write_config(exp, job_dir, mode)
     from shardax.trainer.perf import extrapolate
     result = extrapolate.dry_run(exp, job_dir, full=not FLAGS.shallow, effort=FLAGS.compile_effort or 0.0)
     print(dry_run.format_report(result) + "\n" + extrapolate.format_path(result), flush=True)
@@ -184,7 +190,7 @@ def _run(mode: str, exp, job_dir: str) -> None:
       sys.exit(1)
   elif mode == "plan":
     from shardax.trainer.perf import plan
-    write_config(exp, job_dir)
+    write_config(exp, job_dir, mode)
     effort = -1.0 if FLAGS.compile_effort is None else FLAGS.compile_effort
     result = plan.plan(FLAGS.exp, FLAGS.set, job_dir, effort=effort, shallow=FLAGS.shallow,
                        quantization=tuple(q for q in FLAGS.plan_quantization.split(",") if q))

@@ -8,7 +8,9 @@ Every record at INFO and above (DEBUG with `-v 1`) still goes to `job_dir/log.tx
 absl's format, whatever the terminal shows. The file is opened only once the job dir is
 known to be good (`to_job_dir`, called where the run writes its config), so a mistyped
 flag never leaves a file behind; records from before that moment are held in memory and
-written first.
+written first. log.txt belongs to the modes that hold the job dir's lease (train, import,
+benchmark); dry_run and plan, which may run beside a live job, log to `dry_run.log.txt` /
+`plan.log.txt` (main.py `write_config`), and the other modes keep no log file.
 
 Object stores: the path goes through `etils.epath`, so `gs://...` job dirs work. A local
 file is appended to and flushed per record (nothing lost on a crash). An object store
@@ -37,7 +39,7 @@ def quiet_native_logs() -> None:
 
 
 class JobLog(logging.Handler):
-  """Holds records in memory until `open(job_dir)`, then writes them to job_dir/log.txt
+  """Holds records in memory until `open(job_dir, name)`, then writes them to job_dir/name
   (a `jobdir.AppendFile`: appended locally, rewritten now and then on an object store)."""
 
   def __init__(self):
@@ -45,11 +47,11 @@ class JobLog(logging.Handler):
     self._pending: list[str] = []
     self._file = None
 
-  def open(self, job_dir: str) -> None:
+  def open(self, job_dir: str, name: str = LOG_NAME) -> None:
     from shardax.trainer import jobdir
     if self._file is not None:
       return
-    self._file = jobdir.AppendFile(jobdir.path(job_dir) / LOG_NAME, flush_every_s=UPLOAD_EVERY_S)
+    self._file = jobdir.AppendFile(jobdir.path(job_dir) / name, flush_every_s=UPLOAD_EVERY_S)
     self._file.write("".join(self._pending))
     self._file.flush()
     self._pending = []
@@ -94,7 +96,8 @@ def setup(verbosity: int | None) -> JobLog:
   return _job_log
 
 
-def to_job_dir(job_dir: str) -> None:
-  """From now on (and everything logged before), the full log goes to job_dir/log.txt."""
+def to_job_dir(job_dir: str, name: str = LOG_NAME) -> None:
+  """From now on (and everything logged before), the full log goes to job_dir/`name`:
+  log.txt for the mode that holds the job dir's lease, a file of its own for another."""
   if _job_log is not None:
-    _job_log.open(job_dir)
+    _job_log.open(job_dir, name)
