@@ -34,7 +34,7 @@ Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
                    output ('expert_matmul', 'expert_down': layers/moe_dispatch.py), recompute the rest:
                    for MoE layers whose grouped matmuls are Pallas kernels (megablox),
                    which 'dots' does not see as dots and recomputes (on a dense model:
-                   the projections only; inside a pipeline stage as given)
+                   the projections only; inside a pipeline stage as none: pipeline/loop.py)
   'moe_returned'   save the attention projections, the expert gate/up outputs and the
                    expert outputs back on the token side ('expert_returned'), not the
                    down projection's: the backward recomputes the dispatch exchange (its
