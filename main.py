@@ -48,7 +48,7 @@ flags.DEFINE_bool("single_process", False, "Run as one process even where a clus
 flags.DEFINE_string("plan_quantization", "", "plan: also rank these model.quantization choices, "
                     "comma-separated (e.g. none,int8): each layout once per choice.")
 flags.DEFINE_bool("shallow", False, "dry_run/plan: compile shallow copies of a scanned stack and "
-                  "extrapolate to full depth (trainer/perf/extrapolate.py) instead of the full model.")
+                  "extrapolate to full depth (perf/extrapolate.py) instead of the full model.")
 flags.DEFINE_float("compile_effort", None, "dry_run/plan: compile effort in [-1, 1] (jax 0.10: "
                    "exec_time_optimization_effort; jax 0.11: -1 -> optimization level O0); -1 compiles "
                    "~5x faster. Default: 0 for dry_run, -1 for plan.")
@@ -166,10 +166,10 @@ def _run(mode: str, exp, job_dir: str) -> None:
   elif mode == "benchmark":  # throughput; with train.target_eval_loss set: time to train
     write_config(exp, job_dir, mode)
     if exp.train.target_eval_loss is None:
-      from shardax.trainer.perf import benchmark
+      from shardax.perf import benchmark
       print(benchmark.format_table(benchmark.run(exp, job_dir)), flush=True)
     else:
-      from shardax.trainer.perf import mlperf
+      from shardax.perf import mlperf
       r = mlperf.time_to_train(exp, job_dir)
       print(f"time_to_train {r['time_to_train_s']:.1f} s: eval_loss {r['final_eval_loss']:.4f} "
             f"{'reached' if r['reached'] else 'did NOT reach'} target {r['target_eval_loss']} "
@@ -178,9 +178,9 @@ def _run(mode: str, exp, job_dir: str) -> None:
     from shardax.trainer import explain
     print(explain.explain(exp, job_dir), flush=True)
   elif mode == "dry_run":
-    from shardax.trainer.perf import dry_run
+    from shardax.perf import dry_run
     write_config(exp, job_dir, mode)
-    from shardax.trainer.perf import extrapolate
+    from shardax.perf import extrapolate
     result = extrapolate.dry_run(exp, job_dir, full=not FLAGS.shallow, effort=FLAGS.compile_effort or 0.0)
     print(dry_run.format_report(result) + "\n" + extrapolate.format_path(result), flush=True)
     if result["fits"] is False:
@@ -189,7 +189,7 @@ def _run(mode: str, exp, job_dir: str) -> None:
             f"{result['hbm_bytes_per_device']:,} available. {result['hint']}", file=sys.stderr, flush=True)
       sys.exit(1)
   elif mode == "plan":
-    from shardax.trainer.perf import plan
+    from shardax.perf import plan
     write_config(exp, job_dir, mode)
     effort = -1.0 if FLAGS.compile_effort is None else FLAGS.compile_effort
     result = plan.plan(FLAGS.exp, FLAGS.set, job_dir, effort=effort, shallow=FLAGS.shallow,

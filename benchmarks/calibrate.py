@@ -7,10 +7,10 @@ Each row of the published-runs table is rebuilt as a shardax experiment
 (experiments/calibration.py) and its train step compiled for the row's TPU topology
 with libtpu, nothing allocated. Compiling 35 pod-sized programs on a small machine is
 expensive, so each row compiles a shallow copy (`--layers`, scanned) and the loop-aware
-costs are deepened to the row's depth (trainer/perf/costs.py `deepen`: the layer loop
+costs are deepened to the row's depth (perf/costs.py `deepen`: the layer loop
 runs L/l times as often; what lies outside it scales with the parameter count). The
 costs of each compile are cached in benchmarks/calibration/<row>.json, so the model
-(trainer/perf/stepmodel.py) can be re-evaluated on every row in seconds; `--compile`
+(perf/stepmodel.py) can be re-evaluated on every row in seconds; `--compile`
 compiles the rows whose cache is missing, and recompiles those whose cache was compiled
 with another attention kernel or remat policy than the row now maps to, or (multi-slice
 rows) before the cross-slice transfers were read (without `--compile` such a row's
@@ -43,7 +43,7 @@ def _build(row: dict, layers: int | None):
 
 def compile_row(row: dict, layers: int, cache: str | None = None) -> dict:
   """Compile the shallow copy of `row` and cache its loop-aware costs (in `cache`, else CACHE)."""
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   exp = _build(row, layers)
   mesh, setup = dry_run.prepare(exp)
   start, cpu = time.perf_counter(), time.process_time()
@@ -62,7 +62,7 @@ def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] =
   """What the step model needs of a compiled shallow copy (its loop-aware costs, the MXU read of
   its dots, the program summary), written to <cache, else CACHE>/<row id>.json: from a fresh
   compile, or from a program kept by CALIBRATE_HLO_DIR when how programs are read changes."""
-  from shardax.trainer.perf import costs, mxu, program
+  from shardax.perf import costs, mxu, program
   exp = _build(row, layers)
   cost = costs.of_hlo_text(hlo)
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
@@ -80,7 +80,7 @@ def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] =
 def _params(exp) -> int:
   """The parameter count that scales the per-parameter traffic when a compile is deepened:
   an MoE model's is dominated by its experts, which `matmul_params` (dense) does not hold."""
-  from shardax.trainer.perf import flops
+  from shardax.perf import flops
   m = exp.model
   if m.moe is not None:
     return m.param_count()
@@ -92,7 +92,7 @@ def predict_row(row: dict, entry: dict):
   stepmodel.ImpossiblePrediction when the step model's figure is under the roofline."""
   from shardax.experiments import calibration
   from shardax.sharding import make_mesh
-  from shardax.trainer.perf import chips, costs, stepmodel
+  from shardax.perf import chips, costs, stepmodel
   exp = _build(row, None)
   shallow = costs.from_json(entry["costs"])
   scale = _params(exp) / entry["num_params_shallow"]
@@ -190,7 +190,7 @@ def main():
   p.add_argument("--write-docs", action="store_true")
   a = p.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  from shardax.trainer.perf import stepmodel
+  from shardax.perf import stepmodel
   rows = json.load(open(a.runs))
   if a.rows:
     order = a.rows.split(",")
@@ -222,8 +222,8 @@ def main():
     except stepmodel.ImpossiblePrediction as e:   # recorded, left out of the error bar
       results[row["id"]] = refused(e)
   text, errors = table(rows, results, unread, stale)
-  if not a.rows:   # the whole table: the dry run's error bar reads it (trainer/perf/error_bar.py)
-    from shardax.trainer.perf import error_bar
+  if not a.rows:   # the whole table: the dry run's error bar reads it (perf/error_bar.py)
+    from shardax.perf import error_bar
     error_bar.write({r["id"]: (results[r["id"]].chip, results[r["id"]].step_seconds / _published(r))
                      for r in rows if hasattr(results.get(r["id"]), "step_seconds")})
   print(text)

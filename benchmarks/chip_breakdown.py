@@ -4,8 +4,8 @@
 
 For each calibration row (published-runs/calibration.json, the rows benchmarks/calibrate.py
 compiles and caches) it prints the predicted step split into compute, HBM, ICI, DCN and
-exposed collectives, the MXU utilization of the program's dot shapes (trainer/perf/mxu.py)
-and the compiled program's structure (trainer/perf/program.py: fusions, dots, collectives
+exposed collectives, the MXU utilization of the program's dot shapes (perf/mxu.py)
+and the compiled program's structure (perf/program.py: fusions, dots, collectives
 by kind, how many async, bytes per step). `--on GEN` also prices each row's model on another
 chip generation: the same model, per-device batch and tensor parallelism, on one
 `GEN:16x16` slice of 256 chips with FSDP over the rest (a Pax/MaxText-style dense layout),
@@ -57,7 +57,7 @@ def split(pr) -> dict:
 
 
 def line(rid: str, chip: str, chips: int, s: dict, entry: dict) -> str:
-  from shardax.trainer.perf import program
+  from shardax.perf import program
   prog = entry.get("program")
   return (f"| {rid} | {chip} | {chips} | {s['step']:.2f} s | {s['compute']:.2f} | {s['hbm']:.2f} | "
           f"{s['ici']:.2f} | {s['dcn']:.2f} | {s['exposed']:.2f} | {s['mxu']:.2f} | {s['mfu']:.0%} | "
@@ -102,7 +102,7 @@ def fitting(row: dict, gen: str, cache: str, layers: int, reread: str, compile_m
 
 def chip_table() -> str:
   """The TPU rows of the chip table with each figure's source (docs/scale.md)."""
-  from shardax.trainer.perf import chips
+  from shardax.perf import chips
   fields = ("peak_bf16_flops", "peak_int8_flops", "hbm_bytes", "hbm_bandwidth", "cores_per_chip", "mxus_per_core",
             "mxu_dim", "clock_hz", "ici_links_per_chip", "ici_link_bandwidth", "dcn_bandwidth", "matmul_efficiency")
   tpus = [c for c in chips.CHIPS.values() if c.torus_dims]

@@ -39,7 +39,7 @@ BASE = ["data.source='synthetic'", "model.vocab_size=32768", "model.d_model=1024
 def compile_once(exp_name: str, count: int, per_data_batch: int, model_axis: int) -> dict:
   from shardax import configs
   from shardax.sharding import use_rules
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   from shardax.trainer import step as step_lib
   import jax
 

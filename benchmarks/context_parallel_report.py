@@ -18,7 +18,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 from shardax import configs  # noqa: E402
 from shardax.sharding import report  # noqa: E402
-from shardax.trainer.perf import dry_run  # noqa: E402
+from shardax.perf import dry_run  # noqa: E402
 
 BASE = ["mesh.topology='v5e:2x4'", "mesh.axes=('data','context')", "mesh.ici=(2,4)",
         "sharding.preset='dp_cp'", "train.global_batch=2", "data.source='synthetic'",

@@ -40,5 +40,5 @@ mkdir -p "$SITE-pkg"
 ln -sfn "$PWD" "$SITE-pkg/shardax"   # the checkout is the package (pyproject: package-dir)
 export PYTHONPATH="$SITE-pkg:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 # JAX_PLATFORMS is left alone: jax then starts the GPU (the default device) and the CPU
-# client that the cost model (trainer/perf/costs.py) prices HLO on.
+# client that the cost model (perf/costs.py) prices HLO on.
 exec "$@"

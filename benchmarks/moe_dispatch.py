@@ -44,7 +44,7 @@ from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 from shardax.trainer.data import inputs
-from shardax.trainer.perf import benchmark, costs
+from shardax.perf import benchmark, costs
 
 RING = benchmark.RING
 

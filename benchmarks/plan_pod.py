@@ -2,7 +2,7 @@
 
   python benchmarks/plan_pod.py --exp pod.lm_1t --job_dir /tmp/plan_1t
 
-runs `--mode=plan` with the default candidate grid (trainer/perf/plan.py), writes
+runs `--mode=plan` with the default candidate grid (perf/plan.py), writes
 plan.json into the job dir, and prints the ranking as a markdown table, with the wall
 and CPU seconds and the host's load average before and after (the machine is shared).
 """
@@ -36,7 +36,7 @@ def main() -> None:
   ap.add_argument("--top", type=int, default=10)
   ap.add_argument("--shallow", action="store_true", help="extrapolate from shallow copies")
   args = ap.parse_args()
-  from shardax.trainer.perf import plan
+  from shardax.perf import plan
   load0, cpu0, t0 = os.getloadavg(), time.process_time(), time.perf_counter()
   p = plan.plan(args.exp, (), args.job_dir, shallow=args.shallow, log=lambda s: print(s, flush=True))
   wall, cpu, load1 = time.perf_counter() - t0, time.process_time() - cpu0, os.getloadavg()

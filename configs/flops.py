@@ -1,7 +1,7 @@
 """Model FLOPs per step: the one formula benchmarks, metrics and dry runs share.
 
 Pure arithmetic on a model config's fields, so it lives with the configs (a leaf that imports
-nothing of layers/ or trainer/); trainer/perf/flops.py re-exports it.
+nothing of layers/ or trainer/); perf/flops.py re-exports it.
 
 Training a dense Transformer costs 6 FLOPs per matmul parameter per token
 (2 forward, 4 backward) plus attention's two score matmuls (QK^T and AV), which

@@ -60,12 +60,12 @@ def is_gpu(row: dict) -> bool:
 
 def gpu_kind(row: dict) -> str:
   """The chip-table name of a GPU row's accelerator ("NVIDIA H100 80GB (A3)" -> the H100 row)."""
-  from shardax.trainer.perf import chips
+  from shardax.perf import chips
   accelerator = row["hardware"]["accelerator"].split(" (")[0]
   chip = chips.lookup(accelerator)
   if chip is None:
     raise Unexpressible(f"row {row['id']}: hardware.accelerator={accelerator!r} is not in the chip table "
-                        f"(trainer/perf/chips.py); add its datasheet figures there")
+                        f"(perf/chips.py); add its datasheet figures there")
   return chip.name
 
 

@@ -309,7 +309,7 @@ def deepseek_v3():
   t.attention = "flash"
   # The experts over an 8 x 8 plane of the torus, not the 8 x 16 one of (8, 128): both
   # closed rings, so an all-to-all's bytes travel 8/4 + 8/4 = 4 hops on average over 4 links
-  # instead of 8/4 + 16/4 = 6 (trainer/perf/links.py), and each chip holds 4 experts (their
+  # instead of 8/4 + 16/4 = 6 (perf/links.py), and each chip holds 4 experts (their
   # weights still FSDP-split over `data`, now 16-way). Full compile, default effort,
   # 2026-11-26: 7.237 s (32.9%) -> 6.74 s (35.4%), all-to-all 3.20 -> 2.12 s, 89.92 -> 90.32
   # GiB per chip (docs/moe.md).

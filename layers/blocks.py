@@ -44,7 +44,7 @@ Rematerialization wraps one unit in `jax.checkpoint` with the named policy:
                    ones (DeepSeek-V3: 940 against 470 MB a layer per chip)
 The offload policies are jax's `save_and_offload_only_these_names` over the names
 `checkpoint_name` gives in Block / Attention; the transfers are priced against the chip's
-host link by trainer/perf/stepmodel.py (`offload_seconds`).
+host link by perf/stepmodel.py (`offload_seconds`).
 """
 
 from __future__ import annotations

@@ -5,8 +5,8 @@ bare `}` or on `}, execution_thread=...` (v6e programs close their SparseCore co
 that way; read as still open, the entry after one was swallowed). Lines inside a
 computation may start with `}}` (custom-call configs), so only a header seen outside every
 computation opens one. The report (collectives, trip counts) and the loop-aware costs
-(trainer/perf/costs.py) both read computations through `split`; the report and the buffer
-list (trainer/perf/buffers.py) read an op's name and source line through `Sources`.
+(perf/costs.py) both read computations through `split`; the report and the buffer
+list (perf/buffers.py) read an op's name and source line through `Sources`.
 """
 
 from __future__ import annotations

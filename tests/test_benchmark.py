@@ -8,7 +8,7 @@ import pytest
 
 from shardax import configs
 from shardax.sharding import make_mesh, use_rules
-from shardax.trainer.perf import benchmark, flops, mlperf
+from shardax.perf import benchmark, flops, mlperf
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 

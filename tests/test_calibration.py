@@ -16,7 +16,7 @@ import pytest
 from shardax import configs
 from shardax.experiments import calibration
 from shardax.sharding import topology
-from shardax.trainer.perf import chips as chips_lib
+from shardax.perf import chips as chips_lib
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -274,7 +274,7 @@ def test_a_row_priced_under_its_roofline_is_recorded_as_refused_not_a_crash(tmp_
   """A row whose cached costs miss most of the work (every piece's FLOPs and bytes a hundredth)
   prices under the model FLOPs at peak: predict_row refuses it, and the table records the row
   as refused, outside the error factors, instead of the calibration crashing."""
-  from shardax.trainer.perf import costs, stepmodel
+  from shardax.perf import costs, stepmodel
   cal = _calibrate()
   row = _row()
   path = os.path.join(cal.CACHE, f"{row['id']}.json")

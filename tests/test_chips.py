@@ -1,4 +1,4 @@
-"""The chip table against what libtpu itself knows of each TPU generation (trainer/perf/chips.py).
+"""The chip table against what libtpu itself knows of each TPU generation (perf/chips.py).
 
 The table's figures are read off datasheets; libtpu's topology descriptions are a second,
 independent source for two of them: how many jax devices a chip is (TPU v3 and TPU7x: two
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardax.sharding import topology
-from shardax.trainer.perf import chips, dry_run
+from shardax.perf import chips, dry_run
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 

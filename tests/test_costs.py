@@ -8,7 +8,7 @@ from shardax import configs
 
 pytest.importorskip("libtpu")
 
-from shardax.trainer.perf import costs, dry_run  # noqa: E402
+from shardax.perf import costs, dry_run  # noqa: E402
 
 # FSDP with full remat on a v5e:2x2 slice: both programs gather each layer's weights in
 # the forward pass and again in the recomputed backward, so they move the same bytes.

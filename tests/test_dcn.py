@@ -103,7 +103,7 @@ def test_replica_group_forms():
 def test_dry_run_of_two_tpu_slices_lists_dcn_collectives(tmp_path):
   import clitools as cli
   from shardax import configs
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   cfg = configs.get("lm.tiny")
   configs.apply_overrides(cfg, [*cli.TINY, "mesh.topology='v5e:2x2'", "mesh.dcn=(2, 1)", "mesh.ici=(1, 4)",
                                 "sharding.preset='2d'"])
@@ -139,13 +139,13 @@ class _Mesh:
 
 
 def _costs(collectives):
-  from shardax.trainer.perf import costs as costs_lib
+  from shardax.perf import costs as costs_lib
   piece = costs_lib.Piece("main", 1, 0.0, 0.0, 0.0)
   return costs_lib.Costs(0.0, 0.0, 0.0, tuple(collectives), (), 0.0, (piece,), {"main": "main"})
 
 
 def test_a_megascale_send_is_a_dcn_all_reduce_priced_at_the_chips_dcn_bandwidth():
-  from shardax.trainer.perf import chips, links, stepmodel
+  from shardax.perf import chips, links, stepmodel
   hlo = f"ENTRY %main.1 (p: f32[4]) -> f32[4] {{\n{_MEGASCALE_SEND}\n}}\n"
   [c] = report.collectives(hlo)
   assert (c.kind, c.link, c.span, c.bytes) == ("all-reduce", "dcn", 2, 64 * 2**20)
@@ -190,7 +190,7 @@ def test_a_cyclic_shift_split_into_sends_from_disjoint_slices_is_one_transfer():
 def test_a_dcn_transfer_with_matmuls_between_its_sends_and_dones_is_hidden():
   """Counted as overlapped only when the schedule puts matmul work between the send and its
   done and between the recv and its done; elementwise work alone, or none, leaves it exposed."""
-  from shardax.trainer.perf import chips, stepmodel
+  from shardax.perf import chips, stepmodel
   send, recv = _shift("1", "{{100000->200000},{200000->100000}}", "collective-permute.5_0")
   dones = ["  %send-done.1 = token[] send-done(%send.1), is_host_transfer=true",
            "  %recv-done.1 = (bf16[4,2048,3072]{2,1,0}, token[]) recv-done(%recv.1), is_host_transfer=true"]
@@ -208,7 +208,7 @@ def test_a_dcn_transfer_with_matmuls_between_its_sends_and_dones_is_hidden():
 
 def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
   """2 hosts x 8 GPUs (one process per GPU: a host is still the granule), one all-reduce of all 16."""
-  from shardax.trainer.perf import chips, links, stepmodel
+  from shardax.perf import chips, links, stepmodel
   devices = np.array([_Dev(i, i) for i in range(16)])
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("SHARDAX_PROCESSES_PER_HOST", "8")
@@ -230,7 +230,7 @@ def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
 def test_a_named_cluster_network_prices_the_inter_host_part_at_its_bandwidth():
   """The same 2 x 8 all-reduce on A3 High (4 x 200 Gbps NICs per 8 GPUs) and on an InfiniBand
   NDR cluster (400 Gb/s per GPU): NVLink time the same, network time 4x shorter."""
-  from shardax.trainer.perf import chips, links, stepmodel
+  from shardax.perf import chips, links, stepmodel
   devices = np.array([_Dev(i, i // 8) for i in range(16)])
   line = "%ar = f32[8192,1024]{1,0} all-reduce(%g), replica_groups=[1,16]<=[16], to_apply=%add"
   [c] = report.collectives(f"ENTRY %main.1 (g: f32[8192,1024]) -> f32[8192,1024] {{\n  {line}\n}}\n")
@@ -255,7 +255,7 @@ _WIDE = ["model.num_layers=2", "model.d_model=1024", "model.num_heads=8", "model
 def test_data_over_dcn_is_slower_than_one_slice_by_its_gradient_all_reduce():
   """Two v5e:2x2 slices (data over DCN) vs one v5e:2x4 slice, the same 8 chips, data parallel."""
   from shardax import configs
-  from shardax.trainer.perf import chips, dry_run
+  from shardax.perf import chips, dry_run
   def run(*sets):
     cfg = configs.get("lm.tiny")
     configs.apply_overrides(cfg, _WIDE + list(sets))

@@ -11,11 +11,11 @@ import pytest
 
 from shardax import configs
 from shardax.sharding import topology
-from shardax.trainer.perf import chips
+from shardax.perf import chips
 
 pytest.importorskip("libtpu")
 
-from shardax.trainer.perf import costs, dry_run, stepmodel  # noqa: E402
+from shardax.perf import costs, dry_run, stepmodel  # noqa: E402
 from shardax.trainer import explain  # noqa: E402
 
 KEYS = {"experiment", "topology", "device_kind", "num_devices", "mesh", "rules", "num_params",

@@ -1,4 +1,4 @@
-"""Dry runs from shallow copies of a scanned stack (trainer/perf/extrapolate.py)."""
+"""Dry runs from shallow copies of a scanned stack (perf/extrapolate.py)."""
 
 import json
 
@@ -6,7 +6,7 @@ import jax
 import pytest
 
 from shardax import configs
-from shardax.trainer.perf import extrapolate as ex
+from shardax.perf import extrapolate as ex
 
 SMALL = ["data.source='synthetic'", "model.num_heads=4", "model.d_model=128", "model.d_ff=512",
          "data.seq_len=64", "model.max_len=64", "train.global_batch=8", "sharding.preset='2d'",
@@ -120,7 +120,7 @@ def test_a_shallow_flash_dry_run_adds_the_full_depth_kernel_time():
   the extrapolated prediction (rebuilt from deepened costs) must too, at the full depth."""
   pytest.importorskip("libtpu")
   from shardax.sharding import make_mesh
-  from shardax.trainer.perf import chips, stepmodel
+  from shardax.perf import chips, stepmodel
   small = [o for o in SMALL if not o.startswith(("data.seq_len", "model.max_len"))]
   exp = build("lm.tiny", *small, "data.seq_len=128", "model.max_len=128", "model.attention='flash'",
               "model.num_layers=12")

@@ -130,7 +130,7 @@ SXS = re.compile(rf"\[[0-9,]*{SEQ},{SEQ}\]")
 
 def compiled_hlo(*sets):
   pytest.importorskip("libtpu")
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   cfg = configs.get("lm.tiny")
   configs.apply_overrides(cfg, TINY_TPU + list(sets))
   mesh, setup = dry_run.prepare(configs.build(cfg))

@@ -34,7 +34,7 @@ SCRIPT = r"""
 import json, sys
 from shardax import configs
 from shardax.sharding import libtpu_flags
-from shardax.trainer.perf import chips, costs as costs_lib, dry_run, stepmodel
+from shardax.perf import chips, costs as costs_lib, dry_run, stepmodel
 cfg = configs.get("lm.tiny")
 configs.apply_overrides(cfg, [
     "data.source='synthetic'", "model.num_layers=4", "model.d_model=512", "model.num_heads=4",

@@ -1,8 +1,8 @@
-"""Collective times on the links a group crosses (trainer/perf/links.py)."""
+"""Collective times on the links a group crosses (perf/links.py)."""
 
 import dataclasses
 
-from shardax.trainer.perf import chips, links
+from shardax.perf import chips, links
 
 
 def test_an_all_to_all_over_a_2d_group_travels_the_sum_of_its_dims_hops():

@@ -1,5 +1,5 @@
 """Where a step's memory goes and what takes it back: the compiled program's buffer list
-(trainer/perf/buffers.py), the chunked loss (model.loss_chunk) and the dry run's lever hint."""
+(perf/buffers.py), the chunked loss (model.loss_chunk) and the dry run's lever hint."""
 
 import dataclasses
 
@@ -55,7 +55,7 @@ TPU = ["data.source='synthetic'", "model.num_layers=1", "data.seq_len=256", "mod
 def tpu_step():
   """(experiment, per-device memory, buffer list) of the small LM step compiled for v5e:2x2."""
   pytest.importorskip("libtpu")
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   from shardax.sharding import report
   exp = _build(*TPU)
   _, setup = dry_run.prepare(exp)
@@ -83,7 +83,7 @@ def test_hint_ranks_the_chunked_loss_first_when_logits_dominate(tpu_step):
   """The dry run's hint ranks the unused levers by the bytes they free: on this step the
   logits (and their gradient) dominate, so model.loss_chunk comes first, and a config that
   already chunks its loss is not offered it again."""
-  from shardax.trainer.perf import levers
+  from shardax.perf import levers
   exp, mem, buffers = tpu_step
   listed = [dataclasses.asdict(b) for b in buffers]
   ranked = levers.rank(exp, mem, listed)
@@ -99,7 +99,7 @@ def test_hint_ranks_the_chunked_loss_first_when_logits_dominate(tpu_step):
 def test_chunked_loss_frees_the_logits_on_a_tpu_compile(tpu_step):
   """Compiled with model.loss_chunk=128, the [2, 256, 65536] f32 logits are gone from the
   buffer list and device temp falls by at least what the hint promised."""
-  from shardax.trainer.perf import dry_run, levers
+  from shardax.perf import dry_run, levers
   from shardax.sharding import report
   exp, mem, buffers = tpu_step
   promised = levers.rank(exp, mem, [dataclasses.asdict(b) for b in buffers])[0].saves

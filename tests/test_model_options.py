@@ -12,7 +12,7 @@ from shardax.configs.moe import MoEConfig
 from shardax.configs.schema import TransformerConfig
 from shardax.layers import TransformerLM
 from shardax.layers.transformer import Block
-from shardax.trainer.perf import flops
+from shardax.perf import flops
 
 CFG = TransformerConfig(vocab_size=64, num_layers=2, d_model=32, num_heads=4, d_ff=64, max_len=16,
                         mlp="plain", activation="relu", parallel_block=True, tied_embedding=False)

@@ -229,7 +229,7 @@ def test_gshard_1t_builds_abstractly_with_one_expert_per_core():
 def test_moe_flops_match_a_hand_count():
   """A 4-layer MoE LM (MoE FFN in layers 2 and 4), counted matmul by matmul, per token."""
   from shardax.configs.schema import TransformerConfig
-  from shardax.trainer.perf import flops
+  from shardax.perf import flops
   d, heads, ff, vocab, seq, experts, expert_ff = 64, 4, 256, 256, 32, 16, 128
   moe = TransformerConfig(num_layers=4, d_model=d, num_heads=heads, d_ff=ff, vocab_size=vocab,
                           moe=MoEConfig(num_experts=experts, d_ff=expert_ff, every=2))
@@ -250,7 +250,7 @@ def test_moe_flops_agree_with_the_compiler():
   embedding lookup (a one-hot matmul at this vocab size, layers/embedding.py: 2 x tokens x
   vocab x d_model) and elementwise work: so it must lie within +10% of their sum. Doubling the expert d_ff must
   add what 2 experts x 3 matrices predict (elementwise activations aside: within 5%)."""
-  from shardax.trainer.perf import flops
+  from shardax.perf import flops
   from shardax.sharding import use_rules
   from shardax.trainer import step as step_lib
   counted = {}

@@ -18,7 +18,7 @@ import pytest
 pytest.importorskip("libtpu")
 
 from shardax.sharding import report  # noqa: E402
-from shardax.trainer.perf import dry_run  # noqa: E402
+from shardax.perf import dry_run  # noqa: E402
 from test_moe_dropless import tiny_dropless  # noqa: E402
 
 

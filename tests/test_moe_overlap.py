@@ -47,7 +47,7 @@ from shardax import configs
 import pytest
 
 from shardax.sharding import report
-from shardax.trainer.perf import dry_run
+from shardax.perf import dry_run
 cfg = configs.get("moe.tiny")
 configs.apply_overrides(cfg, ["data.source='synthetic'", "model.num_layers=2", "model.moe.every=1",
     "model.d_model=256", "model.d_ff=512", "model.moe.d_ff=512", "model.moe.num_experts=4",

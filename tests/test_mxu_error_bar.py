@@ -1,5 +1,5 @@
-"""Matmul shapes against each chip's MXU (trainer/perf/mxu.py) and the dry run's error bar
-(trainer/perf/error_bar.py)."""
+"""Matmul shapes against each chip's MXU (perf/mxu.py) and the dry run's error bar
+(perf/error_bar.py)."""
 
 import json
 
@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.sharding import topology
-from shardax.trainer.perf import chips, costs, error_bar, mxu, stepmodel
+from shardax.perf import chips, costs, error_bar, mxu, stepmodel
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 

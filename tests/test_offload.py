@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from shardax import configs
-from shardax.trainer.perf import chips, plan, stepmodel
+from shardax.perf import chips, plan, stepmodel
 
 
 def _build(*sets):
@@ -50,7 +50,7 @@ HOST_SPACE = "S(5)"   # the TPU compiler's layout tag for host (pinned_host) mem
 
 def _compiled(remat):
   pytest.importorskip("libtpu")
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   mesh, setup = dry_run.prepare(_build(*TPU, f"model.remat='{remat}'"))
   compiled = dry_run.compile_step(setup)
   return compiled.as_text(), dry_run.host_temp_bytes(compiled)
@@ -91,7 +91,7 @@ def test_offload_proj_puts_the_named_tensors_in_host_memory():
   [8, 2, 384, 256], the query [8, 2, 384, 4 heads, 64], key and value [8, 2, 384, 2 kv heads,
   64]; and they are all of the program's host memory."""
   pytest.importorskip("libtpu")
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   _, setup = dry_run.prepare(_build(*TPU, "model.remat='offload_proj'"))
   compiled, buffers = dry_run.compile_with_buffers(setup, top=20)
   host = sorted((b.dtype, b.shape) for b in buffers if b.space == "host")

@@ -1,9 +1,9 @@
 """Programs priced by what they run: GPU library calls get FLOPs from their operands
-(trainer/perf/ops.py), and the step model prices them at their own measured efficiency."""
+(perf/ops.py), and the step model prices them at their own measured efficiency."""
 
 import pytest
 
-from shardax.trainer.perf import chips, costs, ops
+from shardax.perf import chips, costs, ops
 
 # A GPU program as XLA prints it after compiling (operands named, not shaped): a cuBLAS
 # GEMM [1024, 4096] x [4096, 2048] and cuDNN flash attention forward and backward on
@@ -50,7 +50,7 @@ def test_each_op_is_priced_at_its_kinds_efficiency():
 
 def test_a_gpu_step_is_priced_with_its_library_calls():
   """The step model's compute of the program above: 0 without the custom calls."""
-  from shardax.trainer.perf import stepmodel
+  from shardax.perf import stepmodel
 
   class Exp:  # only what from_costs reads
     class model:
@@ -73,7 +73,7 @@ def test_a_kernel_the_cost_analysis_misses_is_priced_like_the_cudnn_calls_above(
   the same seconds as the cuDNN forward + backward calls priced from the program."""
   from types import SimpleNamespace as NS
 
-  from shardax.trainer.perf import stepmodel
+  from shardax.perf import stepmodel
   h100 = chips.lookup("NVIDIA H100 80GB HBM3")
   exp = NS(model=NS(num_layers=1, num_heads=8, dim_per_head=128, remat="none"), data=NS(seq_len=1024),
            train=NS(global_batch=2))
@@ -85,7 +85,7 @@ def test_a_kernel_the_cost_analysis_misses_is_priced_like_the_cudnn_calls_above(
 
 def test_a_program_priced_as_another_chip_says_so_first():
   """A TPU program timed as an H100 (the calibration's GPU rows): the first line says so."""
-  from shardax.trainer.perf import stepmodel
+  from shardax.perf import stepmodel
   import numpy as np
 
   class Dev:

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from shardax.sharding import report
-from shardax.trainer.perf import costs as costs_lib
+from shardax.perf import costs as costs_lib
 
 # A loop body in schedule order: a ring step each way (mirrored pairs) with a matmul between
 # start and done; a third permute with nothing between its start and done; a fourth around a loop.
@@ -42,7 +42,7 @@ def test_step_model_prices_mirrored_pairs_once_and_bare_permutes_as_exposed():
   pytest.importorskip("libtpu")
   from jax.sharding import Mesh
   from shardax.sharding import topology
-  from shardax.trainer.perf import chips, stepmodel
+  from shardax.perf import chips, stepmodel
   cs = tuple(report.collectives(BODY))
   piece = costs_lib.Piece("body", 1, 0.0, 0.0, 0.0)
   costs = costs_lib.Costs(0.0, 0.0, 0.0, cs, (), 0.0, (piece,), {"body": "body"})

@@ -24,7 +24,7 @@ from shardax.sharding import replica_groups, report, use_rules
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
-from shardax.trainer.perf import costs as costs_lib
+from shardax.perf import costs as costs_lib
 from meshtools import coordinates, equations, loss_and_grads, pairs, setup_for, tiny_lm
 
 L, BATCH = 8, 16
@@ -373,7 +373,7 @@ def test_delayed_shift_runs_beside_the_stage_body_in_the_tpu_program():
   saw too little compute to move the done past the loop: the size matters.)"""
   pytest.importorskip("libtpu")
   import dataclasses
-  from shardax.trainer.perf import chips, dry_run, stepmodel
+  from shardax.perf import chips, dry_run, stepmodel
   cfg = configs.get("lm.tiny")
   configs.apply_overrides(cfg, [
       "data.source='synthetic'", "model.num_layers=4", "model.d_model=256", "model.num_heads=4",
@@ -406,7 +406,7 @@ def test_stage_weight_gradients_are_not_all_reduced_in_full_on_tpu():
   synchronous all-reduces over the 32 data chips for 51 visits) and kept a slice; with it
   one remains per visit, and the full-depth step needs 4.75 GiB less temp (docs/pipeline.md)."""
   pytest.importorskip("libtpu")
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   cfg = configs.get("lm.gpt3_175b_pipelined")
   configs.apply_overrides(cfg, ["model.num_layers=16"])
   exp = configs.build(cfg)

@@ -19,7 +19,7 @@ from shardax.configs.schema import REMAT_CHOICES, ConfigError
 from shardax.sharding import use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
-from shardax.trainer.perf import costs as costs_lib
+from shardax.perf import costs as costs_lib
 from meshtools import equations, loss_and_grads, setup_for, tiny_lm
 
 STAGES, MICRO, LAYERS, BATCH = 4, 4, 8, 32
@@ -130,7 +130,7 @@ def tpu_compiles():
   """remat -> (experiment, compiled step, its buffer list) on v5e:2x2: 'full' with the buffer
   list the levers read, 'offload' without (~15 s and ~8 s of compile on a quiet 2-core host)."""
   pytest.importorskip("libtpu")
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   out = {}
   for remat in ("full", "offload"):
     cfg = configs.get("lm.tiny")
@@ -145,7 +145,7 @@ def tpu_compiles():
 def test_offload_puts_the_stage_inputs_in_host_memory_on_a_tpu_compile(tpu_compiles):
   """The TPU compiler places the stacked stage inputs in host memory (layout tag S(5)) and
   the program's host bytes are exactly theirs; with remat='full' they stay on the device."""
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   full, offload = tpu_compiles["full"][1], tpu_compiles["offload"][1]
   on_device = set(SAVED_INPUTS.findall(full.as_text()))
   assert on_device and not any("S(5)" in l for l in on_device), on_device
@@ -158,7 +158,7 @@ def test_levers_offer_offload_for_the_saved_stage_inputs(tpu_compiles):
   """The dry run's levers offer a pipelined remat='full' config the offload of its saved stage
   inputs ([iterations, stage, rows, length, embed]), for the bytes the offload compile then
   keeps in host memory; the lever's --set builds."""
-  from shardax.trainer.perf import dry_run, levers
+  from shardax.perf import dry_run, levers
   exp, _, buffers = tpu_compiles["full"]
   offered = {l.setting: l for l in levers.rank(exp, {}, [dataclasses.asdict(b) for b in buffers])}
   assert "model.remat='offload'" in offered, offered
@@ -170,7 +170,7 @@ def test_levers_never_offer_a_policy_the_pipeline_refuses(tpu_compiles, monkeypa
   """A remat lever is offered only where the config would accept it: with 'offload' refused in
   pipelines (as 'offload_proj' is), the same buffers get no offload lever."""
   from shardax.configs import pipeline as pipeline_config
-  from shardax.trainer.perf import levers
+  from shardax.perf import levers
   exp, _, buffers = tpu_compiles["full"]
   monkeypatch.setitem(pipeline_config.REMAT_REFUSED_IN_PIPELINE, "offload", "refused for this test")
   offered = [l.setting for l in levers.rank(exp, {}, [dataclasses.asdict(b) for b in buffers])]

@@ -1,4 +1,4 @@
-"""`--mode=plan` (trainer/perf/plan.py): candidates, pruning, ranking."""
+"""`--mode=plan` (perf/plan.py): candidates, pruning, ranking."""
 
 import dataclasses
 import json
@@ -7,7 +7,7 @@ import shlex
 import pytest
 
 from shardax import configs
-from shardax.trainer.perf import plan
+from shardax.perf import plan
 
 # 1.6B fp32 params (12 bytes/param with AdamW: 18 GiB): replicated (dp) it cannot fit a
 # 16 GiB v5e chip; 2D over 2x2 it can, with remat; without remat the attention scores of

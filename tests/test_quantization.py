@@ -195,7 +195,7 @@ def test_eight_bit_dots_are_priced_at_their_own_peak():
   """The same matmul's gradient, int8 vs bf16: XLA counts the same FLOPs; the step model
   moves the int8 dots' FLOPs to the chip's int8 peak (v6e: 1836 vs 918 T), so their time
   halves, and on a chip without int8 units (v3) nothing changes."""
-  from shardax.trainer.perf import chips, costs, ops
+  from shardax.perf import chips, costs, ops
   x = jax.ShapeDtypeStruct((8, 128, 256), jax.numpy.bfloat16)
   w = jax.ShapeDtypeStruct((256, 512), jax.numpy.bfloat16)
   dn = (((2,), (0,)), ((), ()))
@@ -223,7 +223,7 @@ def test_eight_bit_dots_are_priced_at_their_own_peak():
 def test_plan_ranks_quantization_with_the_layouts():
   """`--mode=plan --plan_quantization=none,int8`: every layout once per choice, each a valid
   --set line (the ranking itself is plan.rank's, tested in test_plan.py)."""
-  from shardax.trainer.perf import plan
+  from shardax.perf import plan
   cfg = configs.get("lm.small")
   grid = plan.Grid(model_axis=(2,), remat=("full",), microbatches=(1,), pipeline_stages=(),
                    quantization=("none", "int8"))
@@ -241,7 +241,7 @@ def test_tpu_convolution_forms_of_8bit_dots_count_only_real_taps():
   """Lines of a v6e:2x2 int8 compile (lm with d_model 256, 4 heads of 64, 1024 tokens per
   chip): the TPU compiler writes the q projection as a window of 4 taps over padding, of
   which one is real, and a weight gradient as a window over the token dim."""
-  from shardax.trainer.perf import ops
+  from shardax.perf import ops
   q_proj = ['%a = s8[8,128,256,1]{2,1,3,0:T(8,128)(4,1)} fusion(%p), kind=kLoop, calls=%f',
             '%b = s8[256,4,64,1]{0,2,1,3:T(8,128)(4,1)} fusion(%p), kind=kLoop, calls=%f',
             '%c = bf16[8,128,4,64]{1,3,2,0:T(8,128)(2,1)} convolution(%a, %b), window={size=1x4 '

@@ -12,7 +12,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.sharding import MeshConfig, make_mesh, report, topology
 from shardax.sharding import replica_groups as rg
-from shardax.trainer.perf import links
+from shardax.perf import links
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
@@ -81,7 +81,7 @@ def test_the_issue_v4_2d_program_with_sub_axes_reports(tmp_path):
   """The issue's v4 2D dry run, shrunk (1 layer, narrow) but keeping the embedding gather whose
   all-to-all the compiler writes with a Shardy sub-axis; it crashed in report._group_size."""
   from shardax import configs
-  from shardax.trainer.perf import dry_run
+  from shardax.perf import dry_run
   cfg = configs.get("lm.small")
   configs.apply_overrides(cfg, [
       "mesh.topology='v4:2x4x4'", "mesh.ici=(16,2)", "mesh.axes=('data','model')", "sharding.preset='2d'",

@@ -1,12 +1,12 @@
 """The step model's roofline guard: no predicted step is faster than the model FLOPs it trains at
-the chips' peak, or than the HBM traffic its training state needs (trainer/perf/stepmodel.py)."""
+the chips' peak, or than the HBM traffic its training state needs (perf/stepmodel.py)."""
 
 import jax
 import numpy as np
 import pytest
 
 from shardax import configs
-from shardax.trainer.perf import chips, costs, dry_run, stepmodel
+from shardax.perf import chips, costs, dry_run, stepmodel
 
 V5E = chips.lookup("TPU v5 lite")
 

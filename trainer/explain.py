@@ -3,7 +3,7 @@
 Compiles the real train step from abstract shapes (nothing allocated) on the
 experiment's mesh (a TPU topology too, with `mesh.topology`) and reads the compiled
 program: per-parameter placement, per-device memory and its largest buffers
-(trainer/perf/buffers.py), an MoE's bet on balance where it makes one (token copies past
+(perf/buffers.py), an MoE's bet on balance where it makes one (token copies past
 a finite capacity or expert buffer dropped: trainer/moe_drops.py), FLOPs, and each collective
 with the model source line that caused it (HLO metadata). Activation shardings
 come from tracing the forward pass: every `shard(x, logical_axes)` the model makes
@@ -26,7 +26,7 @@ import shardax
 from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
 from shardax.trainer import jobdir
-from shardax.trainer.perf import buffers as buffers_lib, dry_run
+from shardax.perf import buffers as buffers_lib, dry_run
 from shardax.trainer import decode, moe_drops
 from shardax.trainer import step as step_lib
 

@@ -14,17 +14,17 @@ Method, in order:
 
 Definitions (the same ones the training loop logs):
   model_flops_per_step = exp.model.flops_per_example(exp.data) * train.global_batch
-                         (trainer/perf/flops.py: 6 x matmul params + causal attention, PaLM
+                         (perf/flops.py: 6 x matmul params + causal attention, PaLM
                          appendix B; rematerialized recomputation is not counted)
   tokens_per_s         = global_batch x tokens_per_example / median step time
   tflops_per_device    = model_flops_per_step / median step time / device_count / 1e12
   mfu                  = tflops_per_device / peak_tflops_per_device
   hardware_flops_per_device = FLOPs of the compiled step, loop bodies x trip counts
-                         (trainer/perf/costs.py): recompute and padding included
+                         (perf/costs.py): recompute and padding included
   hfu                  = hardware_flops_per_device / median step time / peak (beside mfu)
 
 Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip table
-(`trainer/perf/chips.py`, each entry with its source), whatever the model dtype, as MaxText
+(`perf/chips.py`, each entry with its source), whatever the model dtype, as MaxText
 and the PaLM paper do. A CPU has no datasheet peak that XLA can reach, so it is
 measured in the same process by a matmul probe (`MatmulProbe`): a jitted n x n matmul in
 the model's compute dtype, sampled 5 times after the warm-up and once after every timed
@@ -53,8 +53,8 @@ from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
 from shardax.trainer.data import inputs
 from shardax.trainer import jobdir
-from shardax.trainer.perf import costs, mlperf
-from shardax.trainer.perf.flops import CONVENTION
+from shardax.perf import costs, mlperf
+from shardax.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -131,7 +131,7 @@ def chip_peak(dev) -> tuple[float, str] | None:
   """(published dense bf16 peak FLOP/s, source) of an accelerator in the chip table, or None."""
   if dev.platform == "cpu":
     return None
-  from shardax.trainer.perf import chips
+  from shardax.perf import chips
   chip = chips.lookup(dev.device_kind)
   if chip is None:
     return None

@@ -69,9 +69,9 @@ from typing import Any, Iterator
 import jax
 
 from shardax.configs.schema import Experiment
-from shardax.trainer.perf import chips
-from shardax.trainer.perf import dry_run as dry_run_lib
-from shardax.trainer.perf import stepmodel
+from shardax.perf import chips
+from shardax.perf import dry_run as dry_run_lib
+from shardax.perf import stepmodel
 
 SHALLOW_UNITS = (3, 4)
 
@@ -177,12 +177,12 @@ def _derive(out: dict, exp: Experiment) -> dict:
   """Figures that are not affine in depth, recomputed from the extrapolated ones.
 
   The step-time model's step is a sum over program pieces of executions x seconds each
-  (trainer/perf/stepmodel.py), and only the layer loop's executions grow with depth, so
+  (perf/stepmodel.py), and only the layer loop's executions grow with depth, so
   its seconds are affine in depth; the ratios built on them (MFU, HFU, tokens/s) are not.
   """
   mem, hbm = out["bytes_per_device"], out["hbm_bytes_per_device"]
   out["fits"] = None if hbm is None or mem.get("total") is None else bool(mem["total"] <= hbm)
-  # The general advice, not the ranked levers (trainer/perf/levers.py): the buffer list is the
+  # The general advice, not the ranked levers (perf/levers.py): the buffer list is the
   # deeper shallow copy's, whose layer-stacked blocks have its depth, not the model's, and
   # whose bytes are not the full depth's.
   out["hint"] = None if out["fits"] is not False else (
@@ -210,7 +210,7 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   L / layers_b times as often; outside it, per-parameter traffic scales with the parameter
   count. Memory stays affine (above): temporaries are not a per-loop cost."""
   from shardax.sharding import make_mesh
-  from shardax.trainer.perf import costs as costs_lib
+  from shardax.perf import costs as costs_lib
   scale = out["num_params"] / b["num_params"] if b.get("num_params") else 1.0
   # the layer loop runs once per unit after the first dense layers (their own loop, as deep
   # in the copy as in the model): its trip count is (layers - offset) / unit
@@ -264,7 +264,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, *, full: bool = False,
             effort: float = 0.0) -> dict:
   """`--mode=dry_run`: shallow copies extrapolated when the stack allows, else the full compile.
 
-  The report is the dry run's (trainer/perf/dry_run.py) plus `compile_path` ("shallow" or
+  The report is the dry run's (perf/dry_run.py) plus `compile_path` ("shallow" or
   "full"), `compile_path_reason` (why not shallow) and, on the shallow path, `shallow`
   (the depths compiled and their compile seconds).
   """

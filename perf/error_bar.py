@@ -2,7 +2,7 @@
 nearest family that has calibrated rows.
 
 benchmarks/calibrate.py writes each row's error (predicted / published step) with the chip
-it ran on to `ERRORS` (trainer/perf/calibration_errors.json, package data: an installed
+it ran on to `ERRORS` (perf/calibration_errors.json, package data: an installed
 wheel carries it, pyproject.toml) whenever it prices the whole table. Here those
 rows are grouped by chip (the chip table's row name) and summarized as the median and worst
 error factor max(pred/pub, pub/pred). A chip with no calibrated rows says so and borrows
@@ -18,7 +18,7 @@ import math
 import os
 import statistics
 
-from shardax.trainer.perf import chips as chips_lib
+from shardax.perf import chips as chips_lib
 
 ERRORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_errors.json")
 _SHORT = {"TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e", "TPU v4": "v4", "TPU v3": "v3"}

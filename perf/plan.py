@@ -11,10 +11,10 @@ before anything compiles), then for each one:
      mesh lacks): the same checks, and messages, as a real run;
   2. drops it when params + optimizer state alone exceed the chip's HBM (exact, from
      the shardings, no compile);
-  3. compiles it (the dry run of trainer/perf/extrapolate.py) and drops it when the
+  3. compiles it (the dry run of perf/extrapolate.py) and drops it when the
      compiler says it does not fit (RESOURCE_EXHAUSTED, or a peak over HBM);
   4. ranks what is left by predicted step time (`_predicted_seconds`: the step-time model of
-     trainer/perf/stepmodel.py), then by memory.
+     perf/stepmodel.py), then by memory.
 It prints the best layouts with the exact `--set` line that selects each, and writes
 `plan.json` (every candidate, its status, reason and figures) into the job dir, after each
 candidate (libtpu can abort the process on a program it fails to compile: at effort -1 it
@@ -49,9 +49,9 @@ from shardax.pipeline import PipelineError, bubble_fraction
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.rules import split_over_stages
 from shardax.trainer import jobdir
-from shardax.trainer.perf import chips
-from shardax.trainer.perf import dry_run as dry_run_lib
-from shardax.trainer.perf import extrapolate
+from shardax.perf import chips
+from shardax.perf import dry_run as dry_run_lib
+from shardax.perf import extrapolate
 
 
 def _predicted_seconds(report: dict) -> float | None:

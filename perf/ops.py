@@ -10,7 +10,7 @@ reads those calls from the compiled HLO and gives each its FLOPs from its operan
                     the call's dot_dimension_numbers;
   flash attention   forward 2 matmuls of B x H x Sq x Sk x D (QK^T, PV): 4 B H Sq Sk D,
                     halved for a causal mask (the convention of the model FLOPs,
-                    trainer/perf/flops.py); backward 2.5 x that (it recomputes the scores
+                    perf/flops.py); backward 2.5 x that (it recomputes the scores
                     and runs dV, dP, dQ, dK: 5 matmuls to the forward's 2).
 
 `seconds` prices every op the step model sees through the same rate table: peak of the
@@ -44,7 +44,7 @@ import json
 import math
 import re
 
-from shardax.trainer.perf.chips import MATMUL_EFFICIENCY, Chip
+from shardax.perf.chips import MATMUL_EFFICIENCY, Chip
 
 EFFICIENCY = {
     ("tpu", "xla"): MATMUL_EFFICIENCY["tpu"], ("tpu", "gemm"): MATMUL_EFFICIENCY["tpu"],

@@ -33,7 +33,7 @@ their two cores as one "megacore" device, so per device = per chip.
                    chip and talk through it), else 1.
   matmul_efficiency  the fraction of peak a large bf16 matmul fused by XLA reaches when no
                    dim pads (see stepmodel.py); what padding to the MXU tile costs a given
-                   program is computed from its dot shapes (trainer/perf/mxu.py, `mxu_dim`).
+                   program is computed from its dot shapes (perf/mxu.py, `mxu_dim`).
   cores_per_chip, mxus_per_core, mxu_dim, clock_hz  the matrix hardware per chip: TPU
                    TensorCores, MXUs per core and the MXU's side (a mxu_dim x mxu_dim systolic
                    array); GPUs: SMs, tensor cores per SM, mxu_dim 0 (no weight-stationary

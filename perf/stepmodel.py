@@ -2,21 +2,21 @@
 
 The input is the compiled step itself (for a TPU slice we have never rented, the
 real TPU compiler's program via libtpu's topology description), the mesh it was
-compiled for and the chip table (trainer/perf/chips.py). The program is split into
+compiled for and the chip table (perf/chips.py). The program is split into
 the pieces its control flow runs: the entry computation and each loop body (a scan
 over layers, pipeline iterations, microbatch accumulation), each with how many times
-it runs per step and its own FLOPs, bytes and collectives (trainer/perf/costs.py:
+it runs per step and its own FLOPs, bytes and collectives (perf/costs.py:
 priced by XLA's own cost analysis, loops counted by their trip counts). Then:
 
 Assumptions
-  1. Compute. Every op is priced by what it is (trainer/perf/ops.py `seconds`: kind and
+  1. Compute. Every op is priced by what it is (perf/ops.py `seconds`: kind and
      operand dtype -> the dtype's peak x the kind's efficiency on that chip family). What
      XLA compiles itself (fusions, dots: its cost analysis) runs at `matmul_efficiency`,
      the share of the datasheet peak that large bf16 matmuls reach (MXU/tensor core
      pipeline fill, operand movement HBM->VMEM/SMEM, layout copies): one number per chip
      family, not per model (chips.py MATMUL_EFFICIENCY: 0.8 on TPU, 0.73 measured on an
      H100), divided on a TPU by what the program's dot shapes leave of its MXUs (padding to
-     the chip's MXU side, 128 or 256: trainer/perf/mxu.py; 1 where every dim fills it). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
+     the chip's MXU side, 128 or 256: perf/mxu.py; 1 where every dim fills it). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
      GPUs) are priced from their operands at their own measured efficiency. Elementwise
      work is counted as FLOPs at the matmul rate: it is a few percent of a Transformer's
      FLOPs, and its memory traffic is in the next term.
@@ -24,7 +24,7 @@ Assumptions
      a piece, compute and memory traffic overlap (fused matmuls stream their operands),
      so a piece costs max(compute, memory), not the sum.
   3. Collectives. Each collective's time comes from its bytes, its replica group and
-     the links the group crosses (trainer/perf/links.py: TPU ICI torus dims with or
+     the links the group crosses (perf/links.py: TPU ICI torus dims with or
      without wraparound, TPU v3's shared chip links, DCN between slices, NVLink and the
      network between GPU hosts), plus a small fixed latency. Every byte is priced on the
      link it crosses: a group spanning granules (mesh.granule_of: TPU slices, GPU/CPU
@@ -60,7 +60,7 @@ Assumptions
      here and the one a real run uses.
 
 step_seconds = sum over pieces of executions x cost(piece). MFU counts model FLOPs
-(trainer/perf/flops.py: 6N + causal-halved attention, the PaLM/MaxText convention);
+(perf/flops.py: 6N + causal-halved attention, the PaLM/MaxText convention);
 HFU counts the compiled program's FLOPs (recompute and padding included).
 
 The roofline guard: no step is faster than the model FLOPs it trains at the chips' peak,
@@ -78,13 +78,13 @@ from typing import Any
 
 from shardax.pipeline import schedule
 from shardax.sharding import replica_groups
-from shardax.trainer.perf import chips as chips_lib
-from shardax.trainer.perf import costs as costs_lib
-from shardax.trainer.perf import error_bar
-from shardax.trainer.perf import flops as flops_lib
-from shardax.trainer.perf import links
-from shardax.trainer.perf import mxu as mxu_lib
-from shardax.trainer.perf import ops
+from shardax.perf import chips as chips_lib
+from shardax.perf import costs as costs_lib
+from shardax.perf import error_bar
+from shardax.perf import flops as flops_lib
+from shardax.perf import links
+from shardax.perf import mxu as mxu_lib
+from shardax.perf import ops
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,7 +182,7 @@ def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Predicti
 def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dict | None = None,
                flash_kernel: bool = False, state_bytes_per_device: float | None = None) -> Prediction:
   """`predict` from loop-aware costs already read from the program; `mxu`: each piece's dot
-  utilization per MXU tile (trainer/perf/mxu.py `by_piece`), None where not read (taken as 1);
+  utilization per MXU tile (perf/mxu.py `by_piece`), None where not read (taken as 1);
   `flash_kernel`: the program runs the Pallas flash kernel its costs miss (`with_flash_kernel`);
   `state_bytes_per_device`: parameters + optimizer state of one device, for the HBM floor.
   Raises ImpossiblePrediction when the step is under the roofline (`roofline`): never a figure
@@ -332,7 +332,7 @@ def _overlaps(c) -> bool:
 
 def _own_seconds(p: costs_lib.Piece, chip: chips_lib.Chip, use: float = 1.0) -> tuple[float, float]:
   """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2); `use`: the
-  share of the MXU its dots fill (trainer/perf/mxu.py)."""
+  share of the MXU its dots fill (perf/mxu.py)."""
   compute = ops.seconds("xla", "bf16", p.flops / use, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
   return compute, p.bytes_accessed / chip.hbm_bandwidth
 
@@ -386,7 +386,7 @@ def format_prediction(pr: Prediction) -> list[str]:
   lines = [l for l in lines if l]
   if b.get("mxu_utilization", 1.0) < 0.995:
     lines.append(f"    MXU tiles: the program's dot shapes use {b['mxu_utilization']:.0%} of the matrix units' "
-                 f"multiply-adds (padding to the MXU side; trainer/perf/mxu.py)")
+                 f"multiply-adds (padding to the MXU side; perf/mxu.py)")
   for dtype, e in sorted(b.get("eight_bit_flops", {}).items()):
     lines.append(f"    8-bit dots: {e['flops']:.4g} FLOPs per device on {dtype} operands, priced at "
                  f"{e['peak'] / 1e12:,.0f} T/s peak")

@@ -1,5 +1,5 @@
 """What would make a dry run fit: the memory levers a config has not used, ranked by the bytes
-each would free, read from the compiled program's buffer list (trainer/perf/buffers.py).
+each would free, read from the compiled program's buffer list (perf/buffers.py).
 
 Each lever looks for the buffers it removes in the list (device temp blocks, largest first):
   model.loss_chunk    the [batch, length, vocab] logits blocks (and their gradient): chunked,

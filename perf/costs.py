@@ -33,7 +33,7 @@ import jax
 
 from shardax.sharding import hlo_text as hlo_text_lib
 from shardax.sharding import report
-from shardax.trainer.perf import ops
+from shardax.perf import ops
 
 _CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
 _CALLED_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
@@ -64,7 +64,7 @@ class Piece:
   transcendentals: float
   trips: tuple[int, ...] = ()      # trip counts of the loops around it, outermost first
   ops: tuple = ()                  # (kind, dtype, FLOPs): library calls XLA counts as 0, and XLA's own
-                                   # 8-bit dots (kind "xla", not in `flops`) (trainer/perf/ops.py)
+                                   # 8-bit dots (kind "xla", not in `flops`) (perf/ops.py)
   loops: tuple[str, ...] = ()      # bodies of the loops around it, outermost first
 
 

@@ -3,9 +3,9 @@
 `summary(hlo_text)`: fusions by kind (kLoop elementwise, kInput reductions, kOutput
 matmul/convolution fusions, kCustom), the dots and dot-like convolutions left, and the
 collectives by kind: how many, how many are asynchronous (`-start`/`-done` pairs the
-latency-hiding scheduler can overlap with compute: trainer/perf/stepmodel.py assumption 4)
+latency-hiding scheduler can overlap with compute: perf/stepmodel.py assumption 4)
 and their bytes per step (loop trip counts applied). The step model's inputs (FLOPs, bytes
-accessed) are in trainer/perf/costs.py; this is the structure beside them, read once per
+accessed) are in perf/costs.py; this is the structure beside them, read once per
 compile and cached with the calibration rows (benchmarks/calibrate.py).
 """
 

@@ -12,30 +12,30 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
                     output - alias (donated) + temp: the program's peak.
   fits              total <= hbm_bytes_per_device: the HBM the TPU compiler lets a program
                     use (`usable_hbm_bytes`: v6e 31.25 GiB of its 32, v5e 15.48 of 16),
-                    else the chip table's capacity (trainer/perf/chips.py). If the TPU
+                    else the chip table's capacity (perf/chips.py). If the TPU
                     compiler itself refuses (RESOURCE_EXHAUSTED), total is the figure
                     from its message.
   flops_per_device  FLOPs of the compiled step per device with every loop body times its
-                    trip count (trainer/perf/costs.py); flops_loop_bodies_once is XLA's
+                    trip count (perf/costs.py); flops_loop_bodies_once is XLA's
                     own figure, which counts a scanned layer once.
   bytes_accessed_per_device  the same for memory traffic (logical bytes).
   model_flops_per_step  the model's formula (`flops_per_example(data) x global_batch`;
-                    for the LM: 6N + causal-halved attention, trainer/perf/flops.py);
+                    for the LM: 6N + causal-halved attention, perf/flops.py);
                     flops_convention says so.
   buffers           the largest blocks of the program's device (HBM) and host temp memory,
                     each named by the value that needs it (size, shape, dtype, HLO
                     instruction, op_name, source line), read from XLA's buffer assignment
-                    (trainer/perf/buffers.py); also when the compiler refuses the program.
+                    (perf/buffers.py); also when the compiler refuses the program.
   collectives       per kind: count and bytes per step, loops unrolled.
   balance_bet       for an MoE whose token copies past a finite capacity or expert buffer
                     are dropped (or stop the run): that bound and the field that changes it
                     (trainer/moe_drops.py `bet`); None when no routing can overflow.
-  predicted         the step-time model (trainer/perf/stepmodel.py, assumptions in its
+  predicted         the step-time model (perf/stepmodel.py, assumptions in its
                     docstring): step_seconds, mfu (model FLOPs), hfu (compiled FLOPs),
                     tokens_per_second_per_device, and a breakdown into compute, memory,
                     collectives by kind / mesh axis / link, exposed vs hidden, bubble, and
                     the roofline it is checked against. None when the chip is not in
-                    trainer/perf/chips.py (e.g. CPU), or when the prediction is refused.
+                    perf/chips.py (e.g. CPU), or when the prediction is refused.
   prediction_refused  None, or why the step model's figure was refused: a step under the
                     roofline (model FLOPs at the chips' peak, the HBM floor: stepmodel.roofline)
                     cannot be true; message, the refused step_seconds and the bound.
@@ -57,8 +57,8 @@ import numpy as np
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir, moe_drops
-from shardax.trainer.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
-from shardax.trainer.perf.flops import CONVENTION
+from shardax.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
+from shardax.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 
@@ -121,7 +121,7 @@ def _parse_oom(message: str) -> tuple[int | None, int | None]:
 
 def hint(mem: dict, hbm: int | None, exp: Experiment | None = None, buffers: list | None = None) -> str:
   """What to try when the program does not fit: with the buffer list, the unused levers
-  ranked by the bytes each frees (trainer/perf/levers.py); else the general advice."""
+  ranked by the bytes each frees (perf/levers.py); else the general advice."""
   state = (mem.get("params") or 0) + (mem.get("optimizer_state") or 0)
   where = "weights and optimizer state" if hbm and state > hbm / 2 else "activations (temp)"
   if exp is not None and buffers and (ranked := levers.rank(exp, mem, buffers)):
@@ -326,7 +326,7 @@ def format_report(r: dict) -> str:
 
 
 def markdown_table(reports: list[dict]) -> str:
-  """One row per dry run: what docs/scale.md shows (`python -m shardax.trainer.perf.dry_run J...`)."""
+  """One row per dry run: what docs/scale.md shows (`python -m shardax.perf.dry_run J...`)."""
   rows = ["| experiment | topology (devices) | params | per-device total / HBM | fits | "
           "predicted step | predicted MFU | compile (CPU) |", "|---|---|---|---|---|---|---|---|"]
   for r in reports:
