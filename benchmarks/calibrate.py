@@ -92,14 +92,14 @@ def predict_row(row: dict, entry: dict):
   stepmodel.ImpossiblePrediction when the step model's figure is under the roofline."""
   from shardax.experiments import calibration
   from shardax.sharding import make_mesh
-  from shardax.perf import chips, costs, stepmodel
+  from shardax.perf import hardware, costs, stepmodel
   exp = _build(row, None)
   shallow = costs.from_json(entry["costs"])
   scale = _params(exp) / entry["num_params_shallow"]
   deep = costs.deepen(shallow, entry["layers"], exp.model.num_layers, scale)
   mesh = make_mesh(exp.mesh)
   kind = calibration.gpu_kind(row) if calibration.is_gpu(row) else mesh.devices.flat[0].device_kind
-  chip = chips.lookup(kind, exp.mesh.network)
+  chip = hardware.lookup(kind, exp.mesh.network)
   # a Pallas flash call is 0 FLOPs in XLA's costs: from_costs adds the kernel's time
   return stepmodel.from_costs(deep, mesh, exp, chip, entry.get("mxu"), flash_kernel=entry.get("attention") == "flash")
 

@@ -102,15 +102,15 @@ def fitting(row: dict, gen: str, cache: str, layers: int, reread: str, compile_m
 
 def chip_table() -> str:
   """The TPU rows of the chip table with each figure's source (docs/scale.md)."""
-  from shardax.perf import chips
+  from shardax.perf import hardware
   fields = ("peak_bf16_flops", "peak_int8_flops", "hbm_bytes", "hbm_bandwidth", "cores_per_chip", "mxus_per_core",
             "mxu_dim", "clock_hz", "ici_links_per_chip", "ici_link_bandwidth", "dcn_bandwidth", "matmul_efficiency")
-  tpus = [c for c in chips.CHIPS.values() if c.torus_dims]
+  tpus = [c for c in hardware.CHIPS.values() if c.torus_dims]
   lines = ["| field | " + " | ".join(c.name for c in tpus) + " |", "|---|" + "---|" * len(tpus)]
   for f in fields:
     lines.append(f"| {f} | " + " | ".join(f"{getattr(c, f):.4g}" for c in tpus) + " |")
   sources = sorted({src for c in tpus for src in c.sources.values()})
-  lines += ["", "Sources (per field and row: `chips.CHIPS[name].sources`):"] + [f"* {s}" for s in sources]
+  lines += ["", "Sources (per field and row: `hardware.CHIPS[name].sources`):"] + [f"* {s}" for s in sources]
   return "\n".join(lines)
 
 

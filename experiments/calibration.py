@@ -60,16 +60,16 @@ def is_gpu(row: dict) -> bool:
 
 def gpu_kind(row: dict) -> str:
   """The chip-table name of a GPU row's accelerator ("NVIDIA H100 80GB (A3)" -> the H100 row)."""
-  from shardax.perf import chips
+  from shardax.perf import hardware
   accelerator = row["hardware"]["accelerator"].split(" (")[0]
-  chip = chips.lookup(accelerator)
+  chip = hardware.lookup(accelerator)
   if chip is None:
     raise Unexpressible(f"row {row['id']}: hardware.accelerator={accelerator!r} is not in the chip table "
-                        f"(perf/chips.py); add its datasheet figures there")
+                        f"(perf/hardware.py); add its datasheet figures there")
   return chip.name
 
 
-# Words in a GPU row's hardware description -> the cluster network (chips.NETWORKS), first match.
+# Words in a GPU row's hardware description -> the cluster network (hardware.NETWORKS), first match.
 _NETWORK_WORDS = (("mega", "a3-mega"), ("ultra", "a3-ultra"), ("a4", "a4"), ("infiniband", "infiniband-ndr"),
                   ("dgx", "infiniband-ndr"), ("a3", "a3-high"))
 

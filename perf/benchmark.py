@@ -24,7 +24,7 @@ Definitions (the same ones the training loop logs):
   hfu                  = hardware_flops_per_device / median step time / peak (beside mfu)
 
 Peak FLOP/s per device: TPUs and GPUs take the dense bf16 peak from the chip table
-(`perf/chips.py`, each entry with its source), whatever the model dtype, as MaxText
+(`perf/hardware.py`, each entry with its source), whatever the model dtype, as MaxText
 and the PaLM paper do. A CPU has no datasheet peak that XLA can reach, so it is
 measured in the same process by a matmul probe (`MatmulProbe`): a jitted n x n matmul in
 the model's compute dtype, sampled 5 times after the warm-up and once after every timed
@@ -131,8 +131,8 @@ def chip_peak(dev) -> tuple[float, str] | None:
   """(published dense bf16 peak FLOP/s, source) of an accelerator in the chip table, or None."""
   if dev.platform == "cpu":
     return None
-  from shardax.perf import chips
-  chip = chips.lookup(dev.device_kind)
+  from shardax.perf import hardware
+  chip = hardware.lookup(dev.device_kind)
   if chip is None:
     return None
   return float(chip.peak_bf16_flops), f"chip table: {chip.name} bf16 dense peak ({chip.source})"
@@ -264,8 +264,8 @@ def run(exp: Experiment, job_dir: str) -> dict[str, Any]:
             "eval_loss": eval_loss, "state_donated": donated, "step_times_s": times}
   result.update(flops_convention=CONVENTION, **device_memory(train_step))
   if devices[0].platform != "gpu":  # XLA's cost model prices no cuBLAS / cuDNN custom call
-    hardware = costs.of_compiled(train_step).flops
-    result.update(hardware_flops_per_device=hardware, hfu=hardware / result["step_time_s_median"] / peak)
+    hw_flops = costs.of_compiled(train_step).flops
+    result.update(hardware_flops_per_device=hw_flops, hfu=hw_flops / result["step_time_s_median"] / peak)
   if jax.process_index() == 0:
     jobdir.write_text(jobdir.path(job_dir) / "benchmark.json", json.dumps(result, indent=2))
   return result

@@ -12,7 +12,7 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
                     output - alias (donated) + temp: the program's peak.
   fits              total <= hbm_bytes_per_device: the HBM the TPU compiler lets a program
                     use (`usable_hbm_bytes`: v6e 31.25 GiB of its 32, v5e 15.48 of 16),
-                    else the chip table's capacity (perf/chips.py). If the TPU
+                    else the chip table's capacity (perf/hardware.py). If the TPU
                     compiler itself refuses (RESOURCE_EXHAUSTED), total is the figure
                     from its message.
   flops_per_device  FLOPs of the compiled step per device with every loop body times its
@@ -35,7 +35,7 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
                     tokens_per_second_per_device, and a breakdown into compute, memory,
                     collectives by kind / mesh axis / link, exposed vs hidden, bubble, and
                     the roofline it is checked against. None when the chip is not in
-                    perf/chips.py (e.g. CPU), or when the prediction is refused.
+                    perf/hardware.py (e.g. CPU), or when the prediction is refused.
   prediction_refused  None, or why the step model's figure was refused: a step under the
                     roofline (model FLOPs at the chips' peak, the HBM floor: stepmodel.roofline)
                     cannot be true; message, the refused step_seconds and the bound.
@@ -57,7 +57,7 @@ import numpy as np
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir, moe_drops
-from shardax.perf import buffers as buffers_lib, chips, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
+from shardax.perf import buffers as buffers_lib, hardware, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
 from shardax.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -138,7 +138,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
   (`costs_out`: a list that receives the program's loop-aware costs, for extrapolate.py)."""
   mesh, setup = prepare(exp)
   kind = mesh.devices.flat[0].device_kind
-  chip = chips.lookup(kind, exp.mesh.network)
+  chip = hardware.lookup(kind, exp.mesh.network)
   mem = {"params": _shard_bytes(setup.abstract["params"]),
          "optimizer_state": _shard_bytes(setup.abstract["opt_state"])}
   model_flops = float(exp.model.flops_per_example(exp.data)) * exp.train.global_batch
@@ -288,7 +288,7 @@ def format_report(r: dict) -> str:
     lines.append(f"    {key:<16}{_gib(m.get(key)):>16}")
   if m.get("host_temp"):
     lines.append(f"    {'host (offload)':<16}{_gib(m['host_temp']):>16}   (host memory, not HBM)")
-  chip = chips.lookup(r["device_kind"])
+  chip = hardware.lookup(r["device_kind"])
   usable = (f" (what the compiler allows of the chip's {_gib(chip.hbm_bytes)})"
             if chip and r["hbm_bytes_per_device"] not in (None, chip.hbm_bytes) else "")
   lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}{usable}")

@@ -7,7 +7,7 @@ wheel carries it, pyproject.toml) whenever it prices the whole table. Here those
 rows are grouped by chip (the chip table's row name) and summarized as the median and worst
 error factor max(pred/pub, pub/pred). A chip with no calibrated rows says so and borrows
 the figures of the calibrated chip of the same kind (TPU or GPU) whose balance of compute
-to memory (peak bf16 FLOP/s over HBM bytes/s, chips.py) is nearest: the property that
+to memory (peak bf16 FLOP/s over HBM bytes/s, hardware.py) is nearest: the property that
 decides whether the same layer is compute- or memory-bound on both.
 """
 
@@ -18,13 +18,13 @@ import math
 import os
 import statistics
 
-from shardax.perf import chips as chips_lib
+from shardax.perf import hardware
 
 ERRORS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "calibration_errors.json")
 _SHORT = {"TPU v5 lite": "v5e", "TPU v5": "v5p", "TPU v6 lite": "v6e", "TPU v4": "v4", "TPU v3": "v3"}
 
 
-def short(chip: chips_lib.Chip) -> str:
+def short(chip: hardware.Chip) -> str:
   return _SHORT.get(chip.name, chip.name)
 
 
@@ -39,11 +39,11 @@ def families(path: str | None = None) -> dict[str, list[float]]:
   return out
 
 
-def _balance(chip: chips_lib.Chip) -> float:
+def _balance(chip: hardware.Chip) -> float:
   return chip.peak_bf16_flops / chip.hbm_bandwidth
 
 
-def for_chip(chip: chips_lib.Chip, path: str | None = None) -> dict:
+def for_chip(chip: hardware.Chip, path: str | None = None) -> dict:
   """{'family', 'rows', 'median', 'worst', 'nearest', 'line'} for `chip`."""
   fams = families(path)
   if not fams:
@@ -54,12 +54,12 @@ def for_chip(chip: chips_lib.Chip, path: str | None = None) -> dict:
             "nearest": chip.name,
             "line": f"  calibration ({short(chip)}, {len(errs)} published runs): error median "
                     f"{statistics.median(errs):.2f}x, worst {max(errs):.2f}x"}
-  same_kind = [n for n in fams if (chips_lib.CHIPS[n].torus_dims > 0) == (chip.torus_dims > 0)] or list(fams)
-  near = min(same_kind, key=lambda n: abs(math.log(_balance(chips_lib.CHIPS[n]) / _balance(chip))))
+  same_kind = [n for n in fams if (hardware.CHIPS[n].torus_dims > 0) == (chip.torus_dims > 0)] or list(fams)
+  near = min(same_kind, key=lambda n: abs(math.log(_balance(hardware.CHIPS[n]) / _balance(chip))))
   errs = fams[near]
   return {"family": chip.name, "rows": 0, "median": statistics.median(errs), "worst": max(errs), "nearest": near,
           "line": f"  calibration: {short(chip)}: no calibrated runs; expect larger error (nearest calibrated "
-                  f"family by FLOP/byte, {short(chips_lib.CHIPS[near])}: {len(errs)} runs, error median "
+                  f"family by FLOP/byte, {short(hardware.CHIPS[near])}: {len(errs)} runs, error median "
                   f"{statistics.median(errs):.2f}x, worst {max(errs):.2f}x)"}
 
 

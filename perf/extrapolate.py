@@ -69,7 +69,7 @@ from typing import Any, Iterator
 import jax
 
 from shardax.configs.schema import Experiment
-from shardax.perf import chips
+from shardax.perf import hardware
 from shardax.perf import dry_run as dry_run_lib
 from shardax.perf import stepmodel
 
@@ -187,7 +187,7 @@ def _derive(out: dict, exp: Experiment) -> dict:
   # whose bytes are not the full depth's.
   out["hint"] = None if out["fits"] is not False else (
       dry_run_lib.hint(mem, hbm) + f". {LEVERS_NOT_RANKED}")
-  chip, p = chips.lookup(out["device_kind"]), out.get("predicted")
+  chip, p = hardware.lookup(out["device_kind"]), out.get("predicted")
   if chip and p and p["step_seconds"]:
     step, n = p["step_seconds"], out["num_devices"]
     tokens = exp.model.tokens_per_example(exp.data) * exp.train.global_batch
@@ -216,7 +216,7 @@ def _deepened(out: dict, b: dict, costs_b, exp: Experiment, d: Depth, layers_b: 
   # in the copy as in the model): its trip count is (layers - offset) / unit
   units = lambda layers: (layers - d.offset) // d.unit
   deep = costs_lib.deepen(costs_b, units(layers_b), units(d.layers), scale)
-  chip = chips.lookup(out["device_kind"])
+  chip = hardware.lookup(out["device_kind"])
   out.update(flops_per_device=deep.flops, bytes_accessed_per_device=deep.bytes_accessed)
   if chip is not None:
     brief = (b.get("predicted") or {}).get("breakdown") or {}

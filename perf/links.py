@@ -39,7 +39,7 @@ import numpy as np
 
 from shardax.sharding import mesh as mesh_lib
 from shardax.sharding import replica_groups
-from shardax.perf.chips import Chip
+from shardax.perf.hardware import Chip
 
 ICI_LATENCY, DCN_LATENCY = 5e-6, 50e-6
 

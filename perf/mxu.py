@@ -1,7 +1,7 @@
 """What a chip's matrix units make of the program's matmul shapes: padding to the MXU tile.
 
 A TPU MXU is a weight-stationary systolic array of `mxu_dim` x `mxu_dim` multiply-adds
-(128 x 128 up to v5p, 256 x 256 on v6e: perf/chips.py, with sources). A dot
+(128 x 128 up to v5p, 256 x 256 on v6e: perf/hardware.py, with sources). A dot
 [M, K] x [K, N] runs as tiles: one operand's K x (N or M) block sits in the array, the
 other streams through it. Each tile is a full array whatever the shape, so the array does
 pad(K) x pad(held) multiply-adds per streamed row, pad(x) = x rounded up to `mxu_dim`.

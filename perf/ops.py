@@ -44,7 +44,7 @@ import json
 import math
 import re
 
-from shardax.perf.chips import MATMUL_EFFICIENCY, Chip
+from shardax.perf.hardware import MATMUL_EFFICIENCY, Chip
 
 EFFICIENCY = {
     ("tpu", "xla"): MATMUL_EFFICIENCY["tpu"], ("tpu", "gemm"): MATMUL_EFFICIENCY["tpu"],

@@ -49,7 +49,7 @@ from shardax.pipeline import PipelineError, bubble_fraction
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.rules import split_over_stages
 from shardax.trainer import jobdir
-from shardax.perf import chips
+from shardax.perf import hardware
 from shardax.perf import dry_run as dry_run_lib
 from shardax.perf import extrapolate
 
@@ -278,7 +278,7 @@ def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort
 
 
 def _hbm_bytes(mesh) -> int | None:
-  chip = chips.lookup(mesh.devices.flat[0].device_kind)
+  chip = hardware.lookup(mesh.devices.flat[0].device_kind)
   return chip.hbm_bytes if chip else None
 
 

@@ -2,7 +2,7 @@
 
 The input is the compiled step itself (for a TPU slice we have never rented, the
 real TPU compiler's program via libtpu's topology description), the mesh it was
-compiled for and the chip table (perf/chips.py). The program is split into
+compiled for and the chip table (perf/hardware.py). The program is split into
 the pieces its control flow runs: the entry computation and each loop body (a scan
 over layers, pipeline iterations, microbatch accumulation), each with how many times
 it runs per step and its own FLOPs, bytes and collectives (perf/costs.py:
@@ -14,7 +14,7 @@ Assumptions
      XLA compiles itself (fusions, dots: its cost analysis) runs at `matmul_efficiency`,
      the share of the datasheet peak that large bf16 matmuls reach (MXU/tensor core
      pipeline fill, operand movement HBM->VMEM/SMEM, layout copies): one number per chip
-     family, not per model (chips.py MATMUL_EFFICIENCY: 0.8 on TPU, 0.73 measured on an
+     family, not per model (hardware.py MATMUL_EFFICIENCY: 0.8 on TPU, 0.73 measured on an
      H100), divided on a TPU by what the program's dot shapes leave of its MXUs (padding to
      the chip's MXU side, 128 or 256: perf/mxu.py; 1 where every dim fills it). Library calls XLA counts as 0 FLOPs (cuBLAS GEMMs, cuDNN flash attention on
      GPUs) are priced from their operands at their own measured efficiency. Elementwise
@@ -78,7 +78,7 @@ from typing import Any
 
 from shardax.pipeline import schedule
 from shardax.sharding import replica_groups
-from shardax.perf import chips as chips_lib
+from shardax.perf import hardware
 from shardax.perf import costs as costs_lib
 from shardax.perf import error_bar
 from shardax.perf import flops as flops_lib
@@ -124,7 +124,7 @@ class ImpossiblePrediction(ValueError):
     return {"message": str(self), "step_seconds": self.prediction.step_seconds, "roofline": self.roofline}
 
 
-def roofline(exp, num_devices: int, chip: chips_lib.Chip, state_bytes_per_device: float | None = None,
+def roofline(exp, num_devices: int, chip: hardware.Chip, state_bytes_per_device: float | None = None,
              dtypes: tuple[str, ...] = ("bf16",)) -> dict[str, Any]:
   """The least time any train step of `exp` can take on `num_devices` x `chip`.
 
@@ -168,10 +168,10 @@ def runs_flash_kernel(hlo_text: str) -> bool:
   return "tpu_custom_call" in hlo_text and "splash" in hlo_text
 
 
-def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Prediction | None:
+def predict(compiled, mesh, exp, chip: hardware.Chip | None = None) -> Prediction | None:
   """The step time of `compiled` (the train step of `exp` on `mesh`); None without a chip row.
   ImpossiblePrediction when it is under the roofline (`from_costs`)."""
-  chip = chip or chips_lib.lookup(mesh.devices.flat[0].device_kind)
+  chip = chip or hardware.lookup(mesh.devices.flat[0].device_kind)
   if chip is None:
     return None
   cost = costs_lib.of_compiled(compiled)
@@ -179,7 +179,7 @@ def predict(compiled, mesh, exp, chip: chips_lib.Chip | None = None) -> Predicti
   return from_costs(cost, mesh, exp, chip, mxu_lib.by_piece(hlo, cost.owner), flash_kernel=runs_flash_kernel(hlo))
 
 
-def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dict | None = None,
+def from_costs(costs: costs_lib.Costs, mesh, exp, chip: hardware.Chip, mxu: dict | None = None,
                flash_kernel: bool = False, state_bytes_per_device: float | None = None) -> Prediction:
   """`predict` from loop-aware costs already read from the program; `mxu`: each piece's dot
   utilization per MXU tile (perf/mxu.py `by_piece`), None where not read (taken as 1);
@@ -240,15 +240,15 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: chips_lib.Chip, mxu: dic
   return checked(with_flash_kernel(pr, exp, mesh, chip) if flash_kernel else pr)
 
 
-def _stand_in(mesh, chip: chips_lib.Chip) -> str:
+def _stand_in(mesh, chip: hardware.Chip) -> str:
   """The compiled-for device kind when the program is priced as another chip (a TPU program
   timed as an H100: same partitioning, another compiler's fusion and scheduling), else ""."""
   devices = getattr(mesh, "devices", None)
   kind = getattr(devices.flat[0], "device_kind", "") if devices is not None else ""
-  return kind if kind and chips_lib.lookup(kind) is not chip else ""
+  return kind if kind and hardware.lookup(kind) is not chip else ""
 
 
-def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dict[str, dict]:
+def _collective_times(costs: costs_lib.Costs, mesh, chip: hardware.Chip) -> dict[str, dict]:
   """Seconds of collectives per execution of each piece (async / sync), and per step by kind,
   mesh axis and link."""
   out = {k: collections.Counter() for k in ("async", "sync", "by_kind", "by_axis", "by_link")}
@@ -282,7 +282,7 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: chips_lib.Chip) -> dic
   return out
 
 
-def _ring_wraps(c, mesh, chip: chips_lib.Chip) -> bool:
+def _ring_wraps(c, mesh, chip: hardware.Chip) -> bool:
   """Whether the ring a permute's pairs close lies on torus dims that wrap around: then each
   direction of every link carries one transfer. Without wraparound the ring's closing pair
   runs back along the line, over the links the mirrored ring uses, so the two contend."""
@@ -330,14 +330,14 @@ def _overlaps(c) -> bool:
   return c.is_async
 
 
-def _own_seconds(p: costs_lib.Piece, chip: chips_lib.Chip, use: float = 1.0) -> tuple[float, float]:
+def _own_seconds(p: costs_lib.Piece, chip: hardware.Chip, use: float = 1.0) -> tuple[float, float]:
   """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2); `use`: the
   share of the MXU its dots fill (perf/mxu.py)."""
   compute = ops.seconds("xla", "bf16", p.flops / use, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
   return compute, p.bytes_accessed / chip.hbm_bandwidth
 
 
-def _own_times(costs: costs_lib.Costs, chip: chips_lib.Chip, mxu: dict | None) -> list[tuple[float, float, float]]:
+def _own_times(costs: costs_lib.Costs, chip: hardware.Chip, mxu: dict | None) -> list[tuple[float, float, float]]:
   """(MXU use, compute seconds, memory seconds) of one execution of each piece, in
   `costs.pieces` order; `use`: its dots' share of the MXU tile (padding to the MXU side)."""
   out = []
@@ -374,7 +374,7 @@ def format_prediction(pr: Prediction) -> list[str]:
   lines = [stand_in_line(pr)] if pr.stand_in_for else []
   lines += [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
            f"{pr.step_seconds:.4g} s, {pr.tokens_per_second_per_device:,.1f} tokens/s/device",
-           "  " + error_bar.for_chip(chips_lib.CHIPS[pr.chip])["line"] if pr.chip in chips_lib.CHIPS else "",
+           "  " + error_bar.for_chip(hardware.CHIPS[pr.chip])["line"] if pr.chip in hardware.CHIPS else "",
            f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
            f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
            f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
@@ -400,7 +400,7 @@ def format_prediction(pr: Prediction) -> list[str]:
   return lines
 
 
-def offload_seconds(host_bytes: int, compute_seconds: float, chip: chips_lib.Chip) -> dict[str, Any]:
+def offload_seconds(host_bytes: int, compute_seconds: float, chip: hardware.Chip) -> dict[str, Any]:
   """The host transfers of an offload remat policy (layers/transformer.py 'offload*'), priced.
 
   `host_bytes`: the compiler's host temp bytes per device (memory_analysis), i.e. what the
@@ -421,7 +421,7 @@ def recompute_factor(hardware_flops_per_device: float, num_devices: int, model_f
   return hardware_flops_per_device * num_devices / model_flops_per_step if model_flops_per_step else None
 
 
-def flash_kernel_seconds(exp, num_devices: int, chip: chips_lib.Chip) -> float:
+def flash_kernel_seconds(exp, num_devices: int, chip: hardware.Chip) -> float:
   """Seconds per step of the Pallas flash-attention kernel (layers/flash.py) on one device.
 
   XLA's cost analysis prices a Pallas `tpu_custom_call` at 0 FLOPs, so the compiled program's
@@ -444,7 +444,7 @@ def flash_kernel_flops(exp, num_devices: int) -> float:
   return per_token * seq * exp.train.global_batch / num_devices
 
 
-def with_flash_kernel(pr: Prediction, exp, mesh, chip: chips_lib.Chip) -> Prediction:
+def with_flash_kernel(pr: Prediction, exp, mesh, chip: hardware.Chip) -> Prediction:
   """`pr` for a program that runs the Pallas flash kernel, which its costs price at 0 FLOPs:
   the kernel's time (flash_kernel_seconds) added to the step, the ratios rescaled to match,
   and its FLOPs added to the hardware FLOPs (HFU, recompute factor): the chip runs them.
@@ -454,10 +454,10 @@ def with_flash_kernel(pr: Prediction, exp, mesh, chip: chips_lib.Chip) -> Predic
   seconds = ops.seconds("attention", "bf16", flops, chip)
   step = pr.step_seconds
   scale = step / (step + seconds) if step + seconds else 0.0
-  hardware = pr.hardware_flops_per_device + flops
+  hw_flops = pr.hardware_flops_per_device + flops
   return dataclasses.replace(
-      pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hardware_flops_per_device=hardware,
-      hfu=hardware / (chip.peak_bf16_flops * (step + seconds)) if step + seconds else 0.0,
+      pr, step_seconds=step + seconds, mfu=pr.mfu * scale, hardware_flops_per_device=hw_flops,
+      hfu=hw_flops / (chip.peak_bf16_flops * (step + seconds)) if step + seconds else 0.0,
       tokens_per_second_per_device=pr.tokens_per_second_per_device * scale,
       breakdown={**pr.breakdown, "flash_kernel_seconds": seconds,
-                 "recompute_factor": recompute_factor(hardware, n, pr.model_flops_per_step)})
+                 "recompute_factor": recompute_factor(hw_flops, n, pr.model_flops_per_step)})

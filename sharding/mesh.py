@@ -33,7 +33,7 @@ class MeshConfig:
   num_cpu_devices: simulate this many devices on a CPU (must be set before jax starts).
   topology: a TPU topology name such as "v5e:2x2" for ahead-of-time dry runs.
   network: the data-center network between granules, by name, for the step-time model
-    (perf/chips.NETWORKS: "a3-high", "a3-mega", "a3-ultra", "a4", "infiniband-ndr",
+    (perf/hardware.NETWORKS: "a3-high", "a3-mega", "a3-ultra", "a4", "infiniband-ndr",
     "infiniband-hdr"); None: the chip's default (TPU: its hosts' NICs; GPU: A3 High).
   libtpu_flags: TPU compiler flags the CLI adds to LIBTPU_INIT_ARGS before jax starts
     (sharding/libtpu_flags.py; a flag the user set there keeps the user's value).
@@ -55,7 +55,7 @@ class MeshConfig:
       raise ValueError(f"mesh.dcn={dcn} needs one entry per axis in mesh.axes={self.axes}")
     if len(set(self.axes)) != len(self.axes):
       raise ValueError(f"mesh.axes={self.axes} repeats a name")
-    from shardax.perf.chips import NETWORKS   # figures only; nothing imported back
+    from shardax.perf.hardware import NETWORKS   # figures only; nothing imported back
     if self.network is not None and self.network not in NETWORKS:
       raise ValueError(f"mesh.network={self.network!r} is not a network the step-time model knows; "
                        f"use one of {sorted(NETWORKS)} or leave it unset (None) for the chip's default")

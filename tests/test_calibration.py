@@ -16,7 +16,7 @@ import pytest
 from shardax import configs
 from shardax.experiments import calibration
 from shardax.sharding import topology
-from shardax.perf import chips as chips_lib
+from shardax.perf import hardware
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +37,7 @@ def test_every_slice_shape_is_one_libtpu_knows(gen, shapes):
     name = calibration.slice_shape(gen, chips)
     assert name == f"{gen}:{shape}"
     devices = topology.devices(name)   # libtpu's get_topology_desc accepts it
-    assert len(devices) == chips * chips_lib.lookup(devices[0].device_kind).devices_per_chip
+    assert len(devices) == chips * hardware.lookup(devices[0].device_kind).devices_per_chip
 
 
 def test_slice_counts_that_do_not_exist_are_named():

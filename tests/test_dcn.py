@@ -145,11 +145,11 @@ def _costs(collectives):
 
 
 def test_a_megascale_send_is_a_dcn_all_reduce_priced_at_the_chips_dcn_bandwidth():
-  from shardax.perf import chips, links, stepmodel
+  from shardax.perf import hardware, links, stepmodel
   hlo = f"ENTRY %main.1 (p: f32[4]) -> f32[4] {{\n{_MEGASCALE_SEND}\n}}\n"
   [c] = report.collectives(hlo)
   assert (c.kind, c.link, c.span, c.bytes) == ("all-reduce", "dcn", 2, 64 * 2**20)
-  chip = chips.lookup("TPU v5 lite")
+  chip = hardware.lookup("TPU v5 lite")
   devices = np.array(topology.devices("v5e:2x2", 2) if topology.available() else [_Dev(i, 0) for i in range(8)])
   times = stepmodel._collective_times(_costs([c]), _Mesh(devices.reshape(2, 4), ("data", "model")), chip)
   want = 2 * c.bytes * (2 - 1) / 2 / chip.dcn_bandwidth + links.DCN_LATENCY   # ring all-reduce, 2 slices
@@ -190,11 +190,11 @@ def test_a_cyclic_shift_split_into_sends_from_disjoint_slices_is_one_transfer():
 def test_a_dcn_transfer_with_matmuls_between_its_sends_and_dones_is_hidden():
   """Counted as overlapped only when the schedule puts matmul work between the send and its
   done and between the recv and its done; elementwise work alone, or none, leaves it exposed."""
-  from shardax.perf import chips, stepmodel
+  from shardax.perf import hardware, stepmodel
   send, recv = _shift("1", "{{100000->200000},{200000->100000}}", "collective-permute.5_0")
   dones = ["  %send-done.1 = token[] send-done(%send.1), is_host_transfer=true",
            "  %recv-done.1 = (bf16[4,2048,3072]{2,1,0}, token[]) recv-done(%recv.1), is_host_transfer=true"]
-  chip = chips.lookup("TPU v5")
+  chip = hardware.lookup("TPU v5")
   devices = np.array(topology.devices("v5p:2x2x1", 2) if topology.available() else [_Dev(i, 0) for i in range(8)])
   mesh = _Mesh(devices.reshape(2, 4), ("stage", "data"))
   for between, hidden in (([_DOT.format("dot.1")], True), ([_ADD.format("add.1")], False), ([], False),
@@ -208,7 +208,7 @@ def test_a_dcn_transfer_with_matmuls_between_its_sends_and_dones_is_hidden():
 
 def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
   """2 hosts x 8 GPUs (one process per GPU: a host is still the granule), one all-reduce of all 16."""
-  from shardax.perf import chips, links, stepmodel
+  from shardax.perf import hardware, links, stepmodel
   devices = np.array([_Dev(i, i) for i in range(16)])
   with pytest.MonkeyPatch.context() as mp:
     mp.setenv("SHARDAX_PROCESSES_PER_HOST", "8")
@@ -217,7 +217,7 @@ def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
     [c] = report.collectives(f"ENTRY %main.1 (g: f32[8192,1024]) -> f32[8192,1024] {{\n  {line}\n}}\n")
     r = links.route(devices, ("data",), links.first_group(c.replica_groups, 16))
     assert (r.size, r.ici_size, r.dcn_size) == (16, 8, 2)
-    chip = chips.lookup("NVIDIA H100 80GB HBM3")
+    chip = hardware.lookup("NVIDIA H100 80GB HBM3")
     times = stepmodel._collective_times(_costs([c]), _Mesh(devices, ("data",)), chip)
     ici = 2 * c.bytes * 7 / 8 / chip.ici_link_bandwidth + links.ICI_LATENCY   # NVLink inside each host
     dcn = 2 * c.bytes / 8 * 1 / 2 / chip.dcn_bandwidth + links.DCN_LATENCY    # 1/8 of it between hosts
@@ -230,13 +230,13 @@ def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
 def test_a_named_cluster_network_prices_the_inter_host_part_at_its_bandwidth():
   """The same 2 x 8 all-reduce on A3 High (4 x 200 Gbps NICs per 8 GPUs) and on an InfiniBand
   NDR cluster (400 Gb/s per GPU): NVLink time the same, network time 4x shorter."""
-  from shardax.perf import chips, links, stepmodel
+  from shardax.perf import hardware, links, stepmodel
   devices = np.array([_Dev(i, i // 8) for i in range(16)])
   line = "%ar = f32[8192,1024]{1,0} all-reduce(%g), replica_groups=[1,16]<=[16], to_apply=%add"
   [c] = report.collectives(f"ENTRY %main.1 (g: f32[8192,1024]) -> f32[8192,1024] {{\n  {line}\n}}\n")
   kind = "NVIDIA H100 80GB HBM3"
-  assert chips.lookup(kind, "a3-high").dcn_bandwidth == chips.lookup(kind).dcn_bandwidth == 12.5e9
-  a3, ib = (stepmodel._collective_times(_costs([c]), _Mesh(devices, ("data",)), chips.lookup(kind, net))["by_link"]
+  assert hardware.lookup(kind, "a3-high").dcn_bandwidth == hardware.lookup(kind).dcn_bandwidth == 12.5e9
+  a3, ib = (stepmodel._collective_times(_costs([c]), _Mesh(devices, ("data",)), hardware.lookup(kind, net))["by_link"]
             for net in ("a3-high", "infiniband-ndr"))
   assert a3["ici"] == pytest.approx(ib["ici"])
   latency = links.DCN_LATENCY
@@ -255,7 +255,7 @@ _WIDE = ["model.num_layers=2", "model.d_model=1024", "model.num_heads=8", "model
 def test_data_over_dcn_is_slower_than_one_slice_by_its_gradient_all_reduce():
   """Two v5e:2x2 slices (data over DCN) vs one v5e:2x4 slice, the same 8 chips, data parallel."""
   from shardax import configs
-  from shardax.perf import chips, dry_run
+  from shardax.perf import hardware, dry_run
   def run(*sets):
     cfg = configs.get("lm.tiny")
     configs.apply_overrides(cfg, _WIDE + list(sets))
@@ -265,7 +265,7 @@ def test_data_over_dcn_is_slower_than_one_slice_by_its_gradient_all_reduce():
   by_link = two["predicted"]["breakdown"]["collectives"]["by_link"]
   assert set(by_link) == {"ici", "dcn"} and "dcn" not in one["predicted"]["breakdown"]["collectives"]["by_link"]
   grads = one["collectives"]["all-reduce"]["bytes"]    # one slice, data parallel: the f32 gradients
-  bw = chips.lookup("TPU v5 lite").dcn_bandwidth
+  bw = hardware.lookup("TPU v5 lite").dcn_bandwidth
   # a hierarchical all-reduce moves 1/4 (the ICI part first) of the gradients over DCN, at least
   assert grads / 4 / bw <= by_link["dcn"] <= 2 * grads / bw
   extra = two["predicted"]["step_seconds"] - one["predicted"]["step_seconds"]

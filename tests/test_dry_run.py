@@ -11,7 +11,7 @@ import pytest
 
 from shardax import configs
 from shardax.sharding import topology
-from shardax.perf import chips
+from shardax.perf import hardware
 
 pytest.importorskip("libtpu")
 
@@ -108,7 +108,7 @@ def test_half_the_devices_take_longer_per_step(base):
 
 def test_a_slower_chip_takes_longer_and_mfu_is_model_flops_over_peak(base):
   pr, cost, mesh, exp = base
-  chip = chips.lookup("TPU v5 lite")
+  chip = hardware.lookup("TPU v5 lite")
   slow = dataclasses.replace(chip, peak_bf16_flops=chip.peak_bf16_flops / 2,
                              hbm_bandwidth=chip.hbm_bandwidth / 2, ici_link_bandwidth=chip.ici_link_bandwidth / 2)
   slow_links = dataclasses.replace(chip, ici_link_bandwidth=chip.ici_link_bandwidth / 4)
@@ -168,10 +168,10 @@ def test_topology_names_and_chip_table():
   assert topology.parse("v4:8x16x16") == ("v4", (8, 16, 16))
   with pytest.raises(topology.TopologyError, match="mesh.topology"):
     topology.parse("v9:2x2")
-  assert chips.lookup("TPU v4").peak_bf16_flops == 275e12
-  assert chips.lookup("TPU v5 lite").hbm_bytes == 16 * 2**30
-  assert chips.lookup("NVIDIA H100 80GB HBM3").name == "NVIDIA H100 80GB HBM3"
-  assert chips.lookup("cpu") is None
+  assert hardware.lookup("TPU v4").peak_bf16_flops == 275e12
+  assert hardware.lookup("TPU v5 lite").hbm_bytes == 16 * 2**30
+  assert hardware.lookup("NVIDIA H100 80GB HBM3").name == "NVIDIA H100 80GB HBM3"
+  assert hardware.lookup("cpu") is None
 
 
 def test_while_loops_without_a_known_trip_count_count_n_times():

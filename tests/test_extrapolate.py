@@ -120,14 +120,14 @@ def test_a_shallow_flash_dry_run_adds_the_full_depth_kernel_time():
   the extrapolated prediction (rebuilt from deepened costs) must too, at the full depth."""
   pytest.importorskip("libtpu")
   from shardax.sharding import make_mesh
-  from shardax.perf import chips, stepmodel
+  from shardax.perf import hardware, stepmodel
   small = [o for o in SMALL if not o.startswith(("data.seq_len", "model.max_len"))]
   exp = build("lm.tiny", *small, "data.seq_len=128", "model.max_len=128", "model.attention='flash'",
               "model.num_layers=12")
   out = ex.dry_run(exp, effort=-1.0)
   assert out["compile_path"] == "shallow"
   mesh = make_mesh(exp.mesh)
-  want = stepmodel.flash_kernel_seconds(exp, int(mesh.size), chips.lookup(mesh.devices.flat[0].device_kind))
+  want = stepmodel.flash_kernel_seconds(exp, int(mesh.size), hardware.lookup(mesh.devices.flat[0].device_kind))
   assert want > 0 and out["predicted"]["breakdown"]["flash_kernel_seconds"] == pytest.approx(want)
   # and its FLOPs run on the chip: counted in the hardware FLOPs (HFU, recompute factor)
   kernel_flops = stepmodel.flash_kernel_flops(exp, int(mesh.size))

@@ -34,7 +34,7 @@ SCRIPT = r"""
 import json, sys
 from shardax import configs
 from shardax.sharding import libtpu_flags
-from shardax.perf import chips, costs as costs_lib, dry_run, stepmodel
+from shardax.perf import hardware, costs as costs_lib, dry_run, stepmodel
 cfg = configs.get("lm.tiny")
 configs.apply_overrides(cfg, [
     "data.source='synthetic'", "model.num_layers=4", "model.d_model=512", "model.num_heads=4",
@@ -50,7 +50,7 @@ costs = costs_lib.of_compiled(dry_run.compile_step(setup))
 # (2 KB) left out: nothing to gain from them.
 g = [c for c in costs.collectives if c.kind == "all-gather" and c.executions > 1
      and c.group_size == 4 and c.bytes >= 1 << 16]
-pr = stepmodel.from_costs(costs, mesh, exp, chips.lookup(mesh.devices.flat[0].device_kind))
+pr = stepmodel.from_costs(costs, mesh, exp, hardware.lookup(mesh.devices.flat[0].device_kind))
 print(json.dumps({"gathers": [[c.is_async, c.compute_between] for c in g],
                   "exposed": pr.breakdown["collectives"]["exposed_seconds"]}))
 """

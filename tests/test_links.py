@@ -2,7 +2,7 @@
 
 import dataclasses
 
-from shardax.perf import chips, links
+from shardax.perf import hardware, links
 
 
 def test_an_all_to_all_over_a_2d_group_travels_the_sum_of_its_dims_hops():
@@ -10,7 +10,7 @@ def test_an_all_to_all_over_a_2d_group_travels_the_sum_of_its_dims_hops():
   64/4 = 16 around a ring of 64; the plane also has twice the links. It was priced as if
   the 64 sat on one ring (g/4 hops over the plane's links): 4x too slow, and moe.gshard_1t's
   2048 cores on v3's 32x32 torus 32x too slow (512 hops for 16)."""
-  v4 = chips.lookup("TPU v4")
+  v4 = hardware.lookup("TPU v4")
   plane = links.Route(64, 64, 1, dims=((8, True), (8, True)))
   ring = links.Route(64, 64, 1, dims=((64, True),))
   b = 64 * 2**20

@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.sharding import topology
-from shardax.perf import chips, costs, error_bar, mxu, stepmodel
+from shardax.perf import hardware, costs, error_bar, mxu, stepmodel
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
@@ -47,7 +47,7 @@ def test_the_step_model_prices_padded_dots_on_the_chip_whose_mxu_pads_them():
     data, train = None, type("T", (), {"global_batch": 1})
   mesh = jax.sharding.Mesh(np.array(topology.devices("v6e:2x2")[:1]), ("d",))
   for name, slower in (("TPU v6 lite", 2.0), ("TPU v5 lite", 1.0)):
-    chip = chips.lookup(name)
+    chip = hardware.lookup(name)
     padded = stepmodel.from_costs(c, mesh, Exp, chip, use).breakdown["compute_seconds"]
     plain = stepmodel.from_costs(c, mesh, Exp, chip, None).breakdown["compute_seconds"]
     assert padded == pytest.approx(slower * plain), name
@@ -62,13 +62,13 @@ def _summary(tmp_path, rows):
 def test_the_error_bar_is_the_chips_own_calibration_or_says_there_is_none(tmp_path):
   path = _summary(tmp_path, {"a": ("TPU v5", 1.1), "b": ("TPU v5", 0.8), "c": ("TPU v5", 1.0),
                              "d": ("TPU v4", 1.02), "e": ("NVIDIA H100 80GB HBM3", 1.3)})
-  own = error_bar.for_chip(chips.lookup("TPU v5"), path)
+  own = error_bar.for_chip(hardware.lookup("TPU v5"), path)
   assert (own["rows"], own["median"], own["worst"]) == (3, pytest.approx(1.1), pytest.approx(1.25))
-  v5e = error_bar.for_chip(chips.lookup("TPU v5 lite"), path)
+  v5e = error_bar.for_chip(hardware.lookup("TPU v5 lite"), path)
   # v5e's FLOP/byte (197e12 / 819e9 = 241) is nearest v4's (275e12 / 1.2e12 = 229), not the H100's
   assert v5e["rows"] == 0 and v5e["nearest"] == "TPU v4"
   assert "v5e: no calibrated runs; expect larger error" in v5e["line"]
-  assert "no summary" in error_bar.for_chip(chips.lookup("TPU v4"), str(tmp_path / "none.json"))["line"]
+  assert "no summary" in error_bar.for_chip(hardware.lookup("TPU v4"), str(tmp_path / "none.json"))["line"]
 
 
 def test_the_dry_runs_printed_prediction_carries_the_error_bar(tmp_path, monkeypatch):

@@ -15,7 +15,7 @@ import pytest
 from flax import nnx
 
 from shardax import configs
-from shardax.perf import chips, plan, stepmodel
+from shardax.perf import hardware, plan, stepmodel
 
 
 def _build(*sets):
@@ -103,8 +103,8 @@ def test_offload_proj_puts_the_named_tensors_in_host_memory():
 
 
 def test_host_transfers_are_priced_at_the_host_link_and_hide_under_enough_compute():
-  chip = chips.lookup("TPU v6e")
-  assert chip.host_bandwidth == 1.5e10 and chips.lookup("NVIDIA H100 80GB HBM3").host_bandwidth > 0
+  chip = hardware.lookup("TPU v6e")
+  assert chip.host_bandwidth == 1.5e10 and hardware.lookup("NVIDIA H100 80GB HBM3").host_bandwidth > 0
   gib = 2**30
   hidden = stepmodel.offload_seconds(gib, compute_seconds=1.0, chip=chip)
   assert hidden["seconds"] == pytest.approx(2 * gib / 1.5e10) and hidden["hidden"] and hidden["exposed_seconds"] == 0

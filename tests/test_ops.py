@@ -3,7 +3,7 @@
 
 import pytest
 
-from shardax.perf import chips, costs, ops
+from shardax.perf import hardware, costs, ops
 
 # A GPU program as XLA prints it after compiling (operands named, not shaped): a cuBLAS
 # GEMM [1024, 4096] x [4096, 2048] and cuDNN flash attention forward and backward on
@@ -41,10 +41,10 @@ def test_library_calls_get_their_flops_from_their_operands():
 
 
 def test_each_op_is_priced_at_its_kinds_efficiency():
-  h100 = chips.lookup("NVIDIA H100 80GB HBM3")
+  h100 = hardware.lookup("NVIDIA H100 80GB HBM3")
   assert ops.seconds("gemm", "bf16", GEMM, h100) == pytest.approx(GEMM / (989e12 * 0.73))
   assert ops.seconds("attention", "bf16", ATTN_FWD, h100) == pytest.approx(ATTN_FWD / (989e12 * 0.28))
-  v5e = chips.lookup("TPU v5 lite")
+  v5e = hardware.lookup("TPU v5 lite")
   assert ops.seconds("xla", "bf16", GEMM, v5e) == pytest.approx(GEMM / (197e12 * 0.8))
 
 
@@ -61,7 +61,7 @@ def test_a_gpu_step_is_priced_with_its_library_calls():
   class Mesh:
     size, devices, axis_names = 1, None, ()
 
-  h100 = chips.lookup("NVIDIA H100 80GB HBM3")
+  h100 = hardware.lookup("NVIDIA H100 80GB HBM3")
   p = stepmodel.from_costs(costs.of_hlo_text(GPU_HLO), Mesh, Exp, h100)
   want = GEMM / (989e12 * 0.73) + 3.5 * ATTN_FWD / (989e12 * 0.28)
   assert p.breakdown["compute_seconds"] == pytest.approx(want, rel=0.01)
@@ -74,7 +74,7 @@ def test_a_kernel_the_cost_analysis_misses_is_priced_like_the_cudnn_calls_above(
   from types import SimpleNamespace as NS
 
   from shardax.perf import stepmodel
-  h100 = chips.lookup("NVIDIA H100 80GB HBM3")
+  h100 = hardware.lookup("NVIDIA H100 80GB HBM3")
   exp = NS(model=NS(num_layers=1, num_heads=8, dim_per_head=128, remat="none"), data=NS(seq_len=1024),
            train=NS(global_batch=2))
   calls = sum(ops.seconds(*op, h100) for op in costs.of_hlo_text(GPU_HLO).pieces[0].ops if op[0] == "attention")
@@ -101,8 +101,8 @@ def test_a_program_priced_as_another_chip_says_so_first():
     data, train = None, type("T", (), {"global_batch": 1})
 
   c = costs.of_hlo_text(GPU_HLO)
-  p = stepmodel.from_costs(c, Mesh, Exp, chips.lookup("NVIDIA H100 80GB HBM3"))
+  p = stepmodel.from_costs(c, Mesh, Exp, hardware.lookup("NVIDIA H100 80GB HBM3"))
   assert p.stand_in_for == "TPU v5"
   assert stepmodel.format_prediction(p)[0].startswith("STAND-IN: this program was compiled for TPU v5")
-  same = stepmodel.from_costs(c, Mesh, Exp, chips.lookup("TPU v5"))
+  same = stepmodel.from_costs(c, Mesh, Exp, hardware.lookup("TPU v5"))
   assert same.stand_in_for == "" and not stepmodel.format_prediction(same)[0].startswith("STAND-IN")

@@ -100,8 +100,8 @@ def test_an_installed_wheel_prints_the_calibration_error_bar(wheel, tmp_path):
                   str(target), str(wheel)], check=True, timeout=300)
   code = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path "
           "if not getattr(f, '__module__', '').startswith('__editable__')]\n"
-          "from shardax.perf import chips, error_bar\n"
-          "print(error_bar.ERRORS); print(error_bar.for_chip(chips.lookup('TPU v4'))['line'])")
+          "from shardax.perf import hardware, error_bar\n"
+          "print(error_bar.ERRORS); print(error_bar.for_chip(hardware.lookup('TPU v4'))['line'])")
   env = dict(os.environ, PYTHONPATH=str(target), JAX_PLATFORMS="cpu")
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
                        timeout=300)

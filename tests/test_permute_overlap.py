@@ -42,7 +42,7 @@ def test_step_model_prices_mirrored_pairs_once_and_bare_permutes_as_exposed():
   pytest.importorskip("libtpu")
   from jax.sharding import Mesh
   from shardax.sharding import topology
-  from shardax.perf import chips, stepmodel
+  from shardax.perf import hardware, stepmodel
   cs = tuple(report.collectives(BODY))
   piece = costs_lib.Piece("body", 1, 0.0, 0.0, 0.0)
   costs = costs_lib.Costs(0.0, 0.0, 0.0, cs, (), 0.0, (piece,), {"body": "body"})
@@ -50,7 +50,7 @@ def test_step_model_prices_mirrored_pairs_once_and_bare_permutes_as_exposed():
   def times_on(name):
     devices = sorted(topology.devices(name), key=lambda d: tuple(d.coords)[::-1])[:4]  # along x
     mesh = Mesh(np.array(devices).reshape(4), ("model",))
-    return stepmodel._collective_times(costs, mesh, chips.lookup(devices[0].device_kind))
+    return stepmodel._collective_times(costs, mesh, hardware.lookup(devices[0].device_kind))
 
   line = times_on("v5e:4x4")  # a row of 4 chips: v5e rows wrap from 16
   times = times_on("v4:4x4x4")

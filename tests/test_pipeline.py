@@ -373,7 +373,7 @@ def test_delayed_shift_runs_beside_the_stage_body_in_the_tpu_program():
   saw too little compute to move the done past the loop: the size matters.)"""
   pytest.importorskip("libtpu")
   import dataclasses
-  from shardax.perf import chips, dry_run, stepmodel
+  from shardax.perf import hardware, dry_run, stepmodel
   cfg = configs.get("lm.tiny")
   configs.apply_overrides(cfg, [
       "data.source='synthetic'", "model.num_layers=4", "model.d_model=256", "model.num_heads=4",
@@ -390,7 +390,7 @@ def test_delayed_shift_runs_beside_the_stage_body_in_the_tpu_program():
   spanning = [c for c in shifts if c.loops_between]
   assert spanning, [(c.computation, c.compute_between, c.loops_between) for c in shifts]
   assert all(c.is_async and c.compute_between > 0 for c in spanning)
-  chip = chips.lookup(mesh.devices.flat[0].device_kind)
+  chip = hardware.lookup(mesh.devices.flat[0].device_kind)
   exposed = lambda cs: stepmodel.from_costs(cs, mesh, exp, chip).breakdown["collectives"]["exposed_seconds"]
   bare = tuple(dataclasses.replace(c, loops_between=(), compute_between=0) if c in spanning else c
                for c in costs.collectives)

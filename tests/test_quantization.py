@@ -195,7 +195,7 @@ def test_eight_bit_dots_are_priced_at_their_own_peak():
   """The same matmul's gradient, int8 vs bf16: XLA counts the same FLOPs; the step model
   moves the int8 dots' FLOPs to the chip's int8 peak (v6e: 1836 vs 918 T), so their time
   halves, and on a chip without int8 units (v3) nothing changes."""
-  from shardax.perf import chips, costs, ops
+  from shardax.perf import hardware, costs, ops
   x = jax.ShapeDtypeStruct((8, 128, 256), jax.numpy.bfloat16)
   w = jax.ShapeDtypeStruct((256, 512), jax.numpy.bfloat16)
   dn = (((2,), (0,)), ((), ()))
@@ -214,7 +214,7 @@ def test_eight_bit_dots_are_priced_at_their_own_peak():
   def compute(c, chip):
     return sum(p.executions * (ops.seconds("xla", "bf16", p.flops, chip) +
                                sum(ops.seconds(*op, chip) for op in p.ops)) for p in c.pieces)
-  v6e, v3 = chips.CHIPS["TPU v6 lite"], chips.CHIPS["TPU v3"]
+  v6e, v3 = hardware.CHIPS["TPU v6 lite"], hardware.CHIPS["TPU v3"]
   dot_time = 3 * matmul / (v6e.peak_bf16_flops * ops.efficiency(v6e, "xla"))
   assert compute(base, v6e) - compute(q, v6e) == pytest.approx(dot_time / 2, rel=0.1)
   assert compute(q, v3) == pytest.approx(compute(base, v3), rel=0.1)

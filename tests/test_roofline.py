@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from shardax import configs
-from shardax.perf import chips, costs, dry_run, stepmodel
+from shardax.perf import hardware, costs, dry_run, stepmodel
 
-V5E = chips.lookup("TPU v5 lite")
+V5E = hardware.lookup("TPU v5 lite")
 
 # A step program as the costs read it: `trips` iterations of one [n, n] x [n, n] matmul.
 PROGRAM = """HloModule m

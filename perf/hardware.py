@@ -40,7 +40,7 @@ their two cores as one "megacore" device, so per device = per chip.
                    array to pad to). 0 where no page read gives the figure (see `sources`).
   ici_links_per_chip  TPU ICI ports of a chip (4 on the 2D tori, 6 on the 3D tori); GPUs 0.
   sources          field -> where its number comes from (a URL, a paper, or a derivation);
-                   tests/test_chips.py checks every row names one for every field.
+                   tests/test_hardware.py checks every row names one for every field.
 Vector-unit throughput is not a field: the step model prices elementwise work at the matmul
 rate and its memory traffic at the HBM rate (stepmodel.py, assumption 1), so no row needs it.
 
@@ -112,7 +112,7 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
     # v5e: 197 TFLOPs (int8 393 TOPs), 16 GB, 819 GBps, bidirectional ICI 400 GBps (datasheet, 2026-11-23).
     Chip("TPU v5 lite", 197e12, 16 * GiB, 819 * GB, 400 * GB, _TPU + "v5e"),
     # v5p: 459 TFLOPs, 2765 GBps, bidirectional ICI 1200 GBps. Its page says 95 GiB of HBM, but
-    # libtpu's compiler lets one device use 95.74 GiB (tests/test_chips.py): the part holds 96 GiB.
+    # libtpu's compiler lets one device use 95.74 GiB (tests/test_hardware.py): the part holds 96 GiB.
     Chip("TPU v5", 459e12, 96 * GiB, 2765 * GB, 1200 * GB, _TPU + "v5p"),
     # v6e (Trillium): 918 TFLOPs (int8 1836 TOPs), 32 GB, 1638 GBps, bidirectional ICI 800 GBps
     # (datasheet, 2026-11-23).
@@ -202,7 +202,7 @@ CHIPS = {name: dataclasses.replace(c, peak_int8_flops=_EIGHT_BIT.get(name, (0.0,
 
 # The matrix hardware of each chip: (cores per chip, MXUs per core, MXU side, clock Hz, ICI ports
 # per chip), with where each came from. A clock is given only where a source states it; where it
-# does, tests/test_chips.py checks 2 x cores x MXUs x side^2 x clock against the peak above.
+# does, tests/test_hardware.py checks 2 x cores x MXUs x side^2 x clock against the peak above.
 _V3_PAPER = ("Jouppi et al., 'A Domain-Specific Supercomputer for Training Deep Neural Networks', "
              "CACM 63(7), 2020, https://doi.org/10.1145/3360307 (TPU v3: 2 TensorCores of 2 MXUs, 940 MHz)")
 _V4_PAPER = ("Jouppi et al., 'TPU v4: An Optically Reconfigurable Supercomputer for Machine Learning', "
@@ -258,7 +258,7 @@ def _sources(chip: Chip, physics: dict) -> dict:
           "torus_dims": links if tpu else "n/a: NVSwitch (0)", "wraparound_from": links if tpu else "n/a (0)",
           "dcn_bandwidth": links if tpu else "https://cloud.google.com/compute/docs/gpus (A3 High: 4 x 200 Gbps "
                                              "NICs per 8 GPUs; NETWORKS for others)",
-          "devices_per_chip": "libtpu's topology description (tests/test_chips.py)" if tpu else "one GPU, one device",
+          "devices_per_chip": "libtpu's topology description (tests/test_hardware.py)" if tpu else "one GPU, one device",
           "host_bandwidth": _SCALING_BOOK if tpu else chip.source + " (PCIe generation x16, one way)",
           "peak_int8_flops": chip.source if chip.peak_int8_flops else "no int8 units listed: priced at bf16 (0)",
           "peak_fp8_flops": chip.source if chip.peak_fp8_flops else "no fp8 units listed: priced at bf16 (0)",

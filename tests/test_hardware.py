@@ -1,4 +1,4 @@
-"""The chip table against what libtpu itself knows of each TPU generation (perf/chips.py).
+"""The chip table against what libtpu itself knows of each TPU generation (perf/hardware.py).
 
 The table's figures are read off datasheets; libtpu's topology descriptions are a second,
 independent source for two of them: how many jax devices a chip is (TPU v3 and TPU7x: two
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from shardax.sharding import topology
-from shardax.perf import chips, dry_run
+from shardax.perf import hardware, dry_run
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
@@ -24,7 +24,7 @@ SLICES = {"v3": "v3:2x2", "v4": "v4:2x2x1", "v5e": "v5e:2x2", "v5p": "v5p:2x2x1"
 @pytest.mark.parametrize("gen", sorted(SLICES))
 def test_each_tpu_rows_devices_per_chip_and_hbm_agree_with_libtpu(gen):
   devices = topology.devices(SLICES[gen])
-  chip = chips.lookup(devices[0].device_kind)
+  chip = hardware.lookup(devices[0].device_kind)
   assert chip is not None, f"{devices[0].device_kind!r} has no row in the chip table"
   per_chip = len(devices) // topology.num_chips(SLICES[gen])
   assert chip.devices_per_chip == per_chip
@@ -36,17 +36,17 @@ def test_each_tpu_rows_devices_per_chip_and_hbm_agree_with_libtpu(gen):
 
 
 def test_tpu7x_is_priced_per_device_at_half_its_chip():
-  c = chips.lookup("TPU7x")
+  c = hardware.lookup("TPU7x")
   assert (c.peak_bf16_flops, c.peak_fp8_flops, c.hbm_bytes) == (2307e12 / 2, 4614e12 / 2, 96 * 2**30)
   assert (c.torus_dims, c.devices_per_chip) == (3, 2)
 
 
 def test_every_chip_row_sources_every_field():
   """One table: each row gives each figure with where it comes from; a figure left at 0 says why."""
-  for c in chips.CHIPS.values():
-    missing = [f for f in chips.SOURCED_FIELDS if not c.sources.get(f)]
+  for c in hardware.CHIPS.values():
+    missing = [f for f in hardware.SOURCED_FIELDS if not c.sources.get(f)]
     assert not missing, f"{c.name}: no source for {missing}"
-    unexplained = [f for f in chips.SOURCED_FIELDS if not getattr(c, f)
+    unexplained = [f for f in hardware.SOURCED_FIELDS if not getattr(c, f)
                    and not c.sources[f].startswith(("n/a", "not published", "no "))]
     assert not unexplained, f"{c.name}: {unexplained} are 0 without saying why"
 
@@ -55,7 +55,7 @@ def test_tpu_peaks_agree_with_their_mxu_geometry_where_a_clock_is_published():
   """2 FLOPs x multiply-adds per cycle (cores x MXUs x side^2) x clock is the datasheet peak per
   chip: a row with the wrong MXU count, side or per-device split fails here."""
   checked = 0
-  for c in chips.CHIPS.values():
+  for c in hardware.CHIPS.values():
     if c.torus_dims and c.clock_hz:
       peak = 2 * c.cores_per_chip * c.mxus_per_core * c.mxu_dim ** 2 * c.clock_hz
       assert peak == pytest.approx(c.peak_bf16_flops * c.devices_per_chip, rel=0.01), c.name
@@ -64,5 +64,5 @@ def test_tpu_peaks_agree_with_their_mxu_geometry_where_a_clock_is_published():
 
 
 def test_v6e_has_256_wide_mxus_and_the_earlier_tpus_128():
-  assert chips.lookup("TPU v6 lite").mxu_dim == 256
-  assert {chips.lookup(k).mxu_dim for k in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v5")} == {128}
+  assert hardware.lookup("TPU v6 lite").mxu_dim == 256
+  assert {hardware.lookup(k).mxu_dim for k in ("TPU v3", "TPU v4", "TPU v5 lite", "TPU v5")} == {128}
