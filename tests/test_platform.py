@@ -90,3 +90,15 @@ def test_first_log_line_names_platform_and_devices_and_libtpu_stays_silent(tmp_p
   assert logged and expected in logged[0], logged[:3]
   chatter = [l for l in logged if any(s in l for s in LIBTPU_CHATTER)]
   assert not chatter, chatter
+
+
+def test_importing_shardax_as_a_library_keeps_jax_off_an_absent_tpu(tmp_path):
+  """A notebook or script that imports shardax and then uses jax (no CLI, JAX_PLATFORMS
+  unset): with libtpu installed and no TPU, the first jax call must not start libtpu."""
+  code = "import shardax, jax; print(jax.default_backend(), len(jax.devices()))"
+  out = cli.subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env=user_environment(), timeout=120, cwd=tmp_path)
+  assert out.returncode == 0, out.stderr[-3000:]
+  chatter = [l for l in out.stderr.splitlines() if any(s in l for s in LIBTPU_CHATTER)]
+  assert not chatter, chatter
+  assert out.stdout.split()[0] in ("cpu", "gpu", "tpu"), out.stdout

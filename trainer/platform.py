@@ -10,11 +10,10 @@ to the CPU. Everything else is left to jax, and an explicit `JAX_PLATFORMS` alwa
 `probe` gathers those facts from this machine (files and installed packages only:
 it must not start jax, which would fix the backend before we decide).
 
-`apply` must run before jax starts a backend, not necessarily before jax is imported:
-importing shardax imports jax (the package registers its experiments), and jax reads
-JAX_PLATFORMS into its config when it is imported, so `apply` also sets that config
-when jax is already loaded. Without it, jax would start libtpu on a machine with no
-TPU and libtpu would print its errors before the run's first line.
+`apply` must run before jax starts a backend: importing shardax calls it before anything
+imports jax, so library users get the same decision as the command line. It also sets
+jax's config when jax is already loaded (a caller that imported jax first), so jax never
+starts libtpu on a machine with no TPU, which would print its errors before a run's first line.
 """
 
 from __future__ import annotations
@@ -75,16 +74,24 @@ def probe(environ=os.environ) -> Machine:
                  jax_platforms=environ.get("JAX_PLATFORMS") or None)
 
 
+_APPLIED: list[Choice] = []   # this process's decision (importing shardax makes it; main.py reads it)
+
+
 def apply(environ=os.environ) -> Choice:
   """Decide for this machine and set JAX_PLATFORMS when needed (in `environ`, for this process
   and its children, and in jax's config when jax is already imported and `environ` is this
-  process's); call before jax starts a backend."""
+  process's); call before jax starts a backend. For this process the first decision stands:
+  a later call returns it (its JAX_PLATFORMS is ours, not the user's)."""
+  if environ is os.environ and _APPLIED:
+    return _APPLIED[0]
   choice = choose(probe(environ))
   if choice.jax_platforms:
     environ["JAX_PLATFORMS"] = choice.jax_platforms
     jax = sys.modules.get("jax")
     if jax is not None and environ is os.environ:
       jax.config.update("jax_platforms", choice.jax_platforms)
+  if environ is os.environ:
+    _APPLIED.append(choice)
   return choice
 
 
