@@ -38,7 +38,7 @@ import functools
 import numpy as np
 
 from shardax.sharding import mesh as mesh_lib
-from shardax.sharding import replica_groups
+from shardax.perf.hlo import groups as replica_groups
 from shardax.perf.hardware import Chip
 
 ICI_LATENCY, DCN_LATENCY = 5e-6, 50e-6
@@ -57,7 +57,7 @@ class Route:
 
 def first_group(attr: str, num: int) -> list[int]:
   """Partition ids of the first replica group (or the first moving source-target pair) of a
-  collective's attribute (sharding/replica_groups.py reads every form)."""
+  collective's attribute (perf/hlo/groups.py reads every form)."""
   if attr.startswith("source_target_pairs="):
     return replica_groups.moving_pair(attr)
   return replica_groups.groups(attr, num)[0]

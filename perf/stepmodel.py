@@ -77,7 +77,7 @@ import dataclasses
 from typing import Any
 
 from shardax.pipeline import schedule
-from shardax.sharding import replica_groups
+from shardax.perf.hlo import groups as replica_groups
 from shardax.perf import hardware
 from shardax.perf import costs as costs_lib
 from shardax.perf import error_bar

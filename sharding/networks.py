@@ -18,7 +18,7 @@ from __future__ import annotations
 import re
 from typing import Iterable
 
-from shardax.sharding import replica_groups
+from shardax.perf.hlo import groups as replica_groups
 
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\b(all-reduce|all-gather|reduce-scatter|"
                     r"all-to-all|collective-permute)(?:-start)?\(")

@@ -20,7 +20,7 @@ import jax
 import numpy as np
 
 from shardax.sharding import hlo_text as hlo_text_lib
-from shardax.sharding import replica_groups
+from shardax.perf.hlo import groups as replica_groups
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 

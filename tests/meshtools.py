@@ -4,7 +4,8 @@ import jax
 import numpy as np
 
 from shardax import configs
-from shardax.sharding import make_mesh, replica_groups, use_rules
+from shardax.perf.hlo import groups as replica_groups
+from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
 

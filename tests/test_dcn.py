@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from shardax.sharding import MeshConfig, make_mesh, mesh as mesh_lib, networks, replica_groups, report, topology
+from shardax.perf.hlo import groups as replica_groups
+from shardax.sharding import MeshConfig, make_mesh, mesh as mesh_lib, networks, report, topology
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 

@@ -20,7 +20,8 @@ from flax import nnx
 
 from shardax import configs, pipeline
 from shardax.configs.schema import ConfigError
-from shardax.sharding import replica_groups, report, use_rules
+from shardax.perf.hlo import groups as replica_groups
+from shardax.sharding import report, use_rules
 from shardax.trainer import loop
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib

@@ -11,7 +11,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.sharding import MeshConfig, make_mesh, report, topology
-from shardax.sharding import replica_groups as rg
+from shardax.perf.hlo import groups as rg
 from shardax.perf import links
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")

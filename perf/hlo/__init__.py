@@ -1,0 +1,14 @@
+"""The one reader of compiled programs (`compiled.as_text()`): parse once, query the records.
+
+`parse(text)` cuts a module into its computations and each instruction into a record
+(name, opcode, result arrays, operands, called computations, attributes as written);
+`groups` reads replica groups in every form the compilers print; `dtypes` is the one
+table of element sizes. Collectives, loops, costs, MXU fill, buffers and the sharding
+report are queries over these records. A leaf: it imports nothing else of shardax, so
+`sharding/` may import it.
+"""
+
+from shardax.perf.hlo.dtypes import BYTES, nbytes
+from shardax.perf.hlo.module import Array, Computation, Instruction, Module, parse
+
+__all__ = ["Array", "BYTES", "Computation", "Instruction", "Module", "nbytes", "parse"]
