@@ -22,6 +22,8 @@ import numpy as np
 from absl import logging
 from jax.sharding import AxisType, Mesh
 
+from shardax.perf.hardware import NETWORKS
+
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
@@ -55,7 +57,6 @@ class MeshConfig:
       raise ValueError(f"mesh.dcn={dcn} needs one entry per axis in mesh.axes={self.axes}")
     if len(set(self.axes)) != len(self.axes):
       raise ValueError(f"mesh.axes={self.axes} repeats a name")
-    from shardax.perf.hardware import NETWORKS   # figures only; nothing imported back
     if self.network is not None and self.network not in NETWORKS:
       raise ValueError(f"mesh.network={self.network!r} is not a network the step-time model knows; "
                        f"use one of {sorted(NETWORKS)} or leave it unset (None) for the chip's default")

@@ -6,6 +6,10 @@ TensorCores, each its own device), and how much HBM the compiler lets one device
 little under the datasheet's capacity). A wrong row (per chip where per device is meant, GB
 for GiB, a wrong generation) fails here."""
 
+import ast
+import dataclasses
+import pathlib
+
 import jax
 import numpy as np
 import pytest
@@ -49,6 +53,26 @@ def test_every_chip_row_sources_every_field():
     unexplained = [f for f in hardware.SOURCED_FIELDS if not getattr(c, f)
                    and not c.sources[f].startswith(("n/a", "not published", "no "))]
     assert not unexplained, f"{c.name}: {unexplained} are 0 without saying why"
+
+
+def test_a_row_without_a_source_for_a_field_or_with_an_unknown_one_is_refused_naming_it():
+  """The table refuses to build with a figure whose origin is not given, or a source for a field
+  that does not exist (a typo in a row would otherwise leave the real field unsourced)."""
+  v4 = hardware.CHIPS["TPU v4"]
+  fields = {f.name: getattr(v4, f.name) for f in dataclasses.fields(v4)}
+  with pytest.raises(ValueError, match=r"'TPU v4'.*\['clock_hz'\]"):
+    hardware.Chip(**fields | {"sources": {k: s for k, s in v4.sources.items() if k != "clock_hz"}})
+  with pytest.raises(ValueError, match=r"unknown fields \['clock_mhz'\]"):
+    hardware.Chip(**fields | {"sources": v4.sources | {"clock_mhz": "a typo"}})
+
+
+def test_the_chip_table_is_a_leaf_that_sharding_may_import():
+  """perf/hardware.py imports nothing from shardax, so sharding/mesh.py can import NETWORKS at its
+  top without an arrow running back up (perf/ imports sharding/)."""
+  tree = ast.parse(pathlib.Path(hardware.__file__).read_text())
+  imported = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+  imported += ["." * n.level + (n.module or "") for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+  assert not [m for m in imported if m.startswith((".", "shardax"))], imported
 
 
 def test_tpu_peaks_agree_with_their_mxu_geometry_where_a_clock_is_published():
