@@ -45,6 +45,7 @@ import math
 import re
 
 from shardax.perf.hardware import MATMUL_EFFICIENCY, Chip
+from shardax.perf import hlo
 
 EFFICIENCY = {
     ("tpu", "xla"): MATMUL_EFFICIENCY["tpu"], ("tpu", "gemm"): MATMUL_EFFICIENCY["tpu"],
@@ -52,9 +53,6 @@ EFFICIENCY = {
     ("gpu", "xla"): MATMUL_EFFICIENCY["gpu"], ("gpu", "gemm"): MATMUL_EFFICIENCY["gpu"],
     ("gpu", "attention"): 0.28,
 }
-_BYTES = {"f64": 8, "f32": 4, "bf16": 2, "f16": 2, "s8": 1, "u8": 1, "f8e4m3fnuz": 1, "f8e5m2fnuz": 1,
-          "f8e4m3b11fnuz": 1, "f8e4m3fn": 1, "f8e5m2": 1, "f8e4m3": 1}
-_SHAPE = re.compile(r"\b(" + "|".join(_BYTES) + r"|pred|s32|u32|s64)\[([\d,]*)\]")
 _GEMM = re.compile(r'custom_call_target="__cublas\$(?:gemm|lt\$matmul[\w$]*)"')
 _FMHA = re.compile(r'custom_call_target="__cudnn\$fmha(\w*)"')
 _CONFIG = re.compile(r"backend_config=(\{.*\})\s*$")
@@ -87,7 +85,8 @@ def seconds(kind: str, dtype: str, flops: float, chip: Chip) -> float:
 
 
 def _shapes(text: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(t, tuple(int(d) for d in dims.split(",") if d)) for t, dims in _SHAPE.findall(text)]
+  """(dtype, dims) of every array written in `text` (any XLA element type: perf/hlo/dtypes.py)."""
+  return [(a.dtype, a.dims) for a in hlo.arrays(text)]
 
 
 def _dims(config: dict, key: str, name: str) -> list[int]:

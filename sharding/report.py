@@ -20,14 +20,11 @@ import jax
 import numpy as np
 
 from shardax.sharding import hlo_text as hlo_text_lib
+from shardax.perf import hlo
 from shardax.perf.hlo import groups as replica_groups
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_DTYPE_BYTES = {"pred": 1, "s4": 1, "u4": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1,
-                "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4, "f32": 4,
-                "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16}
-_SHAPE = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
 _OPERAND = re.compile(r"%([\w.\-]+)")
 _MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
@@ -54,10 +51,8 @@ _MATMUL = re.compile(r"\s(?:convolution|dot)\(|kind=kOutput|tpu_custom_call")
 
 
 def _bytes(text: str) -> int:
-  total = 0
-  for dtype, dims in _SHAPE.findall(text):
-    total += _DTYPE_BYTES[dtype] * math.prod(int(d) for d in dims.split(",") if d)
-  return total
+  """Bytes of every array written in `text` (perf/hlo/dtypes.py: every XLA element type)."""
+  return sum(a.nbytes for a in hlo.arrays(text))
 
 
 def _operands(rest: str) -> str:

@@ -132,3 +132,13 @@ def test_an_f8_all_gather_on_tpu(dtype):
   [ag] = _by_opcode(m, "all-gather")
   assert ag.results == (hlo.Array(dtype.replace("float8_", "f8"), (1024, 128)),)
   assert ag.result_bytes == 1024 * 128
+
+
+@needs_libtpu
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e4m3"])
+def test_the_report_counts_the_bytes_of_an_f8_collective(dtype):
+  """The report's collective bytes use the one dtype table: these three f8 types counted 0."""
+  from shardax.sharding import report
+  [c] = report.collectives(f8_all_gather(getattr(jnp, dtype)))
+  assert (c.kind, c.bytes, c.group_size) == ("all-gather", 1024 * 128, 8)
+  assert report.collective_summary(f8_all_gather(getattr(jnp, dtype)))["all-gather"]["bytes"] == 1024 * 128

@@ -9,6 +9,6 @@ report are queries over these records. A leaf: it imports nothing else of sharda
 """
 
 from shardax.perf.hlo.dtypes import BYTES, nbytes
-from shardax.perf.hlo.module import Array, Computation, Instruction, Module, parse
+from shardax.perf.hlo.module import Array, arrays, Computation, Instruction, Module, parse
 
-__all__ = ["Array", "BYTES", "Computation", "Instruction", "Module", "nbytes", "parse"]
+__all__ = ["Array", "arrays", "BYTES", "Computation", "Instruction", "Module", "nbytes", "parse"]
