@@ -25,24 +25,15 @@ from shardax.perf.hlo import groups as replica_groups
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*?)\s([a-z][\w\-]*)\((.*)$")
-_OPERAND = re.compile(r"%([\w.\-]+)")
 _MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
 _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
 _MEGASCALE_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{[^=]*?\}\})')
 _MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
-_PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_CALLEE = re.compile(r"(body|condition|to_apply|calls|true_computation|false_computation)=%([\w.\-]+)")
-_BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
 # A jax scan's loop condition is `i < N` with i counting from 0: N is the trip count.
 # The CPU compiler also writes it as known_trip_count; the TPU compiler does not.
-_S32_CONST = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* constant\((\d+)\)")
-_GTE = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* get-tuple-element\(%?[\w.\-]+\), index=(\d+)")
-_ADD = re.compile(r"^\s*%?[\w.\-]+ = [su](?:32|64)\[\]\S* add\(%?([\w.\-]+), %?([\w.\-]+)\)")
-_ALIAS = re.compile(r"^\s*%?([\w.\-]+) = [su](?:32|64)\[\]\S* (?:copy|bitcast)\(%?([\w.\-]+)\)")
-_LT_ROOT = re.compile(r"^\s*ROOT %?[\w.\-]+ = pred\[\]\S* compare\(%?[\w.\-]+, %?([\w.\-]+)\), direction=LT")
+_COUNTERS = ("s32", "u32", "s64", "u64")
 
 
 # Matmul work an async all-to-all can run under (the TPU compiler's dots are convolutions
@@ -55,15 +46,9 @@ def _bytes(text: str) -> int:
   return sum(a.nbytes for a in hlo.arrays(text))
 
 
-def _operands(rest: str) -> str:
-  """The operand list of an instruction: text up to the parenthesis that closes the call."""
-  depth = 1
-  for i, ch in enumerate(rest):
-    depth += ch == "("
-    depth -= ch == ")"
-    if depth == 0:
-      return rest[:i]
-  return rest
+def _rest(inst: hlo.Instruction) -> str:
+  """An instruction's text after `opcode(`: its operands and attributes, as written."""
+  return inst.line.split(f" {inst.opcode}(", 1)[-1]
 
 
 def _executions(calls: dict[str, list[tuple[str, int]]], entry: str) -> dict[str, int]:
@@ -102,7 +87,7 @@ class Collective:
   concurrent_with: tuple[str, ...] = ()  # other async ops in flight at the same time (their names)
 
 
-def trip_counts(hlo_text: str) -> dict[str, int]:
+def trip_counts(hlo_text: str | hlo.Module) -> dict[str, int]:
   """Loop body -> how many times it runs per execution of its `while`.
 
   The compiler's known_trip_count when it wrote one; else read from the loop itself: the
@@ -110,35 +95,45 @@ def trip_counts(hlo_text: str) -> dict[str, int]:
   time (1 for a jax scan; 2 for the TPU compiler's bidirectional windowed einsum loops),
   so the trip count is ceil(N / c) from i = 0.
   """
-  blocks, trips = hlo_text_lib.split(hlo_text).blocks, {}
-  for line in hlo_text.splitlines():
-    if " while(" not in line or not (body := re.search(r"body=%?([\w.\-]+)", line)):
+  mod = hlo.parse(hlo_text) if isinstance(hlo_text, str) else hlo_text
+  trips = {}
+  for loop in mod:
+    if loop.opcode != "while" or not (body := loop.attr("body").lstrip("%")):
       continue
-    if t := _TRIP.search(line):
-      trips[body.group(1)] = int(t.group(1))
+    if t := _TRIP.search(loop.line):
+      trips[body] = int(t.group(1))
       continue
-    cond = re.search(r"condition=%?([\w.\-]+)", line)
-    bound = _bound(blocks.get(cond.group(1), [])) if cond else None
+    cond = mod.computations.get(loop.attr("condition").lstrip("%"))
+    bound = _bound(cond.instructions) if cond else None
     if bound is None:
       continue
     n, index = bound
-    step = _increment(blocks.get(body.group(1), []), index)
-    trips[body.group(1)] = max(1, -(-n // step))
+    step = _increment(mod.computations[body].instructions if body in mod.computations else [], index)
+    trips[body] = max(1, -(-n // step))
   return trips
 
 
-def _bound(cond: list[str]) -> tuple[int, int | None] | None:
+def _int_scalar(i: hlo.Instruction) -> bool:
+  return len(i.results) == 1 and not i.is_tuple and i.results[0].dims == () and i.results[0].dtype in _COUNTERS
+
+
+def _constants(comp: list[hlo.Instruction]) -> dict[str, int]:
+  return {i.name: int(i.operand_text) for i in comp
+          if i.opcode == "constant" and _int_scalar(i) and i.operand_text.isdigit()}
+
+
+def _bound(cond: list[hlo.Instruction]) -> tuple[int, int | None] | None:
   """(N, tuple index of i) of a condition computation `i < N`."""
-  consts = {k.group(1): int(k.group(2)) for line in cond if (k := _S32_CONST.match(line))}
-  gtes = {g.group(1): int(g.group(2)) for line in cond if (g := _GTE.match(line))}
-  for line in cond:
-    if (r := _LT_ROOT.match(line)) and r.group(1) in consts:
-      i = re.search(r"compare\(%?([\w.\-]+),", line)
-      return consts[r.group(1)], gtes.get(i.group(1)) if i else None
+  consts = _constants(cond)
+  gtes = {i.name: int(i.attr("index")) for i in cond if i.opcode == "get-tuple-element" and _int_scalar(i)}
+  for i in cond:
+    if (i.root and i.opcode == "compare" and i.attr("direction") == "LT" and i.results == (hlo.Array("pred", ()),)
+        and len(i.operands) == 2 and i.operands[1] in consts):
+      return consts[i.operands[1]], gtes.get(i.operands[0])
   return None
 
 
-def _increment(body: list[str], index: int | None) -> int:
+def _increment(body: list[hlo.Instruction], index: int | None) -> int:
   """What one pass of a loop body adds to tuple element `index` (its counter); 1 if unclear.
 
   The next counter is the ROOT tuple's element `index`: a chain of adds of constants
@@ -147,14 +142,14 @@ def _increment(body: list[str], index: int | None) -> int:
   """
   if index is None:
     return 1
-  consts = {k.group(1): int(k.group(2)) for line in body if (k := _S32_CONST.match(line))}
-  counter = {g.group(1) for line in body if (g := _GTE.match(line)) and int(g.group(2)) == index}
-  for line in body:  # copies and bitcasts of the counter are the counter
-    if (c := _ALIAS.match(line)) and c.group(2) in counter:
-      counter.add(c.group(1))
-  adds = {line.split("=")[0].strip().lstrip("%"): a.groups() for line in body if (a := _ADD.match(line))}
-  root = next((l for l in body if l.lstrip().startswith("ROOT") and " tuple(" in l), "")
-  args = _OPERAND.findall(_operands(root.rsplit(" tuple(", 1)[-1])) if root else []
+  consts = _constants(body)
+  counter = {i.name for i in body if i.opcode == "get-tuple-element" and _int_scalar(i) and i.attr("index") == str(index)}
+  for i in body:  # copies and bitcasts of the counter are the counter
+    if i.opcode in ("copy", "bitcast") and _int_scalar(i) and i.operands and i.operands[0] in counter:
+      counter.add(i.name)
+  adds = {i.name: i.operands for i in body if i.opcode == "add" and _int_scalar(i) and len(i.operands) == 2}
+  root = next((i for i in body if i.root and i.opcode == "tuple"), None)
+  args = root.operands if root else ()
   name, step = (args[index] if index < len(args) else None), 0
   for _ in range(8):
     if name in counter:
@@ -175,54 +170,42 @@ def _increment(body: list[str], index: int | None) -> int:
 # fusions, and a done fusion (AsyncCollectiveDone); each part repeats the collective op with
 # the whole result shape, the same channel_id and an async_collective_fusion_config.
 _ASYNC_FUSION = re.compile(r'"async_collective_fusion_config"')
-_CHANNEL = re.compile(r"\bchannel_id=(\d+)")
 
 
 def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
   """Every collective op in compiled HLO text (`num_devices`: the module's partitions, read
   from its header when not given; only `replica_groups={}` needs it). The parts of one async
   collective fusion are one asynchronous collective."""
+  mod = hlo.parse(hlo_text)
   if num_devices is None:
-    num_devices = int(m.group(1)) if (m := _PARTITIONS.search(hlo_text.split("\n", 1)[0])) else 1
-  result_bytes: dict[str, int] = {}
-  result_bytes_text: dict[str, str] = {}
+    num_devices = mod.num_partitions or 1
   receives: dict[str, str] = {}   # a megascale transfer's rendezvous -> its recv
   calls: dict[str, list[tuple[str, int | str]]] = collections.defaultdict(list)
-  loop_trips = trip_counts(hlo_text)
-  parsed, comps = [], hlo_text_lib.split(hlo_text)
-  entry = comps.entry
+  loop_trips = trip_counts(mod)
+  parsed, entry = [], mod.entry
   between = _Between()
-  for comp, line in comps.lines():
-    m = _INSTR.match(line)
-    if not m:
-      continue
-    name, result, op, rest = m.groups()
-    between.see(comp, name, op, rest)
-    result_bytes[name] = _bytes(result)
-    result_bytes_text[name] = result
-    cond = re.search(r"condition=%?([\w.\-]+)", rest) if op == "while" else None
-    trip: int | str = 1
-    if op == "while":
-      body = re.search(r"body=%?([\w.\-]+)", rest)
-      trip = loop_trips.get(body.group(1), 1) if body else 1
-    for role, callee in _CALLEE.findall(rest):
-      calls[comp].append((callee, trip if role in ("body", "condition") else 1))
-    if b := _BRANCHES.search(rest):
-      calls[comp].extend((x.strip().lstrip("%"), 1) for x in b.group(1).split(","))
+  for inst in mod:
+    comp, name, op = inst.computation, inst.name, inst.opcode
+    rest = _rest(inst)
+    between.see(inst, rest)
+    loop = (inst.attr("body").lstrip("%"), inst.attr("condition").lstrip("%")) if op == "while" else ()
+    trip = loop_trips.get(loop[0], 1) if loop else 1
+    calls[comp].extend((callee, trip if callee in loop else 1) for callee in inst.called)
     kind = op.removesuffix("-start")
     if kind in COLLECTIVE_KINDS or kind == "ragged-all-to-all":
-      parsed.append((name, kind, op.endswith("-start"), comp, rest))
+      parsed.append((inst, kind, op.endswith("-start"), rest))
     elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
-      parsed.append((name, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, comp, rest))
+      parsed.append((inst, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, rest))
     elif op == "recv" and (rz := _RENDEZVOUS.search(rest)):
       receives[rz.group(1)] = name
   sources = hlo_text_lib.Sources(hlo_text)
   runs = _executions(calls, entry) if entry else {}
   found, fused_channels, one_to_one = [], set(), {}
-  for name, kind, is_start, comp, rest in parsed:
+  for inst, kind, is_start, rest in parsed:
+    name, comp = inst.name, inst.computation
     fused = _ASYNC_FUSION.search(rest)   # one part of the TPU compiler's async collective fusion
     if fused:
-      channel = m.group(1) if (m := _CHANNEL.search(rest)) else name
+      channel = inst.attr("channel_id") or name
       if channel in fused_channels:      # its start, its slices inside a compute fusion, its done:
         continue                         # one transfer, counted once
       fused_channels.add(channel)
@@ -232,7 +215,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
         # The runtime may split one permute into sends of the same buffer from disjoint source
         # slices (a cyclic shift over 4 slices: 1->2, 2->3, 3->4 and 4->1): each chip sends in
         # one of them, so together they are one transfer, counted once.
-        part = (comp, first[0] if (first := _OPERAND.findall(_operands(rest))[:1]) else name)
+        part = (comp, inst.operands[0] if inst.operands else name)
         senders = {int(x) // 100000 for x in re.findall(r"(\d+)->", target)}
         if part in one_to_one and senders and not senders & one_to_one[part]:
           one_to_one[part] |= senders
@@ -242,26 +225,28 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       # (where the receiver waits): the transfer hides behind matmul work in both, or not at all.
       ends = [name] + ([r] if (rz := _RENDEZVOUS.search(rest)) and (r := receives.get(rz.group(1))) else [])
       matmuls = min(between.matmuls.get(e, 0) for e in ends)
-      found.append(_megascale(name, kind, _bytes(result_bytes_text[name].split("u32[]")[0]), target,
+      found.append(_megascale(name, kind, _bytes(inst.shape.split("u32[]")[0]), target,
                               runs.get(comp, 1) if entry else 1, comp, sources(rest)[0],
                               compute_between=min(between.compute.get(e, 0) for e in ends) if matmuls else 0))
       continue
-    operands = _operands(rest)
     ragged = kind == "ragged-all-to-all"
     if ragged:  # it sends its input rows (operand 0), not the receive buffer (operand 1)
-      first = _OPERAND.findall(operands)[:1]
-      operands = result_bytes_text.get(first[0], "") if first else operands
       kind, is_start = "all-to-all", False
-    operand_b = _bytes(operands) or sum(result_bytes.get(o, 0) for o in _OPERAND.findall(operands))
-    result_b = result_bytes[name]
+    if ragged and inst.operands:
+      first = mod.instructions.get(inst.operands[0])
+      operand_b = first.result_bytes if first else 0
+    else:
+      operand_b = (sum(a.nbytes for a in inst.inline_operand_arrays)
+                   or sum(mod.instructions[o].result_bytes for o in inst.operands if o in mod.instructions))
+    result_b = inst.result_bytes
     if is_start:  # async start returns (operands..., results..., context): keep the results
       result_b = max(result_b - operand_b, 0)
     nbytes = operand_b if kind == "reduce-scatter" or ragged else max(result_b, operand_b)
     if kind == "all-to-all" and is_start and not between.matmuls.get(name):
       is_start = False   # an async all-to-all with no matmul under it hides nothing
     op_name, source = sources(rest)
-    groups = replica_groups.attribute(rest)
-    found.append(Collective(name, kind, nbytes, replica_groups.group_size(rest, num_devices, kind), op_name, source,
+    groups = inst.replica_groups
+    found.append(Collective(name, kind, nbytes, replica_groups.group_size(inst.line, num_devices, kind), op_name, source,
                             runs.get(comp, 1) if entry else 1, comp, is_start or bool(fused), groups,
                             compute_between=between.compute.get(name, 0),
                             loops_between=tuple(between.loops.get(name, ())),
@@ -283,18 +268,19 @@ class _Between:
     self.loops: dict[str, list[str]] = collections.defaultdict(list)
     self.concurrent: dict[str, set[str]] = collections.defaultdict(set)
 
-  def see(self, comp: str, name: str, op: str, rest: str) -> None:
+  def see(self, inst: hlo.Instruction, rest: str) -> None:
+    comp, name, op = inst.computation, inst.name, inst.opcode
     if op.endswith("-done"):
-      if (m := _OPERAND.search(rest)) and m.group(1) in self.open[comp]:
-        self.open[comp].remove(m.group(1))
+      if inst.operands and inst.operands[0] in self.open[comp]:
+        self.open[comp].remove(inst.operands[0])
     elif op in _COMPUTE_OPS:
-      body = re.search(r"body=%?([\w.\-]+)", rest) if op == "while" else None
+      body = inst.attr("body").lstrip("%") if op == "while" else ""
       matmul = op in ("convolution", "dot") or bool(_MATMUL.search(rest))
       for start in self.open[comp]:
         self.compute[start] += 1
         self.matmuls[start] += matmul
         if body:
-          self.loops[start].append(body.group(1))
+          self.loops[start].append(body)
     if op.endswith("-start") or (op in ("send", "recv") and "is_host_transfer=true" in rest):
       for other in self.open[comp]:
         self.concurrent[other].add(name)
