@@ -15,13 +15,11 @@ run by the megascale DCN runtime. Those sends are the DCN traffic.
 
 from __future__ import annotations
 
-import re
 from typing import Iterable
 
-from shardax.perf.hlo import groups as replica_groups
+from shardax.perf import hlo
 
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=.*?\b(all-reduce|all-gather|reduce-scatter|"
-                    r"all-to-all|collective-permute)(?:-start)?\(")
+_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute", "ragged-all-to-all")
 
 
 def granule_ids(mesh) -> list[int]:
@@ -46,10 +44,10 @@ def classify(hlo_text: str, granule: list[int], collectives: Iterable) -> dict[s
   crosses: dict[str, bool] = {}
   if not any(getattr(c, "link", "") == "dcn" for c in collectives):
     # GPU/CPU hosts: a collective crosses DCN when one of its groups spans granules
-    for line in hlo_text.splitlines():
-      if m := _INSTR.match(line):
-        groups = replica_groups.groups(line, len(granule))
-        crosses[m.group(1)] = any(len({granule[i] for i in g}) > 1 for g in groups)
+    for inst in hlo.parse(hlo_text):
+      if inst.opcode.removesuffix("-start") in _KINDS:
+        groups = inst.device_groups(len(granule))
+        crosses[inst.name] = any(len({granule[i] for i in g}) > 1 for g in groups)
   for c in collectives:
     dcn = getattr(c, "link", "") == "dcn" or crosses.get(c.name, False)
     _add(out["dcn" if dcn else "ici"], c.kind, c.bytes, getattr(c, "executions", 1))
