@@ -72,8 +72,8 @@ def main():
   import numpy as np
   from shardax import configs
   from shardax.layers import moe_dispatch
-  from shardax.sharding import use_rules
-  from shardax.trainer import loop
+  from shardax.sharding import make_mesh, use_rules
+  from shardax.trainer import checkpoint, loop, model_setup
   from shardax.trainer.data import inputs
 
   cfg = configs.get(args.exp)
@@ -97,18 +97,19 @@ def main():
     return original(x, index, *a, **kw)
 
   moe_dispatch.dropless = recording
-  setup, state = loop.restore_latest(exp, args.job_dir)
+  setup = model_setup.create(exp, make_mesh(exp.mesh))
+  params, step = checkpoint.restore_params(setup, args.job_dir)
   sums = loop.eval_sums_fn(setup)
   batches = inputs.eval_batches(exp.data, args.batch, args.batches, setup.batch_sharding)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
     for batch in batches:
-      jax.block_until_ready(sums(state["params"], batch))
+      jax.block_until_ready(sums(params, batch))
   jax.effects_barrier()
   moe_layers = len(routed) // len(batches)
   b, l, k = routed[0].shape
   if l % args.pieces:
     raise SystemExit(f"--pieces={args.pieces} must divide the {l} tokens of a sequence")
-  print(f"{args.exp} at step {int(state['step'])}: {len(batches)} batches x {b} sequences x {l} tokens, "
+  print(f"{args.exp} at step {step}: {len(batches)} batches x {b} sequences x {l} tokens, "
         f"{moe_layers} MoE layers, top-{k} of {m.num_experts} experts over {args.devices} devices "
         f"({m.num_experts // args.devices} each), each sequence in {args.pieces} piece(s)")
   fair = l // args.pieces * k / args.devices           # one piece's copies per device, balanced

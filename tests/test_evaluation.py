@@ -16,8 +16,9 @@ import optax
 import pytest
 
 from shardax import configs
-from shardax.sharding import use_rules
-from shardax.trainer import loop
+from shardax.sharding import make_mesh, use_rules
+from shardax.trainer import checkpoint as ckpt_lib
+from shardax.trainer import loop, model_setup
 from shardax.trainer import step as step_lib
 
 EVAL_BATCHES = 2
@@ -39,7 +40,8 @@ def test_loop_and_mode_eval_report_cross_entropy_with_deterministic_routing(tmp_
   assert exp.model.moe.second_expert == "random" and exp.model.moe.aux_loss_weight > 0
   summary = loop.train(exp, str(tmp_path))
   mode_eval = loop.evaluate(exp, str(tmp_path))            # --mode=eval on the checkpoint
-  setup, state = loop.restore_latest(exp, str(tmp_path))  # the weights both evals saw
+  setup = model_setup.create(exp, make_mesh(exp.mesh))
+  params, _ = ckpt_lib.restore_params(setup, str(tmp_path))  # the weights both evals saw
 
   def sums(params, batch):
     """Per batch, (loss x targets) of: the cross entropy with both top-2 experts for every
@@ -58,7 +60,7 @@ def test_loop_and_mode_eval_report_cross_entropy_with_deterministic_routing(tmp_
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     fn = jax.jit(sums)
     for batch in loop._eval_batches(setup):
-      totals = [t + float(v) for t, v in zip(totals, jax.device_get(fn(state["params"], batch)))]
+      totals = [t + float(v) for t, v in zip(totals, jax.device_get(fn(params, batch)))]
   want, objective, random_ce = (t / totals[3] for t in totals[:3])
   assert mode_eval["eval_batches"] == EVAL_BATCHES and mode_eval["eval_weight"] == totals[3]
   assert mode_eval["eval_loss"] == pytest.approx(want, rel=1e-5)
@@ -114,6 +116,6 @@ def test_a_checkpoint_of_the_former_moe_lm_restores_onto_the_one_decoder(tmp_pat
     want = [json.loads(line) for line in f if "eval_loss" in line][-1]
   got = loop.evaluate(exp, str(job))
   assert got["eval_loss"] == pytest.approx(want["eval_loss"], rel=1e-4)
-  _, state = loop.restore_latest(exp, str(job))
-  bias = state["params"]["layers"]["blocks"]["moe_block"]["moe"]["balance_bias"]
+  params, _ = ckpt_lib.restore_params(model_setup.create(exp, make_mesh(exp.mesh)), str(job))
+  bias = params["layers"]["blocks"]["moe_block"]["moe"]["balance_bias"]
   assert float(jax.numpy.abs(bias).max()) > 0       # two steps of bias balancing, restored

@@ -1,5 +1,6 @@
 """End to end on the simulated 2 x 4 mesh: train, log, checkpoint, resume, reshard."""
 
+import dataclasses
 import glob
 import json
 import os
@@ -15,7 +16,7 @@ import clitools
 from shardax import configs
 from shardax.sharding import make_mesh
 from shardax.trainer import checkpoint as ckpt_lib
-from shardax.trainer import loop
+from shardax.trainer import loop, model_setup
 from shardax.trainer import state as state_lib
 from meshtools import loss_and_grads, setup_for
 
@@ -99,13 +100,14 @@ def test_decode_continues_prompts_from_the_checkpoint(full_run, data_dir):
   texts = ["import os\n", "def ", "class Foo(object):\n    "]
   completions = decode.from_job_dir(exp, job, texts, decode.Sampling(max_new_tokens=6))
   assert [c.prompt for c in completions] == texts
-  setup, state = loop.restore_latest(exp, job)
+  setup = model_setup.create(exp, make_mesh(exp.mesh))
+  params, _ = ckpt_lib.restore_params(setup, job)
   tok = decode.tokenizer(exp)
   with jax.set_mesh(setup.mesh):
     for c in completions:
       assert c.finish_reason == "length" and len(c.ids) == 6
       ids = [tok.eos_id, *tok.encode(c.prompt)] + c.ids
-      logits = setup.model(state["params"])(np.asarray([ids], np.int32))[0]
+      logits = setup.model(params)(np.asarray([ids], np.int32))[0]
       np.testing.assert_array_equal(np.argmax(logits[len(ids) - 7:-1], -1), c.ids)
       assert c.text == tok.decode(np.asarray(c.ids))
   lines = [json.loads(l) for l in open(os.path.join(job, "completions.jsonl"))]
@@ -124,6 +126,27 @@ def test_decode_continues_prompts_from_the_checkpoint(full_run, data_dir):
   want = [c.to_json() for c in completions]
   assert proc.stdout.strip().splitlines() == want
   assert open(os.path.join(job, "completions.jsonl")).read().splitlines() == want
+
+
+def test_eval_decode_and_params_restore_build_no_optimizer(full_run, data_dir):
+  """A job trained with AdamW evaluates, decodes and gives back its params from an experiment
+  with no optimizer section at all (anything that builds an optimizer, or its state, fails on
+  it): the params read back are the trained ones bit for bit, and eval sees the training
+  run's last eval loss."""
+  from shardax.trainer import decode
+  job, summary = full_run
+  exp = dataclasses.replace(small_experiment(data_dir), optimizer=None)
+  assert loop.evaluate(exp, job)["eval_loss"] == pytest.approx(summary["eval_losses"][STEPS], rel=1e-6)
+  gen = decode.Generator.from_job_dir(exp, job)
+  assert len(gen.complete(["def "], decode.Sampling(max_new_tokens=2))[0].ids) == 2
+  setup = model_setup.create(exp, make_mesh(exp.mesh))
+  assert not hasattr(setup, "tx") and not hasattr(setup, "abstract")
+  params, step = ckpt_lib.restore_params(setup, job)
+  assert step == STEPS
+  got, want = jax.device_get(params), jax.device_get(summary["state"]["params"])
+  assert jax.tree.structure(got) == jax.tree.structure(want)
+  for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
 
 
 # The curve of this seed (synthetic data, 2 x 4 mesh), recorded 2026-11-23 with jax 0.10.2 on

@@ -27,6 +27,8 @@ Restore reads onto whatever shardings the abstract state asks for, so a run save
   outcome, go through a small all-gather; processes that disagree stop the job with the
   step each one saw.
 
+`restore_params` reads the params alone (eval, decode, export), never the optimizer state.
+
 Multi-host: every process constructs a Checkpointer and calls should_save/save/restore
 with the same steps; orbax runs the barriers and writes each process's shards.
 """
@@ -43,6 +45,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from absl import logging
 from etils import epath
@@ -439,3 +442,22 @@ class Checkpointer:
 
   def __exit__(self, *exc) -> None:
     self.close()
+
+
+def restore_params(setup, job_dir: str) -> tuple[Any, int]:
+  """(params, step) of the newest checkpoint in `job_dir`, laid out as `setup` (a
+  `ModelSetup`, trainer/model_setup.py; its `abstract_params` say where each array goes, on
+  any mesh). Only the params are read, by orbax's partial restore: eval, decode and export
+  need no optimizer state (twice the params' bytes under Adam), and nothing here builds one.
+  Raises FileNotFoundError naming the mode that writes one when `job_dir` holds none, and
+  what `Checkpointer.restore` raises otherwise."""
+  exp = setup.exp
+  wanted = {"step": jax.ShapeDtypeStruct((), jnp.int32, sharding=setup.replicated),
+            "params": setup.abstract_params}
+  with Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint) as checkpointer:
+    if checkpointer.latest_step() is None:
+      how = "import or train first (--mode=import / --mode=train)" if exp.name.startswith("hf:") \
+          else "train first (--mode=train)"
+      raise FileNotFoundError(f"no checkpoint in {job_dir}/checkpoints; {how}")
+    state, _ = checkpointer.restore(wanted, partial=True)
+  return state["params"], int(state["step"])

@@ -213,10 +213,12 @@ class Generator:
 
   @classmethod
   def from_job_dir(cls, exp, job_dir: str, **kw) -> "Generator":
-    from shardax.trainer import loop
-    setup, state = loop.restore_latest(exp, str(job_dir))
+    from shardax.sharding import make_mesh
+    from shardax.trainer import checkpoint, model_setup
+    setup = model_setup.create(exp, make_mesh(exp.mesh))
+    params, _ = checkpoint.restore_params(setup, str(job_dir))
     kw.setdefault("tok", tokenizer(exp))
-    return cls(exp.model, state["params"], setup.mesh, setup.rules, exp.sharding.allow_uneven, **kw)
+    return cls(exp.model, params, setup.mesh, setup.rules, exp.sharding.allow_uneven, **kw)
 
   # --- shapes and shardings -------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from absl import logging
 from shardax.configs.schema import IMAGE_SOURCES, Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
-from shardax.trainer import distributed, goodput, jobdir, local_tier, moe_drops
+from shardax.trainer import distributed, goodput, jobdir, local_tier, model_setup, moe_drops
 from shardax.trainer.data import inputs
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -55,17 +55,18 @@ def _eval_batches(setup, data=None):
 
 
 def eval_sums_fn(setup) -> Callable:
-  """A jitted `(params, batch) -> (loss x weight, weight, moe)`: weight = the batch's
-  target tokens (its loss mask) where the model reports it, else 1, so batches (and
-  padding) weigh what they hold; moe: {`step.OVERFLOW`: the dropless MoE's token copies
-  that did not fit, and for an MoE model each layer's routed and dropped copies
-  (`step.COUNTS`)}. The loss is the evaluation loss (`step.eval_loss_fn`: for the MoE LM
-  cross entropy with deterministic routing), not the training objective."""
+  """A jitted `(params, batch) -> (loss x weight, weight, moe)` of `setup` (a `ModelSetup`
+  or the training one): weight = the batch's target tokens (its loss mask) where the model
+  reports it, else 1, so batches (and padding) weigh what they hold; moe: {`step.OVERFLOW`:
+  the dropless MoE's token copies that did not fit, and for an MoE model each layer's
+  routed and dropped copies (`step.COUNTS`)}. The loss is the evaluation loss
+  (`step.eval_loss_fn`: for the MoE LM cross entropy with deterministic routing), not the
+  training objective."""
   def sums(params, batch):
     loss, metrics = step_lib.eval_loss_and_metrics(setup)(params, batch)
     weight = metrics.pop("loss_weight")
     return loss * weight, weight, metrics
-  return jax.jit(sums, in_shardings=(setup.shardings["params"], setup.batch_sharding),
+  return jax.jit(sums, in_shardings=(setup.param_shardings, setup.batch_sharding),
                  out_shardings=setup.replicated)
 
 
@@ -196,31 +197,14 @@ def restore_or_init(setup, checkpointer, data_iter, rec: goodput.Recorder,
   return state
 
 
-def restore_latest(exp: Experiment, job_dir: str):
-  """(setup, {"step", "params"}) of the latest checkpoint in `job_dir`, on the experiment's
-  mesh. Only the params are read (eval, decode and export need no optimizer moments, which
-  hold twice the params' bytes under Adam): orbax's partial restore skips the rest."""
-  mesh = make_mesh(exp.mesh)
-  setup = state_lib.create(exp, mesh)
-  checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
-  try:
-    if checkpointer.latest_step() is None:
-      how = "import or train first (--mode=import / --mode=train)" if exp.name.startswith("hf:") \
-          else "train first (--mode=train)"
-      raise FileNotFoundError(f"no checkpoint in {job_dir}/checkpoints; {how}")
-    wanted = {k: setup.abstract[k] for k in ("step", "params")}
-    state, _ = checkpointer.restore(wanted, partial=True)
-  finally:
-    checkpointer.close()
-  return setup, state
-
-
 def evaluate(exp: Experiment, job_dir: str) -> dict[str, float]:
-  """Validation loss per token (and bits per byte) of the latest checkpoint in `job_dir`."""
+  """Validation loss per token (and bits per byte) of the latest checkpoint in `job_dir`,
+  from the params alone (`checkpoint.restore_params`): no optimizer is built."""
   check_tokenizer(exp)
-  setup, state = restore_latest(exp, job_dir)
+  setup = model_setup.create(exp, make_mesh(exp.mesh))
+  params, _ = ckpt_lib.restore_params(setup, job_dir)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-    return _eval_sources(eval_sums_fn(setup), state["params"], setup)
+    return _eval_sources(eval_sums_fn(setup), params, setup)
 
 
 def check_tokenizer(exp: Experiment) -> None:

@@ -4,7 +4,7 @@ Writes config.json (trainer/hf/config.py), the weights as safetensors (one file,
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above the shard size),
 and the source directory's tokenizer files. Tensors are fetched one at a time (one layer,
 or one layer's expert, of a stacked leaf), relaid out (trainer/hf/weights.py) and streamed into the file, so the
-host holds about one tensor beyond the restored state. The weights are written in the
+host holds about one tensor beyond the restored params. The weights are written in the
 source model's dtype (config.json `dtype`/`torch_dtype`), else the param dtype: a model
 imported and exported untouched comes back bit for bit.
 """
@@ -62,7 +62,8 @@ def export_params(params, model_cfg, out_dir: str, dtype, max_shard_bytes: int) 
 
 def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 << 30) -> dict:
   """--mode=export: the latest checkpoint of `job_dir` as a Hugging Face model in `out_dir`."""
-  from shardax.trainer import loop
+  from shardax.sharding import make_mesh
+  from shardax.trainer import checkpoint, model_setup
   if jax.process_count() > 1:
     raise ConfigError("--mode=export runs in one process (it gathers each tensor to the host)")
   source = importer.model_dir(exp)
@@ -74,10 +75,7 @@ def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 <<
     raise ConfigError(f"config.json dtype={dtype_name!r}: export writes one of {sorted(DTYPES)}")
   if os.path.abspath(out_dir) == os.path.abspath(source):
     raise ConfigError(f"--hf_out={out_dir} is the source model directory; export somewhere else")
-  setup, state = loop.restore_latest(exp, job_dir)
-  step = int(state["step"])
-  params = state["params"]
-  del state
+  params, step = checkpoint.restore_params(model_setup.create(exp, make_mesh(exp.mesh)), job_dir)
   t0 = time.perf_counter()
   files = export_params(params, exp.model, out_dir, DTYPES[dtype_name], max_shard_bytes)
   seconds = time.perf_counter() - t0

@@ -1,13 +1,14 @@
 """A Hugging Face model directory -> the job's orbax checkpoint at step 0, tensor by tensor.
 
-The train state is laid out for the experiment's mesh first (abstract: shapes and shardings
-from the rules, trainer/state.py). Then each param leaf is filled from the checkpoint's
+The params are laid out for the experiment's mesh first (abstract: shapes and shardings
+from the rules, trainer/model_setup.py). Then each param leaf is filled from the checkpoint's
 tensors: for every distinct shard this host holds, a buffer of the shard's shape; each
 Hugging Face tensor (one layer, or one layer's expert, of a stacked leaf) is read once, relaid out, and its part
 copied into the buffers that cover it, then dropped. The buffers go to their devices and
 become the sharded array. So the host holds its own shards plus about one tensor (and its
-relaid view) at a time, never the whole model. The optimizer state is then initialized
-on the devices (jitted, born sharded) and the state saved as step 0.
+relaid view) at a time, never the whole model. The optimizer (trainer/state.py, built on
+the same model setup) then initializes its state on the devices (jitted, born sharded) and
+the train state is saved as step 0.
 """
 
 from __future__ import annotations
@@ -77,9 +78,10 @@ def put_leaf(leaf: weights.Leaf, reader: safetensors.Reader, shape, dtype, shard
 
 
 def import_params(setup, source: str):
-  """The params tree of `setup` (trainer/state.Setup) filled from the model dir `source`."""
+  """The params tree of `setup` (a `ModelSetup`, trainer/model_setup.py, or the training
+  setup) filled from the model dir `source`."""
   reader = safetensors.Reader(source)
-  abstract = setup.abstract["params"]
+  abstract = setup.abstract_params
   plan = weights.leaves(abstract, setup.exp.model)
   model = setup.exp.model
   weights.check_names(plan, reader.names(), model.tied_embedding)
@@ -92,20 +94,22 @@ def run(exp: Experiment, job_dir: str) -> dict:
   """--mode=import: the model dir's weights as step 0 of `job_dir`; returns a summary."""
   from shardax.sharding import make_mesh, use_rules
   from shardax.trainer import checkpoint as ckpt_lib
+  from shardax.trainer import model_setup
   from shardax.trainer import state as state_lib
   source = model_dir(exp)
   hf = hf_config.read(source)   # the same checks as the experiment's build
   hf_config.model_fields(hf), hf_config.moe_fields(hf)
   mesh = make_mesh(exp.mesh)
-  setup = state_lib.create(exp, mesh)
+  model = model_setup.create(exp, mesh)
+  setup = state_lib.with_optimizer(model)   # step 0 is a train state: training resumes from it
   checkpointer = ckpt_lib.Checkpointer(os.path.join(job_dir, "checkpoints"), exp.checkpoint)
   try:
     if checkpointer.latest_step() is not None:
       raise ConfigError(f"{job_dir}/checkpoints already holds step {checkpointer.latest_step()}; "
                         f"import into a fresh --job_dir")
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-      params = import_params(setup, source)
+    with jax.set_mesh(mesh), use_rules(model.rules, exp.sharding.allow_uneven):
+      params = import_params(model, source)
       jax.block_until_ready(params)
       seconds = time.perf_counter() - t0
       opt_state = jax.jit(setup.tx.init, out_shardings=setup.shardings["opt_state"])(params)
@@ -116,7 +120,7 @@ def run(exp: Experiment, job_dir: str) -> dict:
   finally:
     checkpointer.close()
   nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
-  line = (f"imported {source}: {state_lib.count_params(setup):,} params, {nbytes / 1e6:.1f} MB in "
+  line = (f"imported {source}: {state_lib.count_params(model):,} params, {nbytes / 1e6:.1f} MB in "
           f"{seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {job_dir}/checkpoints step 0")
   logging.info(line)
   print(line, file=sys.stderr, flush=True)
