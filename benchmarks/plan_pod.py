@@ -38,7 +38,9 @@ def main() -> None:
   args = ap.parse_args()
   from shardax.perf import plan
   load0, cpu0, t0 = os.getloadavg(), time.process_time(), time.perf_counter()
-  p = plan.plan(args.exp, (), args.job_dir, shallow=args.shallow, log=lambda s: print(s, flush=True))
+  base = plan.Base(args.exp)
+  p = plan.plan(base.build(), base, args.job_dir, shallow=args.shallow,
+                log=lambda s: print(s, flush=True))
   wall, cpu, load1 = time.perf_counter() - t0, time.process_time() - cpu0, os.getloadavg()
   print(plan.format_plan(p, top=args.top))
   print(f"\nwall {wall:.0f} s, CPU {cpu:.0f} s (all threads), load average {load0[0]:.1f} before, "

@@ -235,6 +235,28 @@ def _state_bytes(setup) -> int:
       setup.abstract["opt_state"])
 
 
+@dataclasses.dataclass(frozen=True)
+class Base:
+  """What a plan varies: a registered experiment and the --set overrides on it. A candidate
+  is this tree with its own --sets applied after the overrides, built and checked as a run
+  with that command line would be."""
+  name: str
+  overrides: Sequence[str] = ()
+
+  def __post_init__(self):
+    object.__setattr__(self, "overrides", tuple(self.overrides))
+
+  def tree(self, *sets: str):
+    """The config tree (unbuilt) of this experiment with `sets` applied after the overrides."""
+    cfg = configs.get(self.name)
+    configs.apply_overrides(cfg, [*self.overrides, *sets])
+    return cfg
+
+  def build(self, *sets: str) -> configs.Experiment:
+    """The experiment `tree(*sets)` builds (its checks raise ConfigError, naming the field)."""
+    return configs.build(self.tree(*sets))
+
+
 def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort: float = -1.0,
              shallow: bool = False) -> dict[str, Any]:
   """One candidate's row: status "ok" / "does not fit" / "rejected", the reason, the figures."""
@@ -243,9 +265,7 @@ def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort
                          "fits": None, "seconds": 0.0}
   start = time.perf_counter()
   try:
-    cfg = configs.get(name)
-    configs.apply_overrides(cfg, [*overrides, *sets])
-    exp = configs.build(cfg)
+    exp = Base(name, overrides).build(*sets)
     _, setup = dry_run_lib.prepare(exp)
   except ValueError as e:  # ConfigError, indivisible dims, unknown axes: the user-facing message
     row["reason"] = str(e).splitlines()[0]
@@ -289,20 +309,22 @@ def rank(rows: list[dict]) -> list[dict]:
                                    else math.inf, r["bytes_per_device"] or 0))
 
 
-def plan(name: str, overrides: Sequence[str] = (), job_dir: str | None = None, *,
-         grid: Grid = Grid(), effort: float = -1.0, shallow: bool = False,
-         quantization: Sequence[str] = (), log=print) -> dict[str, Any]:
+def plan(exp: configs.Experiment, base: Base, job_dir: str | None = None, *, grid: Grid = Grid(),
+         effort: float = -1.0, shallow: bool = False, quantization: Sequence[str] = (),
+         log=print) -> dict[str, Any]:
   """Evaluate every candidate of `grid`, rank them, write plan.json; returns the plan.
-  `quantization`: also rank these model.quantization choices (each layout once per choice)."""
+  `exp`: the experiment built from `base` (its mesh is the slice the candidates cover);
+  `base`: what each candidate is rebuilt from. `grid`: the default picks the experiment's
+  own (GRIDS, MOE_PODS, PIPELINED). `quantization`: also rank these model.quantization
+  choices (each layout once per choice)."""
   start = time.perf_counter()
-  cfg = configs.get(name)
-  configs.apply_overrides(cfg, list(overrides))
+  name, overrides = base.name, base.overrides
+  cfg = base.tree()
   if grid == Grid():
     grid = GRIDS.get(name, MOE_PODS if _is_moe_pod(cfg) else
                      PIPELINED if cfg.model.pipeline.stages > 1 else grid)
   if quantization:
     grid = dataclasses.replace(grid, quantization=tuple(quantization))
-  exp = configs.build(cfg)
   mesh, _ = dry_run_lib.prepare(exp)
   slices = len({getattr(d, "slice_index", 0) for d in mesh.devices.flat})
   rows = []

@@ -19,6 +19,12 @@ GRID = plan.Grid(model_axis=(2, 3), presets=("2d", "dp"), remat=("full", "none")
                  fsdp=False, tp=False, pipeline_stages=())
 
 
+def _plan(name: str, overrides, job_dir: str, **kw):
+  """The plan of experiment `name` with `overrides`, built once as the command line does."""
+  base = plan.Base(name, overrides)
+  return plan.plan(base.build(), base, job_dir, **kw)
+
+
 def parsed(line: str) -> list[str]:
   words = shlex.split(line)
   assert words[::2] == ["--set"] * (len(words) // 2)
@@ -52,7 +58,7 @@ def test_rank_orders_fitting_candidates_by_predicted_step_then_memory():
 def big_plan(tmp_path_factory):
   pytest.importorskip("libtpu")
   job = tmp_path_factory.mktemp("plan")
-  return plan.plan("lm.tiny", BIG, str(job), grid=GRID, log=lambda s: None), job
+  return _plan("lm.tiny", BIG, str(job), grid=GRID, log=lambda s: None), job
 
 
 def _row(p, *needles):
@@ -140,7 +146,7 @@ def test_plan_ranks_pipeline_schedules_by_predicted_step(tmp_path):
   sets = ["data.source='synthetic'", "model.num_layers=4", "model.d_model=128", "model.num_heads=4",
           "data.seq_len=64", "model.max_len=64", "train.global_batch=16", "mesh.topology='v4:2x2x2'",
           "mesh.num_cpu_devices=None"]
-  p = plan.plan("lm.tiny_pipelined", sets, str(tmp_path), grid=grid, log=lambda s: None)
+  p = _plan("lm.tiny_pipelined", sets, str(tmp_path), grid=grid, log=lambda s: None)
   ranked = [p["candidates"][i] for i in p["ranked"]]
   assert len(ranked) == 4, [(r["sets"], r["status"], r["reason"]) for r in p["candidates"]]
   steps = [r["predicted_step_seconds"] for r in ranked]
@@ -166,7 +172,7 @@ def test_a_multi_slice_experiment_plans_layouts_across_its_slices(tmp_path):
   sets = ["data.source='synthetic'", "model.num_layers=4", "model.d_model=64", "model.num_heads=4",
           "model.d_ff=128", "data.seq_len=32", "model.max_len=32", "train.global_batch=16",
           "mesh.topology='v5e:2x2'", "mesh.num_cpu_devices=None", "mesh.ici=(-1,1)", "mesh.dcn=(2,1)"]
-  p = plan.plan("lm.tiny", sets, str(tmp_path), grid=grid, log=lambda s: None)
+  p = _plan("lm.tiny", sets, str(tmp_path), grid=grid, log=lambda s: None)
   assert p["num_devices"] == 8
   rows = p["candidates"]
   assert [r for r in rows if r["status"] != "ok"] == [], [(r["set_line"], r["reason"]) for r in rows]
@@ -230,7 +236,7 @@ def test_an_moe_plan_over_two_slices_compiles_and_ranks_both_layouts(tmp_path):
           "mesh.ici=(1,4)", "mesh.dcn=(2,1)", "sharding.preset='expert_axis'",
           "model.moe.grouped_matmul='auto'"]
   written = []   # plan.json is rewritten after each candidate (a compiler abort loses no row)
-  p = plan.plan("moe.deepseek_tiny", sets, str(tmp_path), grid=grid, log=lambda s: written.append(
+  p = _plan("moe.deepseek_tiny", sets, str(tmp_path), grid=grid, log=lambda s: written.append(
       len(json.loads((tmp_path / "plan.json").read_text())["candidates"])))
   assert written == [1, 2]
   rows = p["candidates"]
