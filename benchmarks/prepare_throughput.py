@@ -1,6 +1,6 @@
 """Preparation throughput (MB of text per second) with 1 tokenizing process and with all
 cores, on a generated JSON-lines corpus, for the byte tokenizer and a SentencePiece one
-(the README's data section quotes these figures).
+(docs/results/data.md records these figures).
 
   nice -n 10 .venv/bin/python benchmarks/prepare_throughput.py [--mb 12] [--processes 1 2]
 

@@ -1,5 +1,5 @@
 """Writes the Python standard library's docstrings as JSONL: a small real-text corpus for
-trying `data.source='files:DIR/*.jsonl'` (README, "Training on your own text").
+trying `data.source='files:DIR/*.jsonl'` (docs/data.md, "Training on your own text").
 
     python docs/docstrings_jsonl.py /tmp/docstrings   # -> a-m.jsonl, n-z.jsonl
 """

@@ -178,7 +178,7 @@ def _hybrid_grid(cfg: MeshConfig, devices: Sequence[jax.Device]) -> np.ndarray:
   if len(sizes) != 1:
     raise ValueError(f"mesh.dcn={tuple(cfg.dcn)}: the {len(groups)} {_PLURAL[kind]} found hold different "
                      f"device counts {sorted(sizes)}; every granule needs the same number of devices")
-  how = ("start the job on that many hosts (README: running on many hosts)" if kind == "host"
+  how = ("start the job on that many hosts (docs/hosts.md: running on many hosts)" if kind == "host"
          else "use a multi-slice TPU job (or mesh.topology with dry_run)")
   dcn = tuple(int(d) for d in cfg.dcn)
   if -1 in dcn and len(groups) % math.prod(d for d in dcn if d != -1) == 0:

@@ -5,7 +5,7 @@ a SIGKILL, a resume from the bucket, and metrics read back from the bucket.
 The emulator speaks the GCS JSON API; tensorstore (checkpoint arrays) finds it through
 TENSORSTORE_GCS_HTTP_URL, gcsfs (epath with EPATH_USE_TF=false: metadata, metrics,
 config, TensorBoard events) through STORAGE_EMULATOR_HOST. Against real GCS none of
-these variables is set (README: running on many hosts).
+these variables is set (docs/hosts.md: running on many hosts).
 """
 
 import json

@@ -75,7 +75,7 @@ def test_logits_match_transformers(arch_model, request):
   ref = reference(arch)
   got = logits_of(setup, params, ref)
   worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
-  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")   # the README's table (pytest -s)
+  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")   # docs/huggingface.md's table (pytest -s)
   for j, g in enumerate(got):
     np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0,
                                err_msg=f"{arch} sequence {j} (max difference over all: {worst:.2e})")
