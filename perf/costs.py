@@ -12,7 +12,7 @@ loop body is priced on its own by XLA's own HloCostAnalysis (the same C++ that
 
 so nested loops multiply. Trip counts come from the compiler's `known_trip_count`
 or, where the TPU compiler omits it, from the loop condition `i < N`
-(sharding/report.py). A loop whose trip count cannot be read counts once, as before.
+(perf/hlo/loops.py). A loop whose trip count cannot be read counts once, as before.
 
 Bytes accessed are logical (unpadded) bytes: each loop body is priced by the host
 platform's cost analysis with the layouts' tiles and memory spaces taken out
@@ -27,18 +27,12 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 
-from shardax.sharding import hlo_text as hlo_text_lib
 from shardax.sharding import report
-from shardax.perf import ops
+from shardax.perf import hlo, ops
 
-_CALLED = re.compile(r"(?:calls|to_apply|body|condition|true_computation|false_computation)=%?([\w.\-]+)")
-_CALLED_LISTS = re.compile(r"(?:branch_computations|called_computations)=\{([^}]*)\}")
-_WHILE = re.compile(r"=\s.*?\swhile\(.*condition=%?([\w.\-]+), body=%?([\w.\-]+)")
-_STATE_ARRAY = re.compile(r"\b[a-z][a-z0-9]*\[(\d+(?:,\d+)*)\]")
 _KEYS = ("flops", "transcendentals", "bytes accessed")
 
 
@@ -107,27 +101,22 @@ class _Module:
 
 
 def _split(hlo_text: str) -> _Module:
-  comps = hlo_text_lib.split(hlo_text)
-  blocks = comps.blocks
-  trips = report.trip_counts(hlo_text)
-  callees, whiles = {}, {}
-  for name, body in blocks.items():
-    text = "\n".join(body[1:])
-    named = _CALLED.findall(text)
-    for group in _CALLED_LISTS.findall(text):
-      named += [x.strip().lstrip("%") for x in group.split(",") if x.strip()]
+  mod = hlo.parse(hlo_text)
+  blocks = {name: comp.lines for name, comp in mod.computations.items() if name}
+  callees, whiles, stacked = {}, {}, {}
+  for name in blocks:
+    insts = mod.computations[name].instructions
+    # Single calls (calls=, to_apply=, body=, ...) in text order, then the listed ones.
+    named = [v for i in insts for k, v in i.attributes.items() if k in hlo.module.CALL_KEYS]
+    named += [c for i in insts for k, v in i.attributes.items() if k in hlo.module.CALL_LIST_KEYS
+              for c in v.strip("{}").split(",") if c.strip()]
+    named = [c.strip().lstrip("%") for c in named]
     callees[name] = [c for c in dict.fromkeys(named) if c in blocks]
-    whiles[name] = [(cond, loop_body, trips.get(loop_body, 1))
-                    for line in body[1:] if (w := _WHILE.search(line))
-                    for cond, loop_body in [w.groups()]]
-  stacked = {}
-  for name, body in blocks.items():
-    for line in body[1:]:
-      if w := _WHILE.search(line):
-        state = line.split(" while(", 1)[0].split("=", 1)[1]
-        leading = [int(dims.split(",")[0]) for dims in _STATE_ARRAY.findall(state)]
-        stacked[w.group(2)] = sum(d == trips.get(w.group(2), 1) for d in leading)
-  return _Module(comps.prefix, blocks, comps.entry, callees, whiles, stacked)
+  for w in hlo.whiles(mod):
+    trip = 1 if w.trip_count is None else w.trip_count
+    whiles.setdefault(w.computation, []).append((w.condition, w.body, trip))
+    stacked[w.body] = w.stacked(trip)
+  return _Module(mod.prefix, blocks, mod.entry, callees, whiles, stacked)
 
 
 def _reachable(mod: _Module, root: str) -> list[str]:
@@ -161,18 +150,10 @@ def _cost_client():
     return jax.devices()[0].client
 
 
-_TILED_LAYOUT = re.compile(r"\{([\d,]*):[^}]*\}")  # {minor_to_major:T(...)S(...)}
-
-
-def _logical_layouts(text: str) -> str:
-  """HLO text with layouts cut to their dim order (a scalar's layout, `{:S(2)}`, goes)."""
-  return _TILED_LAYOUT.sub(lambda m: "{" + m.group(1) + "}" if m.group(1) else "", text)
-
-
 def _xla_cost(text: str) -> dict[str, float]:
   from jax._src.lib import xla_client
   from jaxlib import _hlo
-  module = _hlo.hlo_module_from_text(_logical_layouts(text))
+  module = _hlo.hlo_module_from_text(hlo.logical_layouts(text))
   client = _cost_client()
   cost = xla_client._xla.hlo_module_cost_analysis(client, module)
   return {k: float(cost.get(k, 0.0)) for k in _KEYS}

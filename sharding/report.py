@@ -30,10 +30,6 @@ _RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
 _MEGASCALE_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{[^=]*?\}\})')
 _MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
                    "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
-_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
-# A jax scan's loop condition is `i < N` with i counting from 0: N is the trip count.
-# The CPU compiler also writes it as known_trip_count; the TPU compiler does not.
-_COUNTERS = ("s32", "u32", "s64", "u64")
 
 
 # Matmul work an async all-to-all can run under (the TPU compiler's dots are convolutions
@@ -88,80 +84,8 @@ class Collective:
 
 
 def trip_counts(hlo_text: str | hlo.Module) -> dict[str, int]:
-  """Loop body -> how many times it runs per execution of its `while`.
-
-  The compiler's known_trip_count when it wrote one; else read from the loop itself: the
-  condition is `i < N` on one tuple element i, and the body adds a constant c to i each
-  time (1 for a jax scan; 2 for the TPU compiler's bidirectional windowed einsum loops),
-  so the trip count is ceil(N / c) from i = 0.
-  """
-  mod = hlo.parse(hlo_text) if isinstance(hlo_text, str) else hlo_text
-  trips = {}
-  for loop in mod:
-    if loop.opcode != "while" or not (body := loop.attr("body").lstrip("%")):
-      continue
-    if t := _TRIP.search(loop.line):
-      trips[body] = int(t.group(1))
-      continue
-    cond = mod.computations.get(loop.attr("condition").lstrip("%"))
-    bound = _bound(cond.instructions) if cond else None
-    if bound is None:
-      continue
-    n, index = bound
-    step = _increment(mod.computations[body].instructions if body in mod.computations else [], index)
-    trips[body] = max(1, -(-n // step))
-  return trips
-
-
-def _int_scalar(i: hlo.Instruction) -> bool:
-  return len(i.results) == 1 and not i.is_tuple and i.results[0].dims == () and i.results[0].dtype in _COUNTERS
-
-
-def _constants(comp: list[hlo.Instruction]) -> dict[str, int]:
-  return {i.name: int(i.operand_text) for i in comp
-          if i.opcode == "constant" and _int_scalar(i) and i.operand_text.isdigit()}
-
-
-def _bound(cond: list[hlo.Instruction]) -> tuple[int, int | None] | None:
-  """(N, tuple index of i) of a condition computation `i < N`."""
-  consts = _constants(cond)
-  gtes = {i.name: int(i.attr("index")) for i in cond if i.opcode == "get-tuple-element" and _int_scalar(i)}
-  for i in cond:
-    if (i.root and i.opcode == "compare" and i.attr("direction") == "LT" and i.results == (hlo.Array("pred", ()),)
-        and len(i.operands) == 2 and i.operands[1] in consts):
-      return consts[i.operands[1]], gtes.get(i.operands[0])
-  return None
-
-
-def _increment(body: list[hlo.Instruction], index: int | None) -> int:
-  """What one pass of a loop body adds to tuple element `index` (its counter); 1 if unclear.
-
-  The next counter is the ROOT tuple's element `index`: a chain of adds of constants
-  back to the counter read from the parameter (two adds when the compiler unrolled
-  the loop by two).
-  """
-  if index is None:
-    return 1
-  consts = _constants(body)
-  counter = {i.name for i in body if i.opcode == "get-tuple-element" and _int_scalar(i) and i.attr("index") == str(index)}
-  for i in body:  # copies and bitcasts of the counter are the counter
-    if i.opcode in ("copy", "bitcast") and _int_scalar(i) and i.operands and i.operands[0] in counter:
-      counter.add(i.name)
-  adds = {i.name: i.operands for i in body if i.opcode == "add" and _int_scalar(i) and len(i.operands) == 2}
-  root = next((i for i in body if i.root and i.opcode == "tuple"), None)
-  args = root.operands if root else ()
-  name, step = (args[index] if index < len(args) else None), 0
-  for _ in range(8):
-    if name in counter:
-      return max(1, step)
-    if name not in adds:
-      return 1
-    x, y = adds[name]
-    x, y = (y, x) if x in consts else (x, y)
-    if y not in consts:
-      return 1
-    step, name = step + consts[y], x
-  return 1
+  """Loop body -> how many times it runs per execution of its `while` (perf/hlo/loops.py)."""
+  return hlo.trip_counts(hlo.parse(hlo_text) if isinstance(hlo_text, str) else hlo_text)
 
 
 # The TPU compiler's asynchronous form on some generations (v5e in this libtpu; v4, v5p, v6e

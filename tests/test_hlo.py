@@ -64,6 +64,18 @@ def test_a_scan_loop_names_its_condition_and_body():
   assert '"known_trip_count":{"n":"5"}' in loop.attr("backend_config")   # kept as written
 
 
+def test_a_scan_over_stacked_weights_reads_its_trip_count_and_state():
+  def f(x, ws):
+    return jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x, ws)[0]
+  text = _compile(f, jnp.ones((4, 8), jnp.float32), jnp.ones((5, 8, 8), jnp.float32))
+  [w] = hlo.whiles(hlo.parse(text))
+  assert (w.trip_count, w.stacked(5)) == (5, 1) and {w.condition, w.body} == set(w.instruction.called)
+  assert hlo.trip_counts(hlo.parse(text)) == {w.body: 5}
+  # The compiler's known_trip_count (backend_config JSON) is what counts when written (the
+  # `i < N` fallback is pinned by tests/test_costs.py's hand-written loops).
+  assert hlo.whiles(hlo.parse(text.replace('"known_trip_count":{"n":"5"}', '"known_trip_count":{"n":"7"}')))[0].trip_count == 7
+
+
 def test_a_collective_permute_on_the_cpu_mesh():
   mesh = make_mesh(MeshConfig(ici=(8,), axes=("x",)))
   shift = jax.shard_map(lambda a: jax.lax.ppermute(a, "x", [(i, (i + 1) % 8) for i in range(8)]),

@@ -2,13 +2,15 @@
 
 `parse(text)` cuts a module into its computations and each instruction into a record
 (name, opcode, result arrays, operands, called computations, attributes as written);
-`groups` reads replica groups in every form the compilers print; `dtypes` is the one
-table of element sizes. Collectives, loops, costs, MXU fill, buffers and the sharding
+`groups` reads replica groups in every form the compilers print; `loops` each `while`
+and its trip count; `dtypes` is the one table of element sizes. Collectives, loops, costs, MXU fill, buffers and the sharding
 report are queries over these records. A leaf: it imports nothing else of shardax, so
 `sharding/` may import it.
 """
 
 from shardax.perf.hlo.dtypes import BYTES, nbytes
-from shardax.perf.hlo.module import Array, arrays, Computation, Instruction, Module, parse
+from shardax.perf.hlo.module import Array, arrays, Computation, Instruction, logical_layouts, Module, parse
+from shardax.perf.hlo.loops import trip_counts, While, whiles
 
-__all__ = ["Array", "arrays", "BYTES", "Computation", "Instruction", "Module", "nbytes", "parse"]
+__all__ = ["Array", "arrays", "BYTES", "Computation", "Instruction", "logical_layouts", "Module", "nbytes",
+           "parse", "trip_counts", "While", "whiles"]

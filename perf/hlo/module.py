@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import re
 from typing import Iterator
 
@@ -111,6 +112,15 @@ class Instruction:
   def attr(self, key: str, default: str = "") -> str:
     return self.attributes.get(key, default)
 
+  @functools.cached_property
+  def backend_config(self) -> dict:
+    """The `backend_config=` attribute read as JSON ({} when absent or not JSON)."""
+    try:
+      config = json.loads(self.attributes.get("backend_config", ""))
+    except ValueError:
+      return {}
+    return config if isinstance(config, dict) else {}
+
   @property
   def replica_groups(self) -> str:
     """The `replica_groups=` / `source_target_pairs=` attribute as written ("" if none)."""
@@ -172,6 +182,15 @@ class Module:
     """An instruction's operands' arrays: written inline, else each operand's definition's."""
     return inst.inline_operand_arrays or tuple(
         a for o in inst.operands if o in self.instructions for a in self.instructions[o].results)
+
+
+_TILED_LAYOUT = re.compile(r"\{([\d,]*):[^}]*\}")  # {minor_to_major:T(...)S(...)}
+
+
+def logical_layouts(text: str) -> str:
+  """HLO text with layouts cut to their dim order: tiles and memory spaces go
+  (`{1,0:T(8,128)S(1)}` -> `{1,0}`), and a scalar's layout (`{:S(2)}`) goes entirely."""
+  return _TILED_LAYOUT.sub(lambda m: "{" + m.group(1) + "}" if m.group(1) else "", text)
 
 
 def split_top(text: str, sep: str = ",") -> list[str]:
