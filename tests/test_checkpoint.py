@@ -232,6 +232,23 @@ def test_structure_mismatch_is_a_clear_error(tmp_path):
   gc.collect()
 
 
+@pytest.mark.parametrize("name, mode", [("lm.tiny", "train first (--mode=train)"),
+                                        ("hf:/some/model", "import or train first (--mode=import / --mode=train)")])
+def test_restore_params_of_an_empty_job_dir_names_the_mode_that_writes_one(tmp_path, name, mode):
+  import dataclasses
+  from shardax import configs
+  from shardax.sharding import make_mesh
+  from shardax.trainer import model_setup
+  cfg = configs.get("lm.tiny")
+  configs.apply_overrides(cfg, ["model.num_layers=1", "model.d_model=32", "model.num_heads=2",
+                                "model.d_ff=64", "mesh.ici=(1, 1)"])
+  exp = dataclasses.replace(configs.build(cfg), name=name)
+  setup = model_setup.create(exp, make_mesh(exp.mesh, jax.devices()[:1]))
+  with pytest.raises(FileNotFoundError) as err:
+    checkpoint.restore_params(setup, str(tmp_path))
+  assert str(err.value) == f"no checkpoint in {tmp_path}/checkpoints; {mode}"
+
+
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                     reason="signal handlers can only be installed from the main thread")
 def test_sigterm_marks_preemption_without_killing(tmp_path):
