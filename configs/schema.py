@@ -22,24 +22,6 @@ from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spe
 from shardax.sharding.mesh import MeshConfig
 
 
-# Model class of each model config class. layers/ registers its models (layers/__init__.py),
-# so the configs stay a leaf that imports nothing of layers/ or trainer/.
-_MODELS: dict[type, Any] = {}
-
-
-def register_model(config_cls: type, model_cls: Any) -> None:
-  _MODELS[config_cls] = model_cls
-
-
-def make_model(cfg: Any, rngs):
-  """`model_cls(cfg, rngs=rngs)` for the class registered for type(cfg)."""
-  cls = _MODELS.get(type(cfg))
-  if cls is None:
-    raise ConfigError(f"no model is registered for {type(cfg).__name__}; import shardax.layers "
-                      f"(it registers the model classes)")
-  return cls(cfg, rngs=rngs)
-
-
 # model.remat: recompute policies, and offload policies that move the saved tensors to host
 # memory (layers/transformer.py REMAT_POLICIES). model.attention: layers/attention.py.
 REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_proj", "moe_matmuls", "moe_returned")
@@ -176,10 +158,6 @@ class TransformerConfig:
     schema does not import layers/; the attention layer reads the record's fields)."""
     return attention_lib.AttentionOptions(self.attention, window=self.attention_window, softcap=self.attention_softcap,
                             flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
-
-  def make(self, rngs):
-    """The model this config describes (the trainer calls this, abstractly and for real)."""
-    return make_model(self, rngs)
 
   def batch_fields(self, data: DataConfig) -> dict[str, tuple[tuple[int, ...], str, tuple[str, ...]]]:
     """Per-example shape, dtype and logical axes (batch first) of each batch field."""

@@ -1,8 +1,9 @@
 """Model configs for images and volumes: a 3D U-Net and a small 2D classifier.
 
 They plug into the trainer through the same seam as `TransformerConfig`:
-`make(rngs)`, `batch_fields(data)`, `tokens_per_example(data)` (= voxels or pixels, so
-"tokens/s" reads as voxels/s) and `flops_per_example(data)`.
+`batch_fields(data)`, `tokens_per_example(data)` (= voxels or pixels, so "tokens/s" reads
+as voxels/s) and `flops_per_example(data)`; their modules are built through their model
+families (models/vision.py), so these configs stay data.
 
 FLOPs are counted from the convolutions alone: one conv does
 outputs x kernel_volume x C_in x C_out multiply-accumulates (MACs), 2 FLOPs each, and
@@ -92,10 +93,6 @@ class _VisionConfig:
 class UNet3DConfig(_VisionConfig):
   """3D U-Net for per-voxel segmentation (layers/unet.py)."""
 
-  def make(self, rngs):
-    from shardax.layers.unet import UNet3D
-    return UNet3D(self, self.in_channels, rngs=rngs)
-
   def batch_fields(self, data: DataConfig) -> dict:
     fields = _image_fields(data, 3, self.in_channels, self.num_classes, True, "the 3D U-Net")
     _require(min(self._spatial(data)) >= 2 ** self.levels,
@@ -124,10 +121,6 @@ class ClassifierConfig(_VisionConfig):
   """Small 2D CNN classifier (layers/classifier.py)."""
   channels: int = 16
   num_classes: int = 10
-
-  def make(self, rngs):
-    from shardax.layers.classifier import ImageClassifier
-    return ImageClassifier(self, self.in_channels, rngs=rngs)
 
   def batch_fields(self, data: DataConfig) -> dict:
     return _image_fields(data, 2, self.in_channels, self.num_classes, False, "the classifier")

@@ -12,10 +12,6 @@ from shardax.layers.norm import LayerNorm, RMSNorm, make_norm
 from shardax.layers.blocks import apply_layers, block_fn, stacked_blocks
 from shardax.layers.transformer import REMAT_POLICIES, Block, LayerStack, TransformerLM
 from shardax.layers.unet import UNet3D
-from shardax.configs import schema as _schema
-
-# The configs name no layers (a leaf); the models they make are registered here.
-_schema.register_model(_schema.TransformerConfig, TransformerLM)
 
 __all__ = [
     "REMAT_POLICIES", "Attention", "Block", "DenseGeneral", "Embed", "GatedMLP", "Gating",

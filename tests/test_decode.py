@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from shardax import configs
+from shardax import configs, models
 from shardax.sharding import make_mesh
 from shardax.trainer import decode
 from shardax.trainer import state as state_lib
@@ -32,7 +32,7 @@ def params_of(exp, seed=0, scale=2.0):
   one token), so a broken mask or cache would go unnoticed; doubled weights give sharp
   attention and varied, context-dependent tokens."""
   from flax import nnx
-  make = lambda key: nnx.to_pure_dict(nnx.state(exp.model.make(nnx.Rngs(params=key)), nnx.Param))
+  make = lambda key: nnx.to_pure_dict(nnx.state(models.build(exp.model, nnx.Rngs(params=key)), nnx.Param))
   with nnx.use_eager_sharding(False):
     return jax.device_get(jax.tree.map(lambda a: a * scale, jax.jit(make)(jax.random.key(seed))))
 
@@ -59,7 +59,7 @@ def assert_greedy_matches_full_forward(exp, params, batch, new_ids):
   for i, (p, new) in enumerate(zip(batch, new_ids)):
     seqs[i, :p.size + NEW] = np.concatenate([p, new])
   from flax import nnx
-  graphdef = nnx.split(nnx.eval_shape(lambda: model_cfg.make(nnx.Rngs(0))), nnx.Param, ...)[0]
+  graphdef = nnx.split(nnx.eval_shape(lambda: models.build(model_cfg, nnx.Rngs(0))), nnx.Param, ...)[0]
   logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, seqs))
   for i, p in enumerate(batch):
     want = logits[i, p.size - 1:p.size - 1 + NEW].argmax(-1)

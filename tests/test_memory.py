@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardax import configs, layers  # noqa: F401  (registers the models)
+from shardax import configs, models
 
 
 def _build(*sets):
@@ -19,7 +19,7 @@ def _build(*sets):
 
 def _value_and_grad(model_cfg, batch):
   with nnx.use_eager_sharding(False):
-    graphdef, state = nnx.split(model_cfg.make(nnx.Rngs(0)))
+    graphdef, state = nnx.split(models.build(model_cfg, nnx.Rngs(0)))
   loss = lambda s: nnx.merge(graphdef, s).loss_and_metrics(batch)[0]
   return jax.jit(jax.value_and_grad(loss))(state)
 

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from shardax import models
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import decode
 from shardax.trainer import state as state_lib
@@ -45,7 +46,7 @@ def dropped_in_training_forward(exp, params, batch):
   """The fraction of its token copies each MoE layer drops in the training config's forward
   over `batch` on exp's mesh."""
   setup = state_lib.create(exp, make_mesh(exp.mesh))
-  graphdef = nnx.split(nnx.eval_shape(lambda: exp.model.make(nnx.Rngs(0))), nnx.Param, ...)[0]
+  graphdef = nnx.split(nnx.eval_shape(lambda: models.build(exp.model, nnx.Rngs(0))), nnx.Param, ...)[0]
   tokens, _ = decode.Generator(exp.model, params).padded(batch, NEW)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     stats = jax.jit(lambda p, t: nnx.merge(graphdef, p).forward(t, deterministic=True)[1])(

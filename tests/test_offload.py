@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardax import configs
+from shardax import configs, models
 from shardax.perf import hardware, plan, stepmodel
 
 
@@ -30,7 +30,7 @@ def test_offload_policies_give_the_plain_gradients():
   out = {}
   for remat in ("none", "offload", "offload_proj"):
     with nnx.use_eager_sharding(False):
-      graphdef, state = nnx.split(dataclasses.replace(exp.model, remat=remat).make(nnx.Rngs(0)))
+      graphdef, state = nnx.split(models.build(dataclasses.replace(exp.model, remat=remat), nnx.Rngs(0)))
     loss = lambda s: nnx.merge(graphdef, s).loss_and_metrics({"inputs": tokens, "targets": tokens})[0]
     out[remat] = jax.jit(jax.value_and_grad(loss))(state)
   for remat in ("offload", "offload_proj"):

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from shardax import configs, pipeline
+from shardax import configs, models, pipeline
 from shardax.configs.schema import ConfigError
 from shardax.perf.hlo import groups as replica_groups
 from shardax.sharding import report, use_rules
@@ -227,7 +227,7 @@ def test_pipelined_init_is_the_unpipelined_init_restacked():
   params = {}
   for stages in (1, 4):
     cfg = experiment(*CASES["S4_M4_R2_stage4xdata2_2d"][:3]) if stages > 1 else experiment()
-    model = cfg.model.make(nnx.Rngs(params=0))
+    model = models.build(cfg.model, nnx.Rngs(params=0))
     params[stages] = nnx.to_pure_dict(nnx.state(model, nnx.Param))
   np.testing.assert_array_equal(params[4]["embed"]["embedding"], params[1]["embed"]["embedding"])
   for a, b in zip(jax.tree.leaves(pipeline.unstage_params(params[4]["layers"], 2)),

@@ -42,6 +42,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding
 
+from shardax import models
 from shardax.layers.attention import CacheSpec, default_positions
 from shardax.layers.transformer import unit_layer
 from shardax.sharding import rules as rules_lib
@@ -177,7 +178,7 @@ def cache_summary(exp, mesh, rules) -> str | None:
   """One line for explain / dry-run reports: the decode cache for train.global_batch rows
   of model.max_len slots, its split and bytes per device (None for models without one)."""
   cfg = decode_config(exp.model)
-  model = nnx.eval_shape(lambda: cfg.make(nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(0)))
   if not hasattr(model, "cache_spec"):
     return None
   rows, length = exp.train.global_batch, cfg.max_len
@@ -206,7 +207,7 @@ class Generator:
     self.params, self.mesh, self.rules = params, mesh, rules
     self.allow_uneven, self.use_cache = allow_uneven, use_cache
     self.tokenizer = tok or tokenizer()
-    abstract = nnx.eval_shape(lambda: self.model_cfg.make(nnx.Rngs(0)))
+    abstract = nnx.eval_shape(lambda: models.build(self.model_cfg, nnx.Rngs(0)))
     self.graphdef = nnx.split(abstract, nnx.Param, ...)[0]
     self._abstract_model = abstract
     self._compiled: dict = {}

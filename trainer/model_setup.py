@@ -17,15 +17,16 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from shardax import layers  # noqa: F401  (registers the model classes the configs make)
+from shardax import models
 from shardax.configs.schema import Experiment
 from shardax.sharding import params as params_lib
 from shardax.sharding import rules as rules_lib
 
 
 def build_model(cfg: Any, rngs: nnx.Rngs) -> nnx.Module:
-  """Any model config with `make(rngs)`, `batch_fields(data)`; the model has `loss_and_metrics`."""
-  return cfg.make(rngs)
+  """The module of a model config, through its family's spec (models/); the config also has
+  `batch_fields(data)`, and the module has `loss_and_metrics`."""
+  return models.spec_for(cfg).build(cfg, rngs)
 
 
 @dataclasses.dataclass(frozen=True)
