@@ -98,6 +98,7 @@ class _Module:
   callees: dict[str, list[str]]        # computation -> computations it names
   whiles: dict[str, list[tuple[str, str, int]]]  # computation -> (cond, body, trip)
   stacked: dict[str, int] = dataclasses.field(default_factory=dict)  # loop body -> Loop.stacked
+  records: hlo.Module | None = None    # the parsed module
 
 
 def _split(hlo_text: str) -> _Module:
@@ -116,7 +117,7 @@ def _split(hlo_text: str) -> _Module:
     trip = 1 if w.trip_count is None else w.trip_count
     whiles.setdefault(w.computation, []).append((w.condition, w.body, trip))
     stacked[w.body] = w.stacked(trip)
-  return _Module(mod.prefix, blocks, mod.entry, callees, whiles, stacked)
+  return _Module(mod.prefix, blocks, mod.entry, callees, whiles, stacked, mod)
 
 
 def _reachable(mod: _Module, root: str) -> list[str]:
@@ -176,8 +177,6 @@ def _loops_started_in(mod: _Module, comp: str) -> list[tuple[str, str, int]]:
 def of_hlo_text(hlo_text: str) -> Costs:
   """Loop-aware costs of compiled HLO text (`compiled.as_text()`)."""
   mod = _split(hlo_text)
-  eight_bit = any(f" {t}[" in hlo_text for t in ops.EIGHT_BIT)
-  shapes = ops.result_shapes(hlo_text.splitlines()) if eight_bit or "custom-call(" in hlo_text else {}
   whole = functools.lru_cache(None)(lambda c: _xla_cost(_standalone(mod, c)))
   loops: list[Loop] = []
   pieces: list[Piece] = []
@@ -188,10 +187,10 @@ def of_hlo_text(hlo_text: str) -> Costs:
     started = _loops_started_in(mod, comp)
     own = {k: whole(comp)[k] - sum(whole(b)[k] + whole(c)[k] for c, b, _ in started) for k in _KEYS}
     inside = _inside(mod, comp)
-    lines = [line for c in mod.blocks if c in inside for line in mod.blocks[c]]
-    calls = tuple(ops.custom_call_ops(lines, shapes))
+    insts = [i for c in mod.blocks if c in inside for i in mod.records.computations[c].instructions]
+    calls = tuple(ops.custom_call_ops(mod.records, insts))
     # 8-bit dots: XLA counted their FLOPs; the piece keeps them apart, at their own rate.
-    dots8 = tuple(ops.eight_bit_dots(lines, shapes)) if eight_bit else ()
+    dots8 = tuple(ops.eight_bit_dots(mod.records, insts))
     pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
                         own["transcendentals"], trips, calls + dots8, around))
     for c in inside:

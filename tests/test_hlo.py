@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.perf import hlo
-from shardax.perf.hlo import dtypes
+from shardax.perf.hlo import dtypes, matmuls
 from shardax.sharding import MeshConfig, make_mesh, topology
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
@@ -74,6 +74,25 @@ def test_a_scan_over_stacked_weights_reads_its_trip_count_and_state():
   # The compiler's known_trip_count (backend_config JSON) is what counts when written (the
   # `i < N` fallback is pinned by tests/test_costs.py's hand-written loops).
   assert hlo.whiles(hlo.parse(text.replace('"known_trip_count":{"n":"5"}', '"known_trip_count":{"n":"7"}')))[0].trip_count == 7
+
+
+def test_a_convolution_counts_its_real_taps_as_xla_does():
+  """A 3x3 "SAME" convolution of [2, 8, 8, 4] into 6 features, counted by hand: per spatial
+  dim 8 outputs x 3 taps less the 2 that read padding at the edges = 22 (output, tap)
+  pairs; 2 x batch 2 x 6 out x 4 in x 22 x 22 = 46464 FLOPs (window size x positions would
+  say 55296; rows x in x out, 6144). XLA's cost analysis says the same."""
+  conv = lambda x, w: jax.lax.conv_general_dilated(x, w, (1, 1), "SAME", dimension_numbers=("NHWC", "HWIO", "NHWC"))
+  compiled = jax.jit(conv).lower(jnp.ones((2, 8, 8, 4)), jnp.ones((3, 3, 4, 6))).compile()
+  [mm] = matmuls.matmuls(hlo.parse(compiled.as_text()))
+  assert mm.instruction.opcode == "convolution" and mm.result == hlo.Array("f32", (2, 8, 8, 6))
+  assert mm.flops == 2 * 2 * 6 * 4 * 22 * 22 == compiled.cost_analysis()["flops"]
+  assert mm.mnk == (2 * 8 * 8, 4, 6)   # a padded window adds no depth to the matrix unit's K
+
+
+def test_a_dot_counts_result_times_contraction():
+  x, w = jnp.ones((3, 16, 32), jnp.float32), jnp.ones((3, 32, 8), jnp.float32)
+  [mm] = matmuls.matmuls(hlo.parse(_compile(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), x, w)))
+  assert (mm.dtype, mm.flops, mm.mnk) == ("f32", 2 * 3 * 16 * 8 * 32, (16, 32, 8))
 
 
 def test_a_collective_permute_on_the_cpu_mesh():

@@ -11,6 +11,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.sharding import topology
 from shardax.perf import hardware, costs, error_bar, mxu, stepmodel
+from shardax.perf import hlo as perf_hlo
+from shardax.perf.hlo import matmuls
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
@@ -119,8 +121,8 @@ def test_a_dot_written_as_a_windowed_convolution_contracts_over_its_taps():
   hlo = """  %a = bf16[1,1024,2,64]{3,2,1,0} parameter(0)
   %b = bf16[2,64,2048,1]{3,2,1,0} parameter(1)
   ROOT %convolution.228 = bf16[8,128,2048,1]{2,1,0,3} convolution(%a, %b), window={size=2x1}, dim_labels=1b0f_0io1->1bf0"""
-  lines = hlo.splitlines()
-  m, k, n, _ = mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))
+  [mm] = matmuls.matmuls(perf_hlo.parse(hlo))
+  m, k, n = mm.mnk
   assert (k, n) == (128, 2048) and mxu.utilization(m, k, n, 128) == 1.0
 
 
@@ -130,8 +132,8 @@ def test_a_padded_window_dim_is_a_diagonal_not_depth():
   hlo = """  %a = bf16[128,8,2,64,4]{4,3,2,1,0} parameter(0)
   %b = bf16[2,64,4,128,1]{4,3,2,1,0} parameter(1)
   ROOT %convolution.222 = bf16[8,128,4,128,1]{3,1,4,2,0} convolution(%a, %b), window={size=1x4x2 pad=0_0x3_3x0_0 rhs_reversal=0x1x0}, dim_labels=0b2f1_2i1o0->0b1f2"""
-  lines = hlo.splitlines()
-  assert mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))[1] == 128
+  [mm] = matmuls.matmuls(perf_hlo.parse(hlo))
+  assert mm.mnk[1] == 128
 
 
 def test_strided_dilated_window_dims_are_diagonals_not_depth():
@@ -141,6 +143,6 @@ def test_strided_dilated_window_dims_are_diagonals_not_depth():
   hlo = """  %q = bf16[4,4096,32,128]{1,3,2,0} parameter(0)
   %k = bf16[4,4096,32,128]{1,3,2,0} parameter(1)
   ROOT %convolution-base-dilated.23 = f32[4,32,4096,4096]{3,2,1,0} convolution(%q, %k), window={size=4x32 stride=3x31 lhs_dilate=4x32}, dim_labels=0b1f_0o1i->01bf"""
-  lines = hlo.splitlines()
-  m, k, n, _ = mxu.dot_shape(lines[2], mxu.ops.result_shapes(lines))
+  [mm] = matmuls.matmuls(perf_hlo.parse(hlo))
+  m, k, n = mm.mnk
   assert k == 128 and mxu.utilization(m, k, n, 256) == 0.5

@@ -48,6 +48,14 @@ def test_each_op_is_priced_at_its_kinds_efficiency():
   assert ops.seconds("xla", "bf16", GEMM, v5e) == pytest.approx(GEMM / (197e12 * 0.8))
 
 
+def test_every_8bit_type_of_the_dtype_table_runs_on_its_own_units():
+  h100 = hardware.lookup("NVIDIA H100 80GB HBM3")
+  assert h100.peak_fp8_flops > h100.peak_bf16_flops
+  for dtype in ("f8e4m3fn", "f8e5m2", "f8e3m4", "f8e8m0fnu"):
+    assert ops.peak(h100, dtype) == h100.peak_fp8_flops, dtype
+  assert ops.peak(h100, "s8") == h100.peak_int8_flops and ops.peak(h100, "f32") == h100.peak_bf16_flops
+
+
 def test_a_gpu_step_is_priced_with_its_library_calls():
   """The step model's compute of the program above: 0 without the custom calls."""
   from shardax.perf import stepmodel

@@ -241,7 +241,7 @@ def test_tpu_convolution_forms_of_8bit_dots_count_only_real_taps():
   """Lines of a v6e:2x2 int8 compile (lm with d_model 256, 4 heads of 64, 1024 tokens per
   chip): the TPU compiler writes the q projection as a window of 4 taps over padding, of
   which one is real, and a weight gradient as a window over the token dim."""
-  from shardax.perf import ops
+  from shardax.perf import hlo, ops
   q_proj = ['%a = s8[8,128,256,1]{2,1,3,0:T(8,128)(4,1)} fusion(%p), kind=kLoop, calls=%f',
             '%b = s8[256,4,64,1]{0,2,1,3:T(8,128)(4,1)} fusion(%p), kind=kLoop, calls=%f',
             '%c = bf16[8,128,4,64]{1,3,2,0:T(8,128)(2,1)} convolution(%a, %b), window={size=1x4 '
@@ -249,5 +249,5 @@ def test_tpu_convolution_forms_of_8bit_dots_count_only_real_taps():
   w_grad = ['%x = s8[8,128,1024]{2,1,0} fusion(%p), calls=%f', '%y = s8[8,128,256]{2,1,0} fusion(%p), calls=%f',
             '%z = bf16[1024,256,1]{1,0,2} convolution(%x, %y), window={size=8}, dim_labels=0fb_0io->bf0']
   for lines, flops in ((q_proj, 2.0 * 1024 * 256 * 4 * 64), (w_grad, 2.0 * 1024 * 1024 * 256)):
-    (found,) = ops.eight_bit_dots(lines, ops.result_shapes(lines))
+    (found,) = ops.eight_bit_dots(hlo.parse("\n".join(lines)))
     assert found == ("xla", "s8", flops)

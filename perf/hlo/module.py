@@ -37,6 +37,7 @@ _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _REF = re.compile(r"%?([\w.\-]+)\s*$")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\d+)')   # metadata={op_name="..." stack_frame_id=7}
 # Attributes that name one called computation, and those that name a list of them.
 CALL_KEYS = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation")
 CALL_LIST_KEYS = ("branch_computations", "called_computations")
@@ -111,6 +112,12 @@ class Instruction:
 
   def attr(self, key: str, default: str = "") -> str:
     return self.attributes.get(key, default)
+
+  @functools.cached_property
+  def metadata(self) -> dict[str, str]:
+    """The `metadata={...}` fields (op_name, source_file, source_line, stack_frame_id), quotes
+    taken off string values, escapes kept as written."""
+    return {k: v[1:-1] if v.startswith('"') else v for k, v in _FIELD.findall(self.attributes.get("metadata", ""))}
 
   @functools.cached_property
   def backend_config(self) -> dict:
