@@ -12,22 +12,20 @@ compile and cached with the calibration rows (benchmarks/calibrate.py).
 from __future__ import annotations
 
 import collections
-import re
 
+from shardax.perf import hlo
+from shardax.perf.hlo import matmuls
 from shardax.sharding import report
-
-_FUSION = re.compile(r"\sfusion\(.*?kind=(k\w+)")
-_DOT = re.compile(r"\s(?:dot|convolution)\(")
 
 
 def summary(hlo_text: str, collectives=None) -> dict:
   """The counts of `hlo_text`; `collectives`: its `report.collectives`, when read already
   (costs.of_hlo_text holds them), else read here."""
   fusions, dots = collections.Counter(), 0
-  for line in hlo_text.splitlines():
-    if m := _FUSION.search(line):
-      fusions[m.group(1)] += 1
-    elif _DOT.search(line) and "=" in line:
+  for inst in hlo.parse(hlo_text):
+    if inst.opcode == "fusion" and inst.attr("kind").startswith("k"):
+      fusions[inst.attr("kind")] += 1
+    elif inst.opcode in matmuls.OPCODES:
       dots += 1
   kinds: dict[str, dict] = {}
   for c in report.collectives(hlo_text) if collectives is None else collectives:
