@@ -45,6 +45,19 @@ def config_tree(cls: type, **values: Any) -> fdl.Config:
   return cfg
 
 
+def config_of(value: Any) -> fdl.Config:
+  """The config tree of a dataclass value (e.g. a named shape, configs/shapes.py): every field
+  set from `value`, dataclass-valued fields as trees of their own, so `--set` reaches them as
+  on any other experiment and building the tree gives back an equal value."""
+  if not dataclasses.is_dataclass(value) or isinstance(value, type):
+    raise TypeError(f"config_of takes a dataclass instance, got {type(value).__name__}")
+  cfg = fdl.Config(type(value))
+  for f in (f for f in dataclasses.fields(value) if f.init):
+    v = getattr(value, f.name)
+    setattr(cfg, f.name, config_of(v) if dataclasses.is_dataclass(v) and not isinstance(v, type) else v)
+  return cfg
+
+
 def experiment(**values: Any) -> fdl.Config:
   """A full experiment config tree with defaults; the starting point of every experiment."""
   return config_tree(Experiment, **values)

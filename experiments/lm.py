@@ -1,16 +1,18 @@
-"""Dense Transformer language models, from a CPU default up to benchmark sizes."""
+"""Dense Transformer language models, from a CPU default up to benchmark sizes.
 
-from shardax.configs import experiment, register
+Each starts from a named shape (configs/shapes.py) and sets its step settings with
+`dataclasses.replace`; the rest of the experiment (data, train, optimizer) is set field by field.
+"""
+
+import dataclasses
+
+from shardax.configs import experiment, register, shapes
+from shardax.configs.registry import config_of
 
 
 @register("lm.tiny", "4-layer byte-level LM on the Python stdlib corpus; trains on a laptop CPU in minutes")
 def tiny():
-  cfg = experiment()
-  cfg.model.num_layers = 4
-  cfg.model.d_model = 192
-  cfg.model.num_heads = 4
-  cfg.model.d_ff = 512
-  cfg.model.max_len = 128
+  cfg = experiment(model=config_of(shapes.LM_TINY))
   cfg.data.seq_len = 128
   cfg.train.steps = 250
   cfg.train.global_batch = 32
@@ -25,12 +27,7 @@ def tiny():
 
 @register("lm.small", "12-layer, 768-wide byte-level LM (~85M params) for benchmarks")
 def small():
-  cfg = experiment()
-  cfg.model.num_layers = 12
-  cfg.model.d_model = 768
-  cfg.model.num_heads = 12
-  cfg.model.d_ff = 3072
-  cfg.model.max_len = 512
+  cfg = experiment(model=config_of(shapes.LM_SMALL))
   cfg.data.seq_len = 512
   cfg.train.steps = 2000
   cfg.train.global_batch = 16
@@ -42,9 +39,8 @@ def small():
 
 @register("lm.1b", "24-layer, 2048-wide LM (~1.2B params), bf16, cuDNN attention: the one-GPU benchmark size")
 def one_b():
-  """GPT-3 XL's shape (24 x 2048, 16 heads of 128) with a llama-style gated MLP (d_ff 5632,
-  so the MLP has the 2 x 4d x d parameters of a plain one); byte-level vocabulary, so the
-  embedding is 0.5M of the 1.23B parameters.
+  """GPT-3 XL's shape with a gated MLP (configs/shapes.py LM_1B); byte-level vocabulary, so
+  the embedding is 0.5M of the 1.23B parameters.
 
   The step settings are the fastest measured on one H100 (docs/performance.md, 2026-11-23):
   remat 'dots' beat no remat (the saved elementwise outputs cost more memory traffic than
@@ -53,15 +49,8 @@ def one_b():
   f32 state: 0.52 s a step, 51% MFU. The compiled step takes 47 GiB, inside the 75% of an
   80 GB GPU that jax reserves by default; lower train.global_batch on a smaller one."""
   cfg = small()
-  cfg.model.num_layers = 24
-  cfg.model.d_model = 2048
-  cfg.model.num_heads = 16
-  cfg.model.d_ff = 5632
-  cfg.model.max_len = 2048
-  cfg.model.dtype = "bfloat16"
-  cfg.model.attention = "fused"
-  cfg.model.remat = "dots"
-  cfg.model.scan_layers = False
+  cfg.model = config_of(dataclasses.replace(shapes.LM_1B, dtype="bfloat16", attention="fused",
+                                            remat="dots", scan_layers=False))
   cfg.data.seq_len = 2048
   cfg.train.global_batch = 16
   cfg.optimizer.learning_rate = 3e-4

@@ -90,3 +90,14 @@ def test_the_hf_architectures_reach_their_family_and_adapter():
     assert spec.name == "lm" and spec.hf.config is hf_config and spec.hf.weights is hf_weights
   with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
     models.for_hf_architecture("GPT2LMHeadModel")
+
+
+def test_a_named_shape_enters_an_experiment_as_a_tree_that_set_still_reaches():
+  from shardax.configs import registry, shapes
+  from shardax.configs.moe import MoEConfig
+  value = dataclasses.replace(shapes.LM_TINY, moe=MoEConfig(num_experts=4), remat="dots")
+  tree = registry.apply_overrides(configs.experiment(model=registry.config_of(value)),
+                                  ["model.moe.num_experts=8", "model.num_layers=2", "data.seq_len=128"])
+  assert configs.build(tree).model == dataclasses.replace(value, moe=MoEConfig(num_experts=8),
+                                                          num_layers=2)
+  assert configs.build(configs.get("lm.tiny")).model == shapes.LM_TINY
