@@ -29,7 +29,8 @@ import json
 import os
 import re
 
-from shardax.sharding import hlo_text
+from shardax.perf import hlo as hlo_lib
+from shardax.perf.hlo import sources as hlo_sources
 
 # Memory colors of the TPU compiler's buffer assignment: 0 HBM, 1 vmem, 2 smem, and 5 the
 # host memory that offloaded activations go to (jax's pinned_host; layout tag S(5)): its temp
@@ -42,8 +43,6 @@ _SPACES = {0: "device", 1: "vmem", 2: "smem", 5: "host"}
 _ALLOC = re.compile(r"^allocation (\d+): size (\d+)(?:, color (\d+))?, (.*):$")
 _VALUE = re.compile(r"^ value: <\d+ ([^{ >]+)(\{[\d,]*\})?(?: \(phi\))? @\d+> "
                     r"\(size=(\d+),offset=(\d+)\): (.*)$")
-_ARRAY = re.compile(r"^(\w+)\[([\d,]*)\]")
-_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (.*metadata=\{.*)$", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,18 +90,18 @@ class _Sources:
   """op_name and source line of each instruction, from the scheduled HLO's metadata."""
 
   def __init__(self, hlo: str):
-    self.lines = dict(_INSTR.findall(hlo))
-    self.read = hlo_text.Sources(hlo)
+    mod = hlo_lib.parse(hlo)
+    self.described = {i.name: i for i in mod if "metadata" in i.attributes}
+    self.read = hlo_sources.Sources(mod)
 
   def __call__(self, instruction: str) -> tuple[str, str]:
-    line = self.lines.get(instruction) or self.lines.get(instruction.split(".remat")[0]) or ""
-    return self.read(line)
+    """A rematerialized copy (`name.remat2`) without metadata of its own reads its original's."""
+    return self.read(self.described.get(instruction) or self.described.get(instruction.split(".remat")[0]))
 
 
 def _array(shape: str) -> tuple[str, tuple[int, ...]]:
-  if m := _ARRAY.match(shape):
-    return m.group(1), tuple(int(d) for d in m.group(2).split(",") if d)
-  return "tuple", ()
+  found = hlo_lib.arrays(shape)
+  return (found[0].dtype, found[0].dims) if found and not shape.startswith("(") else ("tuple", ())
 
 
 def read(dump_dir: str, top: int = 12, spaces: tuple[int, ...] = (DEVICE, HOST),

@@ -19,9 +19,9 @@ from typing import Any, Iterable
 import jax
 import numpy as np
 
-from shardax.sharding import hlo_text as hlo_text_lib
 from shardax.perf import hlo
 from shardax.perf.hlo import groups as replica_groups
+from shardax.perf.hlo import sources as hlo_sources
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
@@ -122,7 +122,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       parsed.append((inst, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, rest))
     elif op == "recv" and (rz := _RENDEZVOUS.search(rest)):
       receives[rz.group(1)] = name
-  sources = hlo_text_lib.Sources(hlo_text)
+  sources = hlo_sources.Sources(mod)
   runs = _executions(calls, entry) if entry else {}
   found, fused_channels, one_to_one = [], set(), {}
   for inst, kind, is_start, rest in parsed:
@@ -150,7 +150,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
       ends = [name] + ([r] if (rz := _RENDEZVOUS.search(rest)) and (r := receives.get(rz.group(1))) else [])
       matmuls = min(between.matmuls.get(e, 0) for e in ends)
       found.append(_megascale(name, kind, _bytes(inst.shape.split("u32[]")[0]), target,
-                              runs.get(comp, 1) if entry else 1, comp, sources(rest)[0],
+                              runs.get(comp, 1) if entry else 1, comp, sources(inst)[0],
                               compute_between=min(between.compute.get(e, 0) for e in ends) if matmuls else 0))
       continue
     ragged = kind == "ragged-all-to-all"
@@ -168,7 +168,7 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
     nbytes = operand_b if kind == "reduce-scatter" or ragged else max(result_b, operand_b)
     if kind == "all-to-all" and is_start and not between.matmuls.get(name):
       is_start = False   # an async all-to-all with no matmul under it hides nothing
-    op_name, source = sources(rest)
+    op_name, source = sources(inst)
     groups = inst.replica_groups
     found.append(Collective(name, kind, nbytes, replica_groups.group_size(inst.line, num_devices, kind), op_name, source,
                             runs.get(comp, 1) if entry else 1, comp, is_start or bool(fused), groups,

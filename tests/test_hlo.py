@@ -8,7 +8,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.perf import hlo
-from shardax.perf.hlo import dtypes, matmuls
+from shardax.perf.hlo import dtypes, matmuls, sources
 from shardax.sharding import MeshConfig, make_mesh, topology
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
@@ -93,6 +93,15 @@ def test_a_dot_counts_result_times_contraction():
   x, w = jnp.ones((3, 16, 32), jnp.float32), jnp.ones((3, 32, 8), jnp.float32)
   [mm] = matmuls.matmuls(hlo.parse(_compile(lambda a, b: jnp.einsum("bij,bjk->bik", a, b), x, w)))
   assert (mm.dtype, mm.flops, mm.mnk) == ("f32", 2 * 3 * 16 * 8 * 32, (16, 32, 8))
+
+
+def test_an_instructions_source_from_its_metadata():
+  """Older jax writes source_file/source_line; the op_name's escaped quotes are undone."""
+  m = hlo.parse('%a = f32[2]{0} add(%x, %y), metadata={op_name="jit(f)/it' + "\\'" + 's{x}" '
+                'source_file="/src/shardax/layers/mlp.py" source_line=12}\n%b = f32[2]{0} negate(%a)')
+  read = sources.Sources(m)
+  assert read(m.instructions["a"]) == ("jit(f)/it's{x}", "layers/mlp.py:12")
+  assert read(m.instructions["b"]) == ("", "") and read(None) == ("", "")
 
 
 def test_a_collective_permute_on_the_cpu_mesh():

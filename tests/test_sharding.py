@@ -121,7 +121,7 @@ def test_parser_handles_async_and_tuple_forms():
 def test_collective_source_walks_past_library_frames_to_the_callers_line(mesh24):
   """An all-reduce made inside optax (site-packages) is named by the line that called it:
   compiled HLO prints parent_frame_id as the parent's id + 1, and a walk that took it as
-  the id stopped at the optax frame (sharding/hlo_text.py stack_frames)."""
+  the id stopped at the optax frame (perf/hlo/sources.py stack_frames)."""
   import inspect
   import optax
 
@@ -137,7 +137,7 @@ def test_collective_source_walks_past_library_frames_to_the_callers_line(mesh24)
 
 def test_collectives_after_a_sparsecore_computation_keep_their_loop_counts():
   """v6e programs close SparseCore computations with `}, execution_thread="sparsecore"`
-  (sharding/hlo_text.py); read as still open, the loop and the entry after one were taken
+  (perf/hlo/module.py); read as still open, the loop and the entry after one were taken
   into it and the all-reduce ran once instead of 4 times per step."""
   hlo = "\n".join([
       "HloModule m, num_partitions=8", "",

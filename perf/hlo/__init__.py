@@ -3,7 +3,8 @@
 `parse(text)` cuts a module into its computations and each instruction into a record
 (name, opcode, result arrays, operands, called computations, attributes as written);
 `groups` reads replica groups in every form the compilers print; `loops` each `while`
-and its trip count; `dtypes` is the one table of element sizes. Collectives, loops, costs, MXU fill, buffers and the sharding
+and its trip count; `matmuls` each dot and convolution with its FLOPs (one rule); `sources`
+an instruction's op_name and source line; `dtypes` is the one table of element sizes. Collectives, loops, costs, MXU fill, buffers and the sharding
 report are queries over these records. A leaf: it imports nothing else of shardax, so
 `sharding/` may import it.
 """
