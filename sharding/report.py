@@ -13,7 +13,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import re
 from typing import Any, Iterable
 
 import jax
@@ -21,30 +20,16 @@ import numpy as np
 
 from shardax.perf import hlo
 from shardax.perf.hlo import groups as replica_groups
+from shardax.perf.hlo import megascale
 from shardax.perf.hlo import sources as hlo_sources
 
 COLLECTIVE_KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 
-_MEGASCALE_TYPE = re.compile(r'_xla_megascale_transfer_type="?(\w+)')
-_RENDEZVOUS = re.compile(r'_xla_host_transfer_rendezvous="([^"]+)"')
-_MEGASCALE_TARGET = re.compile(r'_xla_megascale_target=("[^"]*"|\{[^=]*?\}\})')
-_MEGASCALE_KIND = {"ALL_REDUCE": "all-reduce", "ALL_GATHER": "all-gather", "REDUCE_SCATTER": "reduce-scatter",
-                   "ALL_TO_ALL": "all-to-all", "ONE_TO_ONE": "collective-permute"}
-
-
-# Matmul work an async all-to-all can run under (the TPU compiler's dots are convolutions
-# or output fusions; grouped matmuls are Mosaic kernels).
-_MATMUL = re.compile(r"\s(?:convolution|dot)\(|kind=kOutput|tpu_custom_call")
 
 
 def _bytes(text: str) -> int:
   """Bytes of every array written in `text` (perf/hlo/dtypes.py: every XLA element type)."""
   return sum(a.nbytes for a in hlo.arrays(text))
-
-
-def _rest(inst: hlo.Instruction) -> str:
-  """An instruction's text after `opcode(`: its operands and attributes, as written."""
-  return inst.line.split(f" {inst.opcode}(", 1)[-1]
 
 
 def _executions(calls: dict[str, list[tuple[str, int]]], entry: str) -> dict[str, int]:
@@ -93,7 +78,7 @@ def trip_counts(hlo_text: str | hlo.Module) -> dict[str, int]:
 # collective into a start fusion (custom call AsyncCollectiveStart), slices fused into compute
 # fusions, and a done fusion (AsyncCollectiveDone); each part repeats the collective op with
 # the whole result shape, the same channel_id and an async_collective_fusion_config.
-_ASYNC_FUSION = re.compile(r'"async_collective_fusion_config"')
+_ASYNC_FUSION = "async_collective_fusion_config"
 
 
 def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collective]:
@@ -110,44 +95,43 @@ def collectives(hlo_text: str, num_devices: int | None = None) -> list[Collectiv
   between = _Between()
   for inst in mod:
     comp, name, op = inst.computation, inst.name, inst.opcode
-    rest = _rest(inst)
-    between.see(inst, rest)
+    between.see(inst)
     loop = (inst.attr("body").lstrip("%"), inst.attr("condition").lstrip("%")) if op == "while" else ()
     trip = loop_trips.get(loop[0], 1) if loop else 1
     calls[comp].extend((callee, trip if callee in loop else 1) for callee in inst.called)
     kind = op.removesuffix("-start")
     if kind in COLLECTIVE_KINDS or kind == "ragged-all-to-all":
-      parsed.append((inst, kind, op.endswith("-start"), rest))
-    elif op == "send" and (t := _MEGASCALE_TYPE.search(rest)):
-      parsed.append((inst, _MEGASCALE_KIND.get(t.group(1), t.group(1).lower()), None, rest))
-    elif op == "recv" and (rz := _RENDEZVOUS.search(rest)):
-      receives[rz.group(1)] = name
+      parsed.append((inst, kind, op.endswith("-start")))
+    elif op == "send" and (transfer := megascale.kind(inst)):
+      parsed.append((inst, transfer, None))
+    elif op == "recv" and (rz := megascale.rendezvous(inst)):
+      receives[rz] = name
   sources = hlo_sources.Sources(mod)
   runs = _executions(calls, entry) if entry else {}
   found, fused_channels, one_to_one = [], set(), {}
-  for inst, kind, is_start, rest in parsed:
+  for inst, kind, is_start in parsed:
     name, comp = inst.name, inst.computation
-    fused = _ASYNC_FUSION.search(rest)   # one part of the TPU compiler's async collective fusion
+    fused = _ASYNC_FUSION in inst.backend_config   # one part of the TPU compiler's async collective fusion
     if fused:
       channel = inst.attr("channel_id") or name
       if channel in fused_channels:      # its start, its slices inside a compute fusion, its done:
         continue                         # one transfer, counted once
       fused_channels.add(channel)
     if is_start is None:  # a megascale send: its tuple's first element is the buffer it sends
-      target = m.group(1) if (m := _MEGASCALE_TARGET.search(rest)) else ""
+      target = megascale.target(inst)
       if kind == "collective-permute":
         # The runtime may split one permute into sends of the same buffer from disjoint source
         # slices (a cyclic shift over 4 slices: 1->2, 2->3, 3->4 and 4->1): each chip sends in
         # one of them, so together they are one transfer, counted once.
         part = (comp, inst.operands[0] if inst.operands else name)
-        senders = {int(x) // 100000 for x in re.findall(r"(\d+)->", target)}
+        senders = megascale.senders(target)
         if part in one_to_one and senders and not senders & one_to_one[part]:
           one_to_one[part] |= senders
           continue
         one_to_one[part] = senders
       # What runs between the send and its done, and between the matching recv and its done
       # (where the receiver waits): the transfer hides behind matmul work in both, or not at all.
-      ends = [name] + ([r] if (rz := _RENDEZVOUS.search(rest)) and (r := receives.get(rz.group(1))) else [])
+      ends = [name] + ([r] if (r := receives.get(megascale.rendezvous(inst))) else [])
       matmuls = min(between.matmuls.get(e, 0) for e in ends)
       found.append(_megascale(name, kind, _bytes(inst.shape.split("u32[]")[0]), target,
                               runs.get(comp, 1) if entry else 1, comp, sources(inst)[0],
@@ -188,24 +172,27 @@ class _Between:
   def __init__(self):
     self.open: dict[str, list[str]] = collections.defaultdict(list)  # computation -> open starts
     self.compute: dict[str, int] = collections.Counter()
-    self.matmuls: dict[str, int] = collections.Counter()   # of those, the matmul work (_MATMUL)
+    # Of those, the matmul work an async all-to-all can run under (the TPU compiler's dots are
+    # convolutions or output fusions; grouped matmuls are Mosaic kernels).
+    self.matmuls: dict[str, int] = collections.Counter()
     self.loops: dict[str, list[str]] = collections.defaultdict(list)
     self.concurrent: dict[str, set[str]] = collections.defaultdict(set)
 
-  def see(self, inst: hlo.Instruction, rest: str) -> None:
+  def see(self, inst: hlo.Instruction) -> None:
     comp, name, op = inst.computation, inst.name, inst.opcode
     if op.endswith("-done"):
       if inst.operands and inst.operands[0] in self.open[comp]:
         self.open[comp].remove(inst.operands[0])
     elif op in _COMPUTE_OPS:
       body = inst.attr("body").lstrip("%") if op == "while" else ""
-      matmul = op in ("convolution", "dot") or bool(_MATMUL.search(rest))
+      matmul = (op in ("convolution", "dot") or inst.attr("kind") == "kOutput"
+                or inst.attr("custom_call_target") == '"tpu_custom_call"')
       for start in self.open[comp]:
         self.compute[start] += 1
         self.matmuls[start] += matmul
         if body:
           self.loops[start].append(body)
-    if op.endswith("-start") or (op in ("send", "recv") and "is_host_transfer=true" in rest):
+    if op.endswith("-start") or (op in ("send", "recv") and inst.attr("is_host_transfer") == "true"):
       for other in self.open[comp]:
         self.concurrent[other].add(name)
         self.concurrent[name].add(other)
@@ -224,11 +211,7 @@ def _megascale(name: str, kind: str, sent: int, target: str, executions: int, co
   Asynchronous (`is_async`) when the schedule runs matmul work between its send and
   send-done and between its recv and recv-done (`compute_between`: the compute ops there).
   """
-  if s := re.match(r"\{([\d,]+)\}x", target):
-    span = len(s.group(1).split(","))
-  else:  # {{100001->200000},...}: slice x 100000 + device, pairs
-    span = len({int(x) // 100000 for x in re.findall(r"(\d+)->", target)} |
-               {int(x) // 100000 for x in re.findall(r"->(\d+)", target)}) or 2
+  span = megascale.span(target)
   nbytes = sent * span if kind == "all-gather" else sent
   return Collective(name, kind, nbytes, span, op_name, "", executions, comp, compute_between > 0, "",
                     "dcn", span, compute_between=compute_between)

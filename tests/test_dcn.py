@@ -159,6 +159,19 @@ def test_a_megascale_send_is_a_dcn_all_reduce_priced_at_the_chips_dcn_bandwidth(
   assert times["sync"]["main"] == pytest.approx(want, rel=0.01)   # exposed, not hidden
 
 
+@needs_libtpu
+def test_a_data_all_reduce_over_four_slices_spans_four():
+  """The compiler names the slices of a cross-slice all-reduce in a quoted target,
+  `"{1,2,3,4}x{0:3}"`; read past its quote it fell back to 2 slices, pricing a 4-slice
+  reduction as a 2-slice one (half its DCN traffic per chip)."""
+  mesh = make_mesh(MeshConfig(ici=(1, 4), dcn=(4, 1), topology="v5e:2x2"), devices=topology.devices("v5e:2x2", 4))
+  x = jax.ShapeDtypeStruct((16, 256), jnp.float32, sharding=NamedSharding(mesh, P("data", None)))
+  text = jax.jit(lambda a: a.sum(0), out_shardings=NamedSharding(mesh, P())).lower(x).compile().as_text()
+  assert '_xla_megascale_target="{1,2,3,4}x{0:3}"' in text
+  dcn = [c for c in report.collectives(text) if c.link == "dcn"]
+  assert [(c.kind, c.span, c.group_size, c.bytes) for c in dcn] == [("all-reduce", 4, 4, 256 * 4)]
+
+
 def _shift(name: str, pairs: str, rendezvous: str) -> tuple[str, str]:
   """A megascale one-to-one send of %buf and its recv (as the TPU compiler writes a pipeline's
   stage shift between v5p slices; lm.gpt3_175b_4slices on v5p:4x4x8, 2026-11-26)."""

@@ -120,6 +120,17 @@ class Instruction:
     return {k: v[1:-1] if v.startswith('"') else v for k, v in _FIELD.findall(self.attributes.get("metadata", ""))}
 
   @functools.cached_property
+  def frontend_attributes(self) -> dict[str, str]:
+    """The `frontend_attributes={k="v",...}` entries, quotes taken off the values."""
+    out = {}
+    for part in split_top(self.attributes.get("frontend_attributes", "").strip()[1:-1]):
+      key, eq, value = part.partition("=")
+      if eq:
+        value = value.strip()
+        out[key.strip()] = value[1:-1] if len(value) > 1 and value[0] == value[-1] == '"' else value
+    return out
+
+  @functools.cached_property
   def backend_config(self) -> dict:
     """The `backend_config=` attribute read as JSON ({} when absent or not JSON)."""
     try:
