@@ -11,7 +11,7 @@ The share of the peak a dot can reach is therefore
 
 (the compiler holds whichever operand wastes less). For K = 128 (a 128-wide attention
 head's QK^T, the PV product's output width) that is 1 on a 128 MXU and 1/2 on a 256 MXU.
-The step model's `matmul_efficiency` (0.8, chips.py) is what large matmuls reach when
+The step model's `matmul_efficiency` (0.8, perf/hardware.py) is what large matmuls reach when
 nothing pads (every dim a multiple of 128 on a 128 MXU, as in the rows it was set
 against); a piece of the program runs at that times its dots' FLOP-weighted
 utilization (`by_piece`). GPUs have no weight-stationary array (tensor cores take small

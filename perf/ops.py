@@ -14,7 +14,7 @@ reads those calls from the compiled HLO and gives each its FLOPs from its operan
                     and runs dV, dP, dQ, dK: 5 matmuls to the forward's 2).
 
 `seconds` prices every op the step model sees through the same rate table: peak of the
-operand dtype (chips.py; bf16 for 16- and 32-bit floats, whose XLA default precision runs
+operand dtype (perf/hardware.py; bf16 for 16- and 32-bit floats, whose XLA default precision runs
 on the bf16 units; `peak_int8_flops` for s8/u8 operands, `peak_fp8_flops` for the float8
 types, each falling back to bf16 on a chip without such units) times the efficiency of
 the op's kind on that chip family.
