@@ -64,13 +64,6 @@ class UserError(Exception):
   """A mistake in the command line or config: reported in one line, exit status 2."""
 
 
-def resolve_experiment(name: str, overrides: list[str]):
-  from shardax import configs
-  cfg = configs.get(name)
-  configs.apply_overrides(cfg, overrides)
-  return configs.build(cfg)
-
-
 def _set_cpu_devices(exp) -> None:
   import jax
   n = exp.mesh.num_cpu_devices
@@ -312,7 +305,7 @@ def main(argv) -> None:
       raise UserError("--job_dir is required: the directory for checkpoints and metrics")
     if FLAGS.compile_effort is not None and not -1.0 <= FLAGS.compile_effort <= 1.0:
       raise UserError(f"--compile_effort={FLAGS.compile_effort} must be in [-1, 1] (-1: fastest compile)")
-    exp = resolve_experiment(FLAGS.exp, FLAGS.set)
+    exp = configs.resolve(FLAGS.exp, FLAGS.set)
     _check_topology(exp, FLAGS.mode)
     _set_cpu_devices(exp)
     from shardax.sharding import libtpu_flags

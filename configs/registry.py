@@ -231,6 +231,12 @@ def build(cfg: fdl.Config) -> Experiment:
     raise
 
 
+def resolve(name: str, overrides: Sequence[str] = ()) -> Experiment:
+  """The registered experiment `name` with the `PATH=VALUE` overrides applied, built: what
+  `--exp=NAME --set ...` runs (unknown names, paths and failed checks raise ConfigError)."""
+  return build(apply_overrides(get(name), overrides))
+
+
 def to_text(exp: Experiment) -> str:
   """One `path = value` line per field: the readable resolved config."""
   def flat(d: dict, prefix: str = ""):

@@ -253,8 +253,9 @@ class Base:
     return cfg
 
   def build(self, *sets: str) -> configs.Experiment:
-    """The experiment `tree(*sets)` builds (its checks raise ConfigError, naming the field)."""
-    return configs.build(self.tree(*sets))
+    """The experiment with `sets` applied after the overrides (its checks raise ConfigError,
+    naming the field)."""
+    return configs.resolve(self.name, [*self.overrides, *sets])
 
 
 def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort: float = -1.0,
