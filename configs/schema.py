@@ -240,8 +240,24 @@ class TransformerConfig:
             self.rope_original_max_len)
 
 
-# Image sources: name -> (spatial rank, multiple every size must be); see trainer/images.py.
-IMAGE_SOURCES = {"shapes3d": (3, 1), "digits": (2, 8)}
+@dataclasses.dataclass(frozen=True)
+class ImageSource:
+  """What an image source (trainer/data/images.py) gives: the configs check models against it."""
+  default_size: tuple[int, ...]   # spatial sizes when data.image_size is () (its rank: 2D or 3D)
+  multiple: int                   # every size must be a multiple of this
+  num_classes: int
+  in_channels: int
+
+
+IMAGE_SOURCES = {"shapes3d": ImageSource((16, 16, 16), 1, num_classes=3, in_channels=1),
+                 "digits": ImageSource((16, 16), 8, num_classes=10, in_channels=1)}
+
+
+def spatial_shape(data: "DataConfig") -> tuple[int, ...]:
+  """(D, H, W) or (H, W) of an image source's examples."""
+  if data.source not in IMAGE_SOURCES:
+    raise ValueError(f"data.source={data.source!r} is not an image source; use one of {tuple(IMAGE_SOURCES)}")
+  return tuple(data.image_size) or IMAGE_SOURCES[data.source].default_size
 MIXTURE = "mixture"   # data.source of a config with data.mixture (its sources are there)
 
 
@@ -296,7 +312,8 @@ class DataConfig:
       raise ConfigError(str(e)) from None
     _require(self.num_shards >= 1, f"data.num_shards={self.num_shards} must be >= 1")
     if self.source in IMAGE_SOURCES:
-      rank, multiple = IMAGE_SOURCES[self.source]
+      src = IMAGE_SOURCES[self.source]
+      rank, multiple = len(src.default_size), src.multiple
       size = tuple(self.image_size)
       _require(size == () or (len(size) == rank and all(s >= 2 and s % multiple == 0 for s in size)),
                f"data.image_size={size!r}: data.source={self.source!r} needs {rank} sizes, each a "

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardax.configs.schema import ConfigError, DataConfig, _require
+from shardax.configs.schema import IMAGE_SOURCES, ConfigError, DataConfig, _require, spatial_shape
 
 TRAIN_FLOPS_PER_FORWARD_MAC = 2 * 3  # 2 FLOPs per MAC, forward + backward = 3 x forward
 
@@ -40,17 +40,17 @@ def downsampled(spatial: tuple[int, ...], stride: int = 2) -> tuple[int, ...]:
 
 def _image_fields(data: DataConfig, rank: int, in_channels: int, num_classes: int,
                   per_pixel_labels: bool, who: str) -> dict:
-  from shardax.trainer.data import images
-  if data.source not in images.SOURCES or len(images.spatial_shape(data)) != rank:
-    ok = [s for s in images.SOURCES if len(images.DEFAULT_SIZE[s]) == rank]
+  if data.source not in IMAGE_SOURCES or len(spatial_shape(data)) != rank:
+    ok = [s for s, src in IMAGE_SOURCES.items() if len(src.default_size) == rank]
     raise ConfigError(f"data.source={data.source!r}: {who} needs {rank}D images; use one of {ok}")
-  _require(images.NUM_CLASSES[data.source] == num_classes,
+  src = IMAGE_SOURCES[data.source]
+  _require(src.num_classes == num_classes,
            f"model.num_classes={num_classes} but data.source={data.source!r} has "
-           f"{images.NUM_CLASSES[data.source]} classes; set model.num_classes to match")
-  _require(images.IN_CHANNELS[data.source] == in_channels,
+           f"{src.num_classes} classes; set model.num_classes to match")
+  _require(src.in_channels == in_channels,
            f"model.in_channels={in_channels} but data.source={data.source!r} has "
-           f"{images.IN_CHANNELS[data.source]} channels; set model.in_channels to match")
-  shape = images.spatial_shape(data)
+           f"{src.in_channels} channels; set model.in_channels to match")
+  shape = spatial_shape(data)
   rest = (None,) * rank
   labels = (shape, "int32", ("batch",) + rest) if per_pixel_labels else ((), "int32", ("batch",))
   return {"images": (shape + (in_channels,), "float32", ("batch",) + rest + (None,)),
@@ -77,8 +77,7 @@ class _VisionConfig:
                f"model.{f}={getattr(self, f)!r}: use 'float32' or 'bfloat16'")
 
   def _spatial(self, data: DataConfig) -> tuple[int, ...]:
-    from shardax.trainer.data import images
-    return images.spatial_shape(data)
+    return spatial_shape(data)
 
   def tokens_per_example(self, data: DataConfig) -> int:
     """Pixels or voxels per example."""

@@ -22,26 +22,12 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardax.configs.schema import DataConfig
+from shardax.configs.schema import IMAGE_SOURCES, DataConfig, spatial_shape
 from shardax.trainer.data import rows as rows_lib
 
-SOURCES = ("shapes3d", "digits")
-DEFAULT_SIZE = {"shapes3d": (16, 16, 16), "digits": (16, 16)}
-NUM_CLASSES = {"shapes3d": 3, "digits": 10}
-IN_CHANNELS = {"shapes3d": 1, "digits": 1}
+SOURCES = tuple(IMAGE_SOURCES)   # each one's sizes, classes and channels: configs/schema.py
 SHAPES3D_EXAMPLES = {"train": 1 << 20, "validation": 512}
 SPLITS = ("train", "validation")
-
-
-def _check_source(cfg: DataConfig) -> None:
-  if cfg.source not in SOURCES:
-    raise ValueError(f"data.source={cfg.source!r} is not an image source; use one of {SOURCES}")
-
-
-def spatial_shape(cfg: DataConfig) -> tuple[int, ...]:
-  """(D, H, W) or (H, W) of the source's examples."""
-  _check_source(cfg)
-  return tuple(cfg.image_size) or DEFAULT_SIZE[cfg.source]
 
 
 class Shapes3D:
