@@ -211,9 +211,10 @@ def logical_layouts(text: str) -> str:
   return _TILED_LAYOUT.sub(lambda m: "{" + m.group(1) + "}" if m.group(1) else "", text)
 
 
-def split_top(text: str, sep: str = ",") -> list[str]:
-  """`text` split at `sep` outside brackets, braces, parentheses and double quotes."""
-  parts, depth, quoted, start, i = [], 0, False, 0, 0
+def _scan(text: str, start: int = 0, depth: int = 0):
+  """(index, char, bracket depth after it) of each character of `text` from `start` that is
+  outside double quotes (a backslash escapes the next character inside them)."""
+  quoted, i = False, start
   while i < len(text):
     ch = text[i]
     if quoted:
@@ -223,37 +224,28 @@ def split_top(text: str, sep: str = ",") -> list[str]:
         quoted = False
     elif ch == '"':
       quoted = True
-    elif ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-    elif ch == sep and depth == 0:
+    else:
+      depth += (ch in "([{") - (ch in ")]}")
+      yield i, ch, depth
+    i += 1
+
+
+def split_top(text: str, sep: str = ",") -> list[str]:
+  """`text` split at `sep` outside brackets, braces, parentheses and double quotes."""
+  parts, start = [], 0
+  for i, ch, depth in _scan(text):
+    if ch == sep and depth == 0:
       parts.append(text[start:i])
       start = i + 1
-    i += 1
   parts.append(text[start:])
   return parts
 
 
 def _closing(text: str, start: int) -> int:
   """Index of the bracket closing the one opened just before `start` (len(text) if none)."""
-  depth, quoted, i = 1, False, start
-  while i < len(text):
-    ch = text[i]
-    if quoted:
-      if ch == "\\":
-        i += 1
-      elif ch == '"':
-        quoted = False
-    elif ch == '"':
-      quoted = True
-    elif ch in "([{":
-      depth += 1
-    elif ch in ")]}":
-      depth -= 1
-      if depth == 0:
-        return i
-    i += 1
+  for i, _, depth in _scan(text, start, 1):
+    if depth == 0:
+      return i
   return len(text)
 
 
