@@ -130,7 +130,7 @@ _GPU_SOURCES = {
     "torus_dims": "n/a: NVSwitch (0)", "wraparound_from": "n/a (0)", "devices_per_chip": "one GPU, one device",
     "dcn_bandwidth": ("https://cloud.google.com/compute/docs/gpus (A3 High: 4 x 200 Gbps NICs per 8 GPUs; "
                       "NETWORKS for others)"),
-    "matmul_efficiency": "docs/performance.md 'On one H100 GPU' (0.73, measured 2026-11-23)",
+    "matmul_efficiency": "docs/performance.md 'On one H100 GPU' (0.73, measured on lm.1b)",
     "mxu_dim": "n/a: GPU tensor cores take small fragments and the GEMM kernel picks its tiles; no array pads",
     "ici_links_per_chip": "n/a: NVLink through NVSwitch, any peer at full rate (ici_link_bandwidth)"}
 # What every GPU row shares: NVSwitch (no torus, no ICI ports), one device per GPU, no array to pad

@@ -29,7 +29,7 @@ Efficiencies, each with where it comes from:
   TPU "xla"        0.8: large XLA-fused bf16 matmuls (docs/scale.md, set before the
                    published TPU rows were compared; read off no row).
   GPU "gemm"       0.73, H100 SXM: lm.1b on one H100 (docs/performance.md, "On one H100
-                   GPU", 2026-11-23): cuBLAS + Triton gemm kernels took 65.3% of a
+                   GPU"): cuBLAS + Triton gemm kernels took 65.3% of a
                    0.5175 s step for 6 x 1.234e9 params x 32768 tokens = 2.43e14 FLOPs:
                    2.43e14 / (0.653 x 0.5175 s x 989e12) = 0.73.
   GPU "xla"        0.73: XLA's own gemm fusions (Triton) are in the same measured 65.3%.

@@ -37,9 +37,6 @@ class Drops:
     total = float(self.routed.sum())
     return float(self.dropped.sum()) / total if total else 0.0
 
-  def __add__(self, other: "Drops") -> "Drops":
-    return Drops(self.routed + other.routed, self.dropped + other.dropped)
-
 
 def of_metrics(metrics: list[dict]) -> Drops | None:
   """The copies of every step (or eval batch) in `metrics` (fetched on host), summed; None
