@@ -301,10 +301,17 @@ def to_json(costs: Costs) -> dict:
           "pieces": [dataclasses.asdict(p) for p in costs.pieces], "owner": costs.owner}
 
 
+def _record(cls, d: dict):
+  """`cls(**d)` for a frozen record read back from JSON: every list (JSON has no tuples) is
+  made a tuple again, nested ones included, so the record equals the one written and can key
+  a dict (the step model indexes by `Collective.loops_between`)."""
+  tup = lambda v: tuple(tup(x) for x in v) if isinstance(v, list) else v
+  return cls(**{k: tup(v) for k, v in d.items()})
+
+
 def from_json(d: dict) -> Costs:
+  """The `Costs` that `to_json` wrote: equal to it, field for field."""
   return Costs(d["flops"], d["transcendentals"], d["bytes_accessed"],
-               tuple(report.Collective(**c) for c in d["collectives"]),
-               tuple(Loop(**l) for l in d["loops"]), d["flops_loop_bodies_once"],
-               tuple(Piece(**dict(p, trips=tuple(p["trips"]), ops=tuple(tuple(o) for o in p.get("ops", ())),
-                                  loops=tuple(p.get("loops", ()))))
-                     for p in d["pieces"]), d["owner"])
+               tuple(_record(report.Collective, c) for c in d["collectives"]),
+               tuple(_record(Loop, l) for l in d["loops"]), d["flops_loop_bodies_once"],
+               tuple(_record(Piece, p) for p in d["pieces"]), d["owner"])

@@ -60,3 +60,27 @@ def test_step_model_prices_mirrored_pairs_once_and_bare_permutes_as_exposed():
   assert times["async"]["body"] == pytest.approx(one)          # the mirrored pair, as one
   assert sum(times["spanning"]["body"].values()) == pytest.approx(one)   # cp-start.3 spans %inner
   assert line["async"]["body"] == pytest.approx(2 * line["by_kind"]["collective-permute"] / 4)  # both priced
+
+
+def test_cost_records_read_back_from_json_equal_and_price_the_same():
+  """A cached row (benchmarks/calibrate.py writes `to_json`, reads `from_json`) must be the
+  record that was written: a collective spanning a loop (`loops_between`), one with a mirrored
+  partner (`concurrent_with`), a piece with trips, loops and ops; and the step model prices
+  the read-back costs as it priced the fresh ones (it keys a dict by `loops_between`)."""
+  import json
+  pytest.importorskip("libtpu")
+  from jax.sharding import Mesh
+  from shardax.sharding import topology
+  from shardax.perf import hardware, stepmodel
+  cs = tuple(report.collectives(BODY))
+  assert any(c.loops_between for c in cs) and any(c.concurrent_with for c in cs)
+  piece = costs_lib.Piece("body", 3, 1.0, 2.0, 0.0, trips=(3,), ops=(("xla", "f8e4m3fn", 5.0),),
+                          loops=("outer",))
+  loop = costs_lib.Loop("inner", 2, 6, 1.0, 2.0)
+  fresh = costs_lib.Costs(10.0, 0.0, 2.0, cs, (loop,), 1.0, (piece,), {"body": "body"})
+  back = costs_lib.from_json(json.loads(json.dumps(costs_lib.to_json(fresh))))
+  assert back == fresh
+  devices = sorted(topology.devices("v4:4x4x4"), key=lambda d: tuple(d.coords)[::-1])[:4]
+  mesh = Mesh(np.array(devices).reshape(4), ("model",))
+  chip = hardware.lookup(devices[0].device_kind)
+  assert stepmodel._collective_times(back, mesh, chip) == stepmodel._collective_times(fresh, mesh, chip)
