@@ -291,7 +291,7 @@ class Checkpointer:
 
   def _read(self, step: int, abstract_state, partial: bool = False):
     """One read of `step`: (state, data state) as `restore` returns them. A step in the
-    pre-2026-11-26 MoE layout is read in that layout and renamed (trainer/legacy_layout.py)."""
+    former MoE layout is read in that layout and renamed (trainer/legacy_layout.py)."""
     if legacy_layout.is_legacy(self._stored(step) or {}):
       state, data = self._read_as(step, legacy_layout.to_legacy(abstract_state), partial)
       return legacy_layout.from_legacy(state), data

@@ -1,7 +1,7 @@
-"""Checkpoints written before the one-decoder change (2026-11-26) restore onto today's model.
+"""Checkpoints in the former MoE layout restore onto today's model.
 
-The MoE LM was a model of its own until then, with its layer stack at the top of the params:
-`units/...` (the repeating units) and `first_dense/...` (DeepSeek-style leading dense
+In that layout the MoE LM was a model of its own, with its layer stack at the top of the
+params: `units/...` (the repeating units) and `first_dense/...` (DeepSeek-style leading dense
 layers). It is now the one TransformerLM, whose stack lives under `layers/`:
 `layers/blocks/...` and `layers/first_dense/...`; everything below those names is the same
 (a unit is still `dense/{i}` + `moe_block/{attn, attn_norm, mlp_norm, moe}`). The same

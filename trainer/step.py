@@ -84,11 +84,11 @@ def train_step_fn(setup: Setup) -> Callable:
   lr = optimizer.schedule(setup.exp.optimizer, setup.exp.train.steps)
   # How the guard keeps the old state, by the platform the step compiles for. On a CPU a
   # branch: a select of new vs old keeps the old Adam moments alive beside the new ones and
-  # XLA copies every moment each step (one-device overhead 1.062 -> 1.007, docs/performance.md).
+  # XLA copies every moment each step (tests/test_overhead.py counts the copies).
   # Elsewhere a select: the TPU compiler lays out a scanned stack's update differently under
   # a branch than an unrolled one's (loop-aware costs of the twins 12.6% apart,
   # tests/test_costs.py), and the dry run's depth extrapolation rests on them agreeing; on
-  # an H100 XLA fuses the select into the update (1.000 against an unguarded hand-written step).
+  # an H100 XLA fuses the select into the update. Measured overheads: docs/results/code_notes.md.
   guard_by_branch = target_platform(setup.mesh) == "cpu"
 
   def step(state, batch):
