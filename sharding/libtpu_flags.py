@@ -10,13 +10,10 @@ pipeline re-gathers each stage's weights over `data` every iteration). This libt
 writes those all-gathers synchronously unless asked; with this flag the compiled
 v4 program has `all-gather-start`/`-done` pairs with the stage body's matmuls between
 them (tests/test_pipeline.py), which the step model then counts as hidden under that
-compute. On lm.gpt3_175b_pipelined (16-layer copy, v4:8x8x8, compile effort 0) the
-exposed collectives fall from 3.62 s to 1.97 s a step (docs/pipeline.md). Adding
-`--xla_tpu_overlap_compute_collective_tc=true` changed nothing there (same 10.28 s step);
-`--xla_tpu_enable_async_collective_fusion*` (MaxText's v4/v5p choice) hid as much but added
-49% to the program's HBM traffic (9.2 -> 13.7 TB accessed), a slower step (13.68 s against
-11.87 s). At compile effort -1 (jax's O0) neither the flag alone nor the fusion set
-changed the program's prediction: dry runs need the default effort to show the overlap.
+compute. Only the default compile effort shows the overlap: at effort -1 (jax's O0) the
+TPU scheduler keeps every collective synchronous whatever the flags, so a dry run that
+should price it compiles at effort 0. What each flag set did to the pipelined GPT-3's
+predicted step is in docs/results/pipeline.md.
 """
 
 from __future__ import annotations
@@ -25,10 +22,9 @@ import os
 from typing import MutableMapping, Sequence
 
 ASYNC_WEIGHT_GATHER = ("--xla_enable_async_all_gather=true",)
-# MaxText's v5p set: async all-gathers fused with compute. On a 2-layer copy of
-# moe.mixtral_8x7b (v5p:4x4x8, data 16 x fsdp 8) it makes 4 of the 12 expert-weight gathers
-# async (step model: 0.21 -> 0.20 s, MFU 47.6 -> 50.5%; docs/moe.md); on the pipelined
-# GPT-3 it added HBM traffic and lost (above).
+# MaxText's v5p set: async all-gathers fused with compute. It makes part of moe.mixtral_8x7b's
+# expert-weight gathers async (docs/results/moe_pods.md); on the pipelined GPT-3 its compute
+# fusions read more HBM and the step got slower (docs/results/pipeline.md).
 ASYNC_COLLECTIVE_FUSION = ("--xla_tpu_enable_async_collective_fusion=true",
                            "--xla_tpu_enable_async_collective_fusion_fuse_all_gather=true",
                            "--xla_tpu_enable_async_collective_fusion_multiple_steps=true",
