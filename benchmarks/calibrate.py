@@ -1,4 +1,5 @@
-"""Check the step-time model against published training runs; regenerate docs/scale.md's table.
+"""Check the step-time model against published training runs; regenerate the table of
+docs/results/calibration.md.
 
     PYTHONPATH=... python benchmarks/calibrate.py [--runs ../shared/published-runs/calibration.json]
         [--rows ID,ID,...] [--compile] [--layers 3] [--write-docs]
@@ -31,7 +32,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 RUNS = os.path.join(os.path.dirname(os.path.dirname(HERE)), "shared", "published-runs", "calibration.json")
 CACHE = os.path.join(HERE, "calibration")
-DOCS = os.path.join(os.path.dirname(HERE), "docs", "scale.md")
+DOCS = os.path.join(os.path.dirname(HERE), "docs", "results", "calibration.md")
 BEGIN, END = "<!-- calibration:begin -->", "<!-- calibration:end -->"
 
 
