@@ -10,6 +10,7 @@ once (e.g. global batch vs. the data-parallel degree) live in `Experiment`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any
 
 from shardax.configs import attention as attention_lib
@@ -83,8 +84,15 @@ class TransformerConfig:
   # Mixture of experts (configs/moe.py): None = a dense model; set, the stack's unit is
   # (moe.every - 1) dense layers then one MoE layer, after moe.first_dense_layers dense ones.
   moe: MoEConfig | None = None
+  # Per-layer attention kinds (configs/attention.py LayerKind: window or chunk, RoPE on/off and
+  # its base, temperature tuning): layer i uses kind i % len; () = every layer alike (the fields
+  # above). The stack repeats lcm(len, moe.every) layers; layers past the last whole unit are a tail.
+  layer_pattern: tuple[attention_lib.LayerKind, ...] = ()
+  temperature_floor_scale: float = 8192.0   # LayerKind.temperature_tuning (Llama 4's floor_scale)
+  temperature_scale: float = 0.1            # ... and its attn_scale
 
   def __post_init__(self):
+    object.__setattr__(self, "layer_pattern", attention_lib.checked_pattern(self))  # dicts -> kinds
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
     _require(self.d_model % self.num_heads == 0 or self.head_dim is not None,
              f"model.num_heads={self.num_heads} does not divide model.d_model={self.d_model}; "
@@ -137,6 +145,11 @@ class TransformerConfig:
                f"the megablox kernels run the expert matmuls in the compute dtype only; use "
                f"grouped_matmul='ragged_dot' (or 'auto') for 8-bit experts, or quantization='none'")
     p = self.pipeline
+    _require(not (self.layer_pattern and p.stages > 1 and self.num_tail_layers),
+             f"model.layer_pattern of {len(self.layer_pattern)} kinds with model.pipeline.stages="
+             f"{p.stages}: the pipeline stages whole units of {self.layers_per_unit} layers, and "
+             f"model.num_layers={self.num_layers} leaves a tail of {self.num_tail_layers}; make "
+             f"num_layers a multiple of {self.layers_per_unit} or run without the pipeline")
     refusal = remat_refusal(self.remat, p.stages)
     _require(refusal is None, refusal)
     _require(p.stages == 1 or m is None or m.dispatch == "dropless" or m.second_expert == "all",
@@ -149,15 +162,41 @@ class TransformerConfig:
       what = (f"model.num_layers={self.num_layers}" if m is None else
               f"the {self.num_units} MoE units (model.num_layers={self.num_layers} after "
               f"{m.first_dense_layers} first dense layers, units of every={m.every})")
-      _require(self.num_units % per == 0,
+      if self.layer_pattern:
+        what = (f"the {self.num_stack_units} units of {self.layers_per_unit} layers (model.layer_pattern "
+                f"of {len(self.layer_pattern)} kinds, model.num_layers={self.num_layers})")
+      _require(self.num_stack_units % per == 0,
                f"{what} is not divisible by pipeline stages x circular_repeats = "
                f"{p.stages} x {p.circular_repeats} = {per}")
 
-  def attention_options(self):
-    """The attention options these fields describe: a configs/attention.py record (the
-    schema does not import layers/; the attention layer reads the record's fields)."""
-    return attention_lib.AttentionOptions(self.attention, window=self.attention_window, softcap=self.attention_softcap,
-                            flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
+  def attention_options(self, kind: attention_lib.LayerKind | None = None):
+    """The attention options these fields describe (with `kind`: that layer kind's mask): a
+    configs/attention.py record (the schema does not import layers/; the attention layer
+    reads the record's fields)."""
+    window = self.attention_window if kind is None else kind.window
+    return attention_lib.AttentionOptions(self.attention, window=window, softcap=self.attention_softcap,
+                                          chunk=None if kind is None else kind.chunk,
+                                          flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
+
+  def layer_kind(self, layer: int) -> attention_lib.LayerKind | None:
+    """The kind of 0-based layer `layer` (counted after the first dense layers); None without a
+    pattern (every layer as the model's uniform fields say)."""
+    return self.layer_pattern[layer % len(self.layer_pattern)] if self.layer_pattern else None
+
+  @property
+  def layers_per_unit(self) -> int:
+    """Layers in the stack's repeating unit: lcm(len(layer_pattern), moe.every), each 1 when unset."""
+    return math.lcm(len(self.layer_pattern) or 1, 1 if self.moe is None else self.moe.every)
+
+  @property
+  def num_stack_units(self) -> int:
+    """Whole repeating units after the first dense layers (what is scanned and pipelined)."""
+    return (self.num_layers - self.num_first_dense) // self.layers_per_unit
+
+  @property
+  def num_tail_layers(self) -> int:
+    """Layers after the last whole unit (a pattern that does not divide the depth; else 0)."""
+    return (self.num_layers - self.num_first_dense) % self.layers_per_unit
 
   def batch_fields(self, data: DataConfig) -> dict[str, tuple[tuple[int, ...], str, tuple[str, ...]]]:
     """Per-example shape, dtype and logical axes (batch first) of each batch field."""
@@ -186,7 +225,8 @@ class TransformerConfig:
 
   @property
   def num_units(self) -> int:
-    """Repeating units of the stack: layers (dense), else MoE layers (one per unit)."""
+    """Layers that report per-layer statistics: every layer (dense), else the MoE layers.
+    Without a layer pattern these are the stack's units; with one, `num_stack_units`."""
     if self.moe is None:
       return self.num_layers
     return (self.num_layers - self.moe.first_dense_layers) // self.moe.every
