@@ -326,8 +326,8 @@ def _ring_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=b
 def _remat(step):
   """A ring step whose scores are recomputed in the backward pass: only its inputs (the
   running statistics and the K/V block) are saved, so the backward holds one block's
-  scores at a time instead of all C (lm.small at 16k on v5e:2x4, remat=full: 20.1 GiB
-  per device without this, see docs/scale.md)."""
+  scores at a time instead of all C (what that saved on a TPU slice:
+  docs/results/code_notes.md)."""
   return jax.checkpoint(step, policy=jax.checkpoint_policies.nothing_saveable)
 
 

@@ -8,11 +8,11 @@ at init. One table serves both ends without a separate scale for each.
 
 Lookup: vocabularies up to ONE_HOT_MAX_VOCAB rows are looked up as one_hot(tokens) @ table.
 A gather's gradient is a scatter-add of every token's gradient row into the table, and with
-few rows many tokens hit the same one: on an H100, lm.small's byte-level table (256 rows)
-spent 8% of the step in that scatter (2026-11-23 profile, docs/performance.md). The one-hot
-product's gradient is a plain matmul, and the lookup is exact (one nonzero term per output,
-at HIGHEST precision so f32 tables are not rounded to bf16 on TPU or tf32 on GPU); its
-extra FLOPs, 2 x tokens x vocab x embed, are under 1% of a step at these vocab sizes.
+few rows many tokens hit the same one (what that scatter cost a small-vocabulary step on an
+H100: docs/results/code_notes.md). The one-hot product's gradient is a plain matmul, and the
+lookup is exact (one nonzero term per output, at HIGHEST precision so f32 tables are not
+rounded to bf16 on TPU or tf32 on GPU); its extra FLOPs, 2 x tokens x vocab x embed, are
+under 1% of a step at these vocab sizes.
 """
 
 from __future__ import annotations

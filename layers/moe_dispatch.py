@@ -45,7 +45,8 @@ would leave the other devices waiting in the next all-to-all.) Weights split ove
 'mlp' (tensor parallel) stay split: the partial outputs are summed over those axes.
 Weights split over 'embed' (FSDP) enter split and are all-gathered inside, like a dense
 layer's: their gradients leave by reduce-scatter, not an all-reduce of every weight (the
-TPU compiler may still lower that reduce-scatter as all-reduce + slice: docs/moe.md).
+TPU compiler may still lower that reduce-scatter as all-reduce + slice:
+docs/results/moe_pods.md).
 """
 
 from __future__ import annotations
@@ -385,11 +386,11 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
     if embed:
       # FSDP: the weights enter split over the embed axes and are gathered here, as a dense
       # layer's are; the transpose of this gather is a reduce-scatter of their gradients.
-      # (Entering whole, the gradients were summed by an all-reduce of every weight.)
+      # (Entering whole, their gradients would be summed by an all-reduce of every weight.)
       # One mesh axis at a time, the minor one first (so the blocks land in the tiled
       # order): libtpu writes one all-gather over a group spanning a 3D torus (v5p's 128
       # chips) as an all-reduce of the whole weight, and its transpose too, but per axis
-      # a true all-gather and reduce-scatter (docs/moe.md).
+      # a true all-gather and reduce-scatter (docs/results/moe_pods.md).
       gather = lambda w, dim: functools.reduce(
           lambda w, a: jax.lax.all_gather(w, a, axis=dim, tiled=True), reversed(embed), w)
       w_gate, w_up, wo = gather(w_gate, 1), gather(w_up, 1), gather(wo, 2)
