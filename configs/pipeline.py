@@ -40,8 +40,8 @@ class PipelineConfig:
   delay_shift: bool = False
   # Each visit's weight gradients leave the stage body in the weights' stored layout: with
   # weights split over `data` (pp_2d) a reduce-scatter per visit instead of a full all-reduce
-  # (pipeline/loop.py `weight_axes`). The TPU compilers differ on which is cheaper (v4 GPT-3
-  # 175B: 0.9% faster, 4.75 GiB less temp; 4 v5e slices: 1-6% slower): docs/pipeline.md.
+  # (pipeline/loop.py `weight_axes`). The TPU compilers differ on which is cheaper (v4 faster,
+  # v5e slower): docs/pipeline.md has the measurements.
   grads_in_layout: bool = True
 
   def __post_init__(self):

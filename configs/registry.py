@@ -101,7 +101,7 @@ def get(name: str) -> fdl.Config:
   return cfg
 
 
-MOVED = "model.transformer."   # the MoE LM's old config section (before 2026-11-26)
+MOVED = "model.transformer."   # the MoE LM's former config section (before the one decoder)
 
 
 def check_package() -> None:
@@ -152,7 +152,7 @@ def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
     if path.strip().startswith(MOVED):
       new = "model." + path.strip()[len(MOVED):]
       raise ConfigError(f"--set {path.strip()}: an MoE model's own fields moved from model.transformer.* "
-                        f"to model.* (dense and MoE LMs are one config since 2026-11-26): use "
+                        f"to model.* (dense and MoE LMs share one config): use "
                         f"--set {new}={text.strip()}")
     *parents, leaf = path.strip().split(".")
     node = cfg
