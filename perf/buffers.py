@@ -16,8 +16,8 @@ is its largest value), largest first: the heap the compiler laid out, whose size
 temp figure of `memory_analysis()` (TPU: also the "HLO temporaries" of its out-of-memory
 message). Each block is named by its largest value: shape, dtype, the instruction, op_name,
 source line. Why blocks and not the values live at one instant: XLA's own "peak" in the
-live-range dump (HloLiveRange) undercounts TPU programs (4.1 GB of 19.4 GiB on a small LM
-step, 2026-11-26); the block layout is what the allocator actually reserved.
+live-range dump (HloLiveRange) undercounts TPU programs (by how much on a small LM step:
+docs/results/code_notes.md); the block layout is what the allocator actually reserved.
 """
 
 from __future__ import annotations
