@@ -1,21 +1,98 @@
 """Named model shapes: a model's architecture as one value, kept in one place.
 
-A shape fixes what makes the model that model (depth, width, heads, feed-forward width, the
-longest sequence it is built for) and leaves step settings (dtype, attention kernel, remat,
-scanning) at their defaults. An experiment starts from a shape, changes what it needs with
-`dataclasses.replace`, and puts the result into its tree with `registry.config_of`, where
-`--set model.*` still reaches every field:
+A shape fixes what makes the model that model (depth, width, heads, feed-forward width,
+vocabulary, positions, norms, the experts and how tokens pick them) and leaves step settings
+(dtype, attention kernel, remat, scanning, the MoE dispatch) at their defaults; a router other
+than GShard's top-2 softmax needs dropless dispatch, so its shape says so. An experiment
+starts from a shape, changes what it needs with `dataclasses.replace`, and puts the result into
+its tree with `registry.config_of`, where `--set model.*` still reaches every field:
 
     cfg = experiment(model=config_of(dataclasses.replace(LM_1B, dtype="bfloat16")))
+
+Each published shape names its source on one line and what shardax builds differently. The
+feed-forward block is gated (3 matrices) unless the shape says `mlp="plain"`; where the source
+has a plain 2-matrix MLP of width F, d_ff = 2/3 F keeps its parameters and FLOPs.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
+from shardax.configs.moe import MoEConfig
 from shardax.configs.schema import TransformerConfig
 
-# Byte-level language models (vocab 256, the TransformerConfig default).
+# Byte-level language models (vocab 256, the TransformerConfig default): CPU sizes.
 LM_TINY = TransformerConfig(num_layers=4, d_model=192, num_heads=4, d_ff=512, max_len=128)
 LM_SMALL = TransformerConfig(num_layers=12, d_model=768, num_heads=12, d_ff=3072, max_len=512)
 # GPT-3 XL's depth and width (24 x 2048, 16 heads of 128) with a gated MLP of d_ff 5632, which
 # has the 2 x 4d x d parameters of a plain one: ~1.23B parameters.
 LM_1B = TransformerConfig(num_layers=24, d_model=2048, num_heads=16, d_ff=5632, max_len=2048)
+
+# MoE models at CPU size: the MoE layers of a published router on a tiny LM.
+# GShard's top-2 of 8 (capacity dispatch) in every second layer of a 4 x 128 LM.
+MOE_TINY = TransformerConfig(num_layers=4, d_model=128, num_heads=4, d_ff=512, max_len=128,
+                             moe=MoEConfig(num_experts=8, d_ff=256, every=2))
+# Mixtral's router on LM_TINY: top-2 of 8 experts of d_ff 256 in every layer (LM_TINY's active width).
+MIXTRAL_TINY = TransformerConfig(num_layers=4, d_model=192, num_heads=4, d_ff=512, max_len=128,
+                                 moe=MoEConfig(num_experts=8, d_ff=256, every=1, top_k=2))
+# DeepSeek-V3's router on LM_TINY: layer 1 dense, then 32 experts of d_ff 64, sigmoid top-7 with
+# gates renormalized and x2.5, 1 shared expert, bias balancing (7 + 1 experts of 64: LM_TINY's 512).
+DEEPSEEK_TINY = TransformerConfig(
+    num_layers=4, d_model=192, num_heads=4, d_ff=512, max_len=128,
+    moe=MoEConfig(num_experts=32, d_ff=64, every=1, first_dense_layers=1, top_k=7, num_shared_experts=1,
+                  score="sigmoid", gate_scale=2.5, bias_update_rate=1e-3, aux_loss_weight=1e-4,
+                  dispatch="dropless"))
+
+# Dense pod LMs (the GSPMD paper's family): d_ff = 4 d_model (gated), heads of 128, vocab 32k,
+# untied; 16 d^2 parameters a layer.
+_POD_LM = TransformerConfig(vocab_size=32768, tied_embedding=False)
+POD_LM_16B = dataclasses.replace(_POD_LM, num_layers=40, d_model=5120, num_heads=40, d_ff=20480)
+POD_LM_128B = dataclasses.replace(_POD_LM, num_layers=52, d_model=12288, num_heads=96, d_ff=49152)
+POD_LM_512B = dataclasses.replace(_POD_LM, num_layers=76, d_model=20480, num_heads=160, d_ff=81920)
+POD_LM_1T = dataclasses.replace(_POD_LM, num_layers=104, d_model=24576, num_heads=192, d_ff=98304)
+
+# GPT-3 175B (arXiv 2005.14165, table 2.1): 96 x 12288, 96 heads, LayerNorm, GELU, 2048 positions;
+# its plain FFN of 49152 as a gated one of 32768; vocab 50257 padded to 50304.
+GPT3_175B = TransformerConfig(num_layers=96, d_model=12288, num_heads=96, d_ff=32768, vocab_size=50304,
+                              max_len=2048, norm="layer", activation="gelu")
+
+# Llama-3.1-8B / -70B (meta-llama config.json): GQA with 8 KV heads of 128, SwiGLU, RoPE theta
+# 5e5, vocab 128256, untied. Not its rms_norm_eps (1e-5) nor its llama3 RoPE scaling: shardax's
+# defaults (1e-6, none) stand, as the registered experiments were measured with them.
+LLAMA3_8B = TransformerConfig(num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                              d_ff=14336, vocab_size=128256, rope_theta=500_000.0, tied_embedding=False)
+LLAMA3_70B = TransformerConfig(num_layers=80, d_model=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                               d_ff=28672, vocab_size=128256, rope_theta=500_000.0, tied_embedding=False)
+# Mistral-7B v0.2+ (mistralai config.json): Llama-3.1-8B's shape, vocab 32000, RoPE theta 1e6,
+# norm eps 1e-5, no sliding window.
+MISTRAL_7B = TransformerConfig(
+    num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, head_dim=128, d_ff=14336, vocab_size=32000,
+    rope_theta=1_000_000.0, norm_eps=1e-5, tied_embedding=False)
+
+# GShard's 1T-parameter top-2 MoE (arXiv 2006.16668) at 40 layers: its 2-matrix ReLU expert
+# FFN over 60 layers, here gated (3 matrices) over 40, the same size: 2048 experts of d_ff 8192
+# in every second layer, ~1.03T parameters (TransformerConfig.param_count()).
+GSHARD_1T = TransformerConfig(num_layers=40, d_model=1024, num_heads=16, d_ff=8192, vocab_size=32768,
+                              max_len=1024, moe=MoEConfig(num_experts=2048, d_ff=8192, every=2))
+# Mixtral-8x7B (arXiv 2401.04088): Mistral-7B's attention, every FFN top-2 of 8 experts of 14336,
+# renormalized softmax gates; 46.7B parameters, 12.9B active.
+MIXTRAL_8X7B = TransformerConfig(
+    num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, d_ff=14336, vocab_size=32000,
+    rope_theta=1e6, tied_embedding=False, moe=MoEConfig(num_experts=8, d_ff=14336, every=1, top_k=2))
+# DeepSeek-V3 (arXiv 2412.19437): 61 layers, the first 3 dense (d_ff 18432), then 256 experts of
+# 2048, sigmoid top-8 renormalized x2.5, 1 shared expert, bias balancing; 675B parameters. Not its
+# MLA attention (128 heads of 128 with 8 KV heads stand in) nor multi-token prediction.
+DEEPSEEK_V3 = TransformerConfig(
+    num_layers=61, d_model=7168, num_heads=128, num_kv_heads=8, head_dim=128, d_ff=18432,
+    vocab_size=129280, tied_embedding=False,
+    moe=MoEConfig(num_experts=256, d_ff=2048, every=1, first_dense_layers=3, top_k=8, num_shared_experts=1,
+                  score="sigmoid", gate_scale=2.5, bias_update_rate=1e-3, aux_loss_weight=1e-4,
+                  dispatch="dropless"))
+# Llama 4 Maverick (meta-llama config.json): 48 layers alternating dense (d_ff 16384) and MoE (128
+# experts of 8192, sigmoid top-1, 1 shared expert), 40 heads of 128 with 8 KV heads; 400B
+# parameters, 17B active. Not its chunked attention, RoPE-free layers nor early-fusion vision.
+MAVERICK = TransformerConfig(
+    num_layers=48, d_model=5120, num_heads=40, num_kv_heads=8, head_dim=128, d_ff=16384,
+    vocab_size=202048, tied_embedding=False,
+    moe=MoEConfig(num_experts=128, d_ff=8192, every=2, top_k=1, num_shared_experts=1, score="sigmoid",
+                  aux_loss_weight=1e-3, dispatch="dropless"))
