@@ -17,6 +17,9 @@ from shardax.configs import attention as attention_lib
 from shardax.configs import flops
 from shardax.configs.errors import ConfigError  # noqa: F401  (re-exported: configs/__init__.py)
 from shardax.configs.errors import require as _require
+from shardax.configs import mla as mla_lib
+from shardax.configs import rope as rope_lib
+from shardax.configs.mla import MLAConfig
 from shardax.configs.moe import MoEConfig
 from shardax.configs.pipeline import PipelineConfig, remat_refusal
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
@@ -76,14 +79,24 @@ class TransformerConfig:
   out_bias: bool = False              # bias on the attention output projection (Llama's attention_bias)
   mlp_bias: bool = False              # biases on the MLP projections (Llama's mlp_bias)
   qk_norm: bool = False               # RMSNorm over the head dim of q and k before RoPE (Qwen3)
-  rope_scaling: str = "none"          # "none" | "llama3" (Llama 3.1's frequency-dependent scaling)
+  rope_scaling: str = "none"          # "none" | "llama3" (Llama 3.1's frequency-dependent scaling) | "yarn"
   rope_scaling_factor: float = 8.0    # llama3: wavelengths beyond the original length are stretched by this
   rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_len / low are scaled in full ...
   rope_high_freq_factor: float = 4.0  # ... below original_len / high not at all; smooth in between
-  rope_original_max_len: int = 8192   # llama3: the context length the model was pretrained at
+  rope_original_max_len: int = 8192   # llama3, yarn: the context length the model was pretrained at
+  # yarn (configs/rope.py Yarn; factor and original length above): ramp ends in rotations over
+  # the original length, magnitude corrections (0 = absent), the cos/sin factor outright, rounding.
+  rope_beta_fast: float = 32.0
+  rope_beta_slow: float = 1.0
+  rope_mscale: float = 0.0
+  rope_mscale_all_dim: float = 0.0
+  rope_attention_factor: float | None = None
+  rope_truncate: bool = True
   # Mixture of experts (configs/moe.py): None = a dense model; set, the stack's unit is
   # (moe.every - 1) dense layers then one MoE layer, after moe.first_dense_layers dense ones.
   moe: MoEConfig | None = None
+  # Multi-head latent attention (configs/mla.py, layers/mla.py): None = multi-head/grouped-query.
+  mla: MLAConfig | None = None
   # Per-layer attention kinds (configs/attention.py LayerKind: window or chunk, RoPE on/off and
   # its base, temperature tuning): layer i uses kind i % len; () = every layer alike (the fields
   # above). The stack repeats lcm(len, moe.every) layers; layers past the last whole unit are a tail.
@@ -94,7 +107,7 @@ class TransformerConfig:
   def __post_init__(self):
     object.__setattr__(self, "layer_pattern", attention_lib.checked_pattern(self))  # dicts -> kinds
     _require(self.num_layers >= 1, f"model.num_layers={self.num_layers} must be >= 1")
-    _require(self.d_model % self.num_heads == 0 or self.head_dim is not None,
+    _require(self.d_model % self.num_heads == 0 or self.head_dim is not None or self.mla is not None,
              f"model.num_heads={self.num_heads} does not divide model.d_model={self.d_model}; "
              f"pick num_heads dividing d_model or set model.head_dim explicitly")
     kv = self.kv_heads
@@ -126,9 +139,11 @@ class TransformerConfig:
     _require(self.context_parallel in ("allgather", "ring"),
              f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")
     _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
-    _require(self.rope_scaling in ("none", "llama3"),
-             f"model.rope_scaling={self.rope_scaling!r}: use 'none' or 'llama3'")
-    _require(self.rope_scaling == "none" or (self.rope_scaling_factor >= 1 and
+    _require(self.rope_scaling in ("none", "llama3", "yarn"),
+             f"model.rope_scaling={self.rope_scaling!r}: use 'none', 'llama3' or 'yarn'")
+    rope_lib.check_yarn(self)
+    mla_lib.check_model(self)
+    _require(self.rope_scaling != "llama3" or (self.rope_scaling_factor >= 1 and
              self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_original_max_len >= 1),
              f"model.rope_scaling='llama3' needs rope_scaling_factor >= 1, rope_high_freq_factor > "
              f"rope_low_freq_factor > 0 and rope_original_max_len >= 1 (got {self.rope_scaling_factor}, "
@@ -272,10 +287,13 @@ class TransformerConfig:
     return self.head_dim or self.d_model // self.num_heads
 
   @property
-  def rope_scaling_params(self) -> tuple[float, float, float, int] | None:
-    """(factor, low_freq_factor, high_freq_factor, original_max_len) for llama3 scaling, else None."""
+  def rope_scaling_params(self) -> tuple[float, float, float, int] | rope_lib.Yarn | None:
+    """(factor, low_freq_factor, high_freq_factor, original_max_len) for llama3 scaling, the
+    `Yarn` record for yarn, else None."""
     if self.rope_scaling == "none":
       return None
+    if self.rope_scaling == "yarn":
+      return rope_lib.yarn_of(self)
     return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
             self.rope_original_max_len)
 
