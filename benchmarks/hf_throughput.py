@@ -76,7 +76,7 @@ def main() -> None:
     params = jax.block_until_ready(importer.import_params(setup, src))
     t_import = time.perf_counter() - t0
     t0 = time.perf_counter()
-    exporter.export_params(params, exp.model, out, dtype, 1 << 30)
+    exporter.export_params(params, exp.model, "llama", out, dtype, 1 << 30)
     t_export = time.perf_counter() - t0
   print(f"{n / 1e9:.2f}B params, {nbytes / 1e6:.0f} MB {args.dtype}, {jax.device_count()} device(s) "
         f"{jax.devices()[0].platform}: import {t_import:.1f} s = {nbytes / 1e6 / t_import:.0f} MB/s, "

@@ -1,6 +1,6 @@
 """`--exp=hf:DIR`: an experiment built from a Hugging Face model directory.
 
-The model comes from DIR/config.json (trainer/hf/config.py: every key mapped, checked or an
+The model comes from DIR/config.json (models/hf/, its family adapter: every key mapped, checked or an
 error), the tokenizer is DIR/tokenizer.json encoded as the model's own (its post-processor's
 BOS, no separator of shardax's), and the weights come in through `--mode=import` (or the first
 `--mode=train`). Everything else is an ordinary experiment: mesh, rules, optimizer and data
@@ -9,7 +9,7 @@ master weights; the mesh takes every device on the data axis with the `fsdp` rul
 (weights and optimizer state split across data-parallel devices).
 
 A Mixtral is the same LM with `model.moe` set: config.json's attention and norms go to
-model.*, its router and experts to model.moe (trainer/hf/config.py moe_fields), e.g.
+model.*, its router and experts to model.moe (the adapter's moe_fields), e.g.
 `--set model.moe.aux_loss_weight=0`.
 """
 
@@ -20,14 +20,15 @@ import os
 from shardax.configs import experiment
 from shardax.configs.moe import MoEConfig
 from shardax.configs.registry import config_tree, register_prefix
-from shardax.trainer.hf import config as hf_config
+from shardax.models import hf as hf_models
 
 
 def hf_experiment(model_dir: str):
   directory = os.path.abspath(os.path.expanduser(model_dir))
-  hf = hf_config.read(directory)
-  fields, moe = hf_config.model_fields(hf), hf_config.moe_fields(hf)
-  cfg = experiment(name=f"hf:{directory}", description=f"{hf_config.architecture(hf)} from {directory}")
+  hf = hf_models.read(directory)
+  adapter = hf_models.adapter_for(hf)
+  fields, moe = adapter.model_fields(hf), adapter.moe_fields(hf)
+  cfg = experiment(name=f"hf:{directory}", description=f"{hf_models.architecture(hf)} from {directory}")
   if moe is not None:
     cfg.model.moe = config_tree(MoEConfig)
     for key, value in moe.items():

@@ -26,13 +26,11 @@ class HFAdapter:
   """A family's Hugging Face interop.
 
   architectures: the config.json `architectures` values the family reads and writes;
-  config: the module mapping config.json <-> the family's config fields (`read`,
-    `architecture`, `model_fields`, `to_hf`, `check_exportable`);
-  weights: the module mapping the param tree <-> Hugging Face tensor names and layouts.
+  adapter_for: `adapter_for(arch_or_config)` -> the module mapping config.json <-> the
+    family's config fields and the param tree <-> tensor names (models/hf/__init__.py).
   """
   architectures: tuple[str, ...]
-  config: ModuleType
-  weights: ModuleType
+  adapter_for: Callable[[Any], ModuleType]
 
 
 @dataclasses.dataclass(frozen=True)

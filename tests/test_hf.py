@@ -24,7 +24,8 @@ from shardax.trainer import checkpoint as ckpt_lib
 from shardax.trainer import decode, model_setup
 from shardax.trainer import state as state_lib
 from shardax.trainer.data import packing, tokenizers
-from shardax.trainer.hf import config as hf_config
+from shardax.models import hf as hf_models
+from shardax.models.hf import llama as hf_llama
 from shardax.trainer.hf import exporter, importer, safetensors
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
@@ -131,8 +132,8 @@ def test_import_export_round_trip_is_bit_exact(tmp_path):
   for name in a.names():
     x, y = a.get(name), b.get(name)
     assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
-  src_cfg, out_cfg = hf_config.read(src), hf_config.read(out)
-  assert hf_config.model_fields(src_cfg) == hf_config.model_fields(out_cfg)
+  src_cfg, out_cfg = hf_models.read(src), hf_models.read(out)
+  assert hf_llama.model_fields(src_cfg) == hf_llama.model_fields(out_cfg)
   assert out_cfg["max_position_embeddings"] == src_cfg["max_position_embeddings"]
   assert os.path.exists(os.path.join(out, "tokenizer.json"))
 
@@ -153,7 +154,7 @@ def test_mixtral_round_trip_with_experts_split_is_bit_exact(tmp_path):
   for name in a.names():
     x, y = a.get(name), b.get(name)
     assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
-  src_cfg, out_cfg = hf_config.read(src), hf_config.read(out)
+  src_cfg, out_cfg = hf_models.read(src), hf_models.read(out)
   assert {k: out_cfg.get(k) for k in src_cfg} == src_cfg
 
 
@@ -162,16 +163,18 @@ def test_export_of_every_architecture_is_bit_exact(arch_model, tmp_path):
   bit, and a config.json that maps to the same model."""
   arch, setup, params = arch_model
   src = os.path.join(FIXTURES, arch)
-  exporter.export_params(params, setup.exp.model, str(tmp_path), np.float32, 1 << 30)
+  src_cfg = hf_models.read(src)
+  arch_name = hf_models.architecture(src_cfg)
+  exporter.export_params(params, setup.exp.model, arch_name, str(tmp_path), np.float32, 1 << 30)
   a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
   tied = setup.exp.model.tied_embedding
   assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
   for name in b.names():
     assert a.get(name).tobytes() == b.get(name).tobytes(), name
-  src_cfg = hf_config.read(src)
-  written = hf_config.to_hf(setup.exp.model, hf_config.architecture(src_cfg), src_cfg)
-  assert hf_config.model_fields(written) == hf_config.model_fields(src_cfg)
-  assert hf_config.moe_fields(written) == hf_config.moe_fields(src_cfg)
+  adapter = hf_models.adapter_for(src_cfg)
+  written = adapter.to_hf(setup.exp.model, arch_name, src_cfg)
+  assert adapter.model_fields(written) == adapter.model_fields(src_cfg)
+  assert adapter.moe_fields(written) == adapter.moe_fields(src_cfg)
 
 
 def test_tokenizer_encodes_like_transformers():
@@ -188,7 +191,7 @@ def test_tokenizer_encodes_like_transformers():
 
 
 def _write_config(d, base="llama", **changes):
-  cfg = {**hf_config.read(os.path.join(FIXTURES, base)), **changes}
+  cfg = {**hf_models.read(os.path.join(FIXTURES, base)), **changes}
   os.makedirs(d, exist_ok=True)
   with open(os.path.join(d, "config.json"), "w") as f:
     json.dump({k: v for k, v in cfg.items() if v is not None}, f)
@@ -219,20 +222,20 @@ def test_mixtral_config_maps_onto_the_moe_lm():
   assert (m.num_experts, m.top_k, m.d_ff, m.every, m.score, m.renormalize, m.dispatch) == \
       (4, 2, 96, 1, "softmax", True, "dropless")
   assert m.aux_loss_weight == pytest.approx(0.02 * 2) and (t.num_kv_heads, t.rope_theta) == (2, 1e6)
-  src = hf_config.read(os.path.join(FIXTURES, "mixtral"))
-  out = hf_config.to_hf(exp.model, "mixtral", src)
+  src = hf_models.read(os.path.join(FIXTURES, "mixtral"))
+  out = hf_llama.to_hf(exp.model, "mixtral", src)
   assert {k: out.get(k) for k in src} == src
   with pytest.raises(ConfigError, match="model.moe.every=2"):
-    hf_config.check_exportable(dataclasses.replace(exp.model, moe=dataclasses.replace(m, every=2)), "mixtral")
+    hf_llama.check_exportable(dataclasses.replace(exp.model, moe=dataclasses.replace(m, every=2)), "mixtral")
   with pytest.raises(ConfigError, match="mixture of experts"):
-    hf_config.check_exportable(exp.model, "mistral")
+    hf_llama.check_exportable(exp.model, "mistral")
 
 
 def test_mixtral_unscanned_stack_maps_too(tmp_path):
   """scan_layers=False: one [E, ...] leaf per layer (layers/blocks/{i}/moe_block/...), same tensors."""
   setup, params = imported("mixtral", (1, 1), "model.scan_layers=False")
   assert params["layers"]["blocks"][1]["moe_block"]["moe"]["wo"].shape == (4, 96, 64)
-  exporter.export_params(params, setup.exp.model, str(tmp_path), np.float32, 1 << 30)
+  exporter.export_params(params, setup.exp.model, "mixtral", str(tmp_path), np.float32, 1 << 30)
   a, b = safetensors.Reader(os.path.join(FIXTURES, "mixtral")), safetensors.Reader(str(tmp_path))
   assert a.names() == b.names()
   for name in a.names():
@@ -276,14 +279,14 @@ def test_export_keeps_the_source_length_and_window(tmp_path):
   d = _write_config(str(tmp_path / "llama31"), max_position_embeddings=131072)
   model = configs.build(configs.get(f"hf:{d}")).model
   assert model.max_len == 4096
-  assert hf_config.to_hf(model, "llama", hf_config.read(d))["max_position_embeddings"] == 131072
+  assert hf_llama.to_hf(model, "llama", hf_models.read(d))["max_position_embeddings"] == 131072
   d = _write_config(str(tmp_path / "mistral"), "mistral", max_position_embeddings=32768, sliding_window=4096)
   model = configs.build(configs.get(f"hf:{d}")).model
-  out = hf_config.to_hf(model, "mistral", hf_config.read(d))
+  out = hf_llama.to_hf(model, "mistral", hf_models.read(d))
   assert (model.max_len, model.attention_window) == (4096, 4096)
   assert (out["max_position_embeddings"], out["sliding_window"]) == (32768, 4096)
   longer = dataclasses.replace(model, max_len=65536)
-  out = hf_config.to_hf(longer, "mistral", hf_config.read(d))
+  out = hf_llama.to_hf(longer, "mistral", hf_models.read(d))
   assert (out["max_position_embeddings"], out["sliding_window"]) == (65536, 4096)
 
 
@@ -293,15 +296,15 @@ def test_sliding_window_is_the_attention_window_not_a_length_cap():
   max_len keeps the window, and export declares the model's window."""
   model = experiment("mistral_window").model
   assert (model.max_len, model.attention_window) == (512, 6)
-  src = hf_config.read(os.path.join(FIXTURES, "mistral_window"))
-  assert hf_config.to_hf(model, "mistral", src)["sliding_window"] == 6
+  src = hf_models.read(os.path.join(FIXTURES, "mistral_window"))
+  assert hf_llama.to_hf(model, "mistral", src)["sliding_window"] == 6
   model = experiment("mistral_window", "model.max_len=1024", "model.attention_window=16").model
-  out = hf_config.to_hf(model, "mistral", src)
+  out = hf_llama.to_hf(model, "mistral", src)
   assert (out["max_position_embeddings"], out["sliding_window"]) == (1024, 16)
   moe = experiment("mixtral_llama3").model
   assert (moe.max_len, moe.attention_window, moe.rope_scaling) == (512, 8, "llama3")
   with pytest.raises(ConfigError, match="attention_window=6"):   # Llama has no sliding_window
-    hf_config.check_exportable(experiment("llama", "model.attention_window=6").model, "llama")
+    hf_llama.check_exportable(experiment("llama", "model.attention_window=6").model, "llama")
 
 
 def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
@@ -329,9 +332,9 @@ def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
   assert sorted(b.names()) == sorted(tensors)
   for name in b.names():
     assert b.get(name).tobytes() == tensors[name].tobytes(), name
-  out_cfg = hf_config.read(out)
+  out_cfg = hf_models.read(out)
   assert out_cfg["attention_bias"] is True and out_cfg["rope_parameters"]["rope_type"] == "llama3"
-  assert hf_config.model_fields(out_cfg) == hf_config.model_fields(hf_config.read(d))
+  assert hf_llama.model_fields(out_cfg) == hf_llama.model_fields(hf_models.read(d))
 
 
 def test_config_reads_transformers_4_rope_spelling(tmp_path):

@@ -17,8 +17,7 @@ from shardax.configs.vision import ClassifierConfig, UNet3DConfig
 from shardax.layers.classifier import ImageClassifier
 from shardax.layers.transformer import TransformerLM
 from shardax.layers.unet import UNet3D
-from shardax.trainer.hf import config as hf_config
-from shardax.trainer.hf import weights as hf_weights
+from shardax.models import hf as hf_models
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -44,6 +43,14 @@ def test_configs_import_nothing_from_layers_models_or_trainer():
   upward = {f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported_modules(p)
             if m.startswith(("shardax.layers", "shardax.models", "shardax.trainer"))}
   assert not upward, f"configs/ must stay data; these reach up into the modules: {sorted(upward)}"
+
+
+def test_models_import_nothing_from_trainer():
+  files = sorted((ROOT / "models").rglob("*.py"))
+  assert ROOT / "models" / "hf" / "llama.py" in files
+  upward = {f"{p.relative_to(ROOT)}: {m}" for p in files for m in imported_modules(p)
+            if m.startswith("shardax.trainer")}
+  assert not upward, f"models/ sits below trainer/; these reach up into it: {sorted(upward)}"
 
 
 def test_every_registered_experiment_builds_through_its_family():
@@ -80,14 +87,16 @@ def test_a_family_is_registered_once():
     models.register(dataclasses.replace(lm, name="lm2", hf=None))
   with pytest.raises(ValueError, match=r"Hugging Face architectures \['LlamaForCausalLM'\].*'lm'"):
     models.register(models.ModelSpec("llama2", ClassifierConfig, lambda c, r: None,
-                                     models.HFAdapter(("LlamaForCausalLM",), hf_config, hf_config)))
+                                     models.HFAdapter(("LlamaForCausalLM",), hf_models.adapter_for)))
   assert "lm2" not in models.specs() and "llama2" not in models.specs()
 
 
 def test_the_hf_architectures_reach_their_family_and_adapter():
-  for arch in hf_config.ARCHITECTURES:
-    spec = models.for_hf_architecture(arch)
-    assert spec.name == "lm" and spec.hf.config is hf_config and spec.hf.weights is hf_weights
+  for cls, arch in hf_models.ARCHITECTURES.items():
+    spec = models.for_hf_architecture(cls)
+    adapter = spec.hf.adapter_for(cls)
+    assert spec.name == "lm" and adapter is hf_models.adapter_for(arch) is hf_models.llama
+    assert adapter.ARCHITECTURES[cls] == arch
   with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
     models.for_hf_architecture("GPT2LMHeadModel")
 
@@ -101,3 +110,17 @@ def test_a_named_shape_enters_an_experiment_as_a_tree_that_set_still_reaches():
   assert configs.build(tree).model == dataclasses.replace(value, moe=MoEConfig(num_experts=8),
                                                           num_layers=2)
   assert configs.build(configs.get("lm.tiny")).model == shapes.LM_TINY
+
+
+def test_an_hf_family_registers_its_interface_and_classes_once():
+  """models/hf FAMILIES: a family module missing part of the interface, or claiming a
+  config.json class another family reads, is refused; an unknown name lists what is read."""
+  import types
+  with pytest.raises(ValueError, match="LlamaForCausalLM.*already registered"):
+    hf_models.architectures_of((hf_models.llama, hf_models.llama))
+  partial = types.ModuleType("half_family")
+  partial.ARCHITECTURES, partial.model_fields = {"NewForCausalLM": "new"}, lambda hf: {}
+  with pytest.raises(TypeError, match=r"half_family lacks \['moe_fields', 'to_hf'"):
+    hf_models.architectures_of((partial,))
+  with pytest.raises(ConfigError, match="'gpt2'.*LlamaForCausalLM"):
+    hf_models.adapter_for("gpt2")

@@ -1,8 +1,9 @@
-"""Hugging Face checkpoints in and out (config.json <-> our config, safetensors <-> orbax).
+"""Hugging Face checkpoints in and out: the file I/O (safetensors <-> orbax).
 
-  config.py       config.json -> TransformerConfig fields and back; unknown math is an error
+What config.json and the tensor names mean is each family's adapter (models/hf/); this
+package moves the bytes:
+
   safetensors.py  the file format: streamed per-tensor reads, streamed writes, shard indexes
-  weights.py      our param tree <-> Hugging Face tensor names and layouts
   importer.py     a model directory -> the job's step-0 checkpoint, tensor by tensor
   exporter.py     the latest checkpoint -> config.json + safetensors + tokenizer
 

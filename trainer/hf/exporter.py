@@ -1,9 +1,9 @@
 """The latest checkpoint of an `hf:DIR` job -> a Hugging Face model directory.
 
-Writes config.json (trainer/hf/config.py), the weights as safetensors (one file, or
+Writes config.json (the family's adapter, models/hf/), the weights as safetensors (one file, or
 `model-0000i-of-0000n.safetensors` + `model.safetensors.index.json` above the shard size),
 and the source directory's tokenizer files. Tensors are fetched one at a time (one layer,
-or one layer's expert, of a stacked leaf), relaid out (trainer/hf/weights.py) and streamed into the file, so the
+or one layer's expert, of a stacked leaf), relaid out (models/hf/common.py) and streamed into the file, so the
 host holds about one tensor beyond the restored params. The weights are written in the
 source model's dtype (config.json `dtype`/`torch_dtype`), else the param dtype: a model
 imported and exported untouched comes back bit for bit.
@@ -24,8 +24,8 @@ import numpy as np
 from absl import logging
 
 from shardax.configs.schema import ConfigError, Experiment
-from shardax.trainer.hf import config as hf_config
-from shardax.trainer.hf import importer, safetensors, weights
+from shardax.models import hf as hf_models
+from shardax.trainer.hf import importer, safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                    "generation_config.json")
@@ -40,11 +40,12 @@ def _order(name: str) -> tuple:
   return (0 if "embed_tokens" in name else 2 if name.startswith("model.") else 3, natural)
 
 
-def export_params(params, model_cfg, out_dir: str, dtype, max_shard_bytes: int) -> list[str]:
-  """Writes `params` (our tree, jax or numpy leaves) as safetensors files in `out_dir`."""
-  plan = weights.leaves(params, model_cfg)
+def export_params(params, model_cfg, arch: str, out_dir: str, dtype, max_shard_bytes: int) -> list[str]:
+  """Writes `params` (our tree, jax or numpy leaves) as safetensors files in `out_dir`, with
+  the tensor names of architecture `arch` (a short name, models/hf `architecture`)."""
+  plan = hf_models.leaves(params, model_cfg, arch)
   arrays = jax.tree_util.tree_leaves(params)
-  where: dict[str, tuple[weights.Leaf, object, tuple[int, ...]]] = {}
+  where: dict[str, tuple[hf_models.Leaf, object, tuple[int, ...]]] = {}
   for (_, leaf), arr in zip(plan, arrays):
     for i, name in enumerate(leaf.hf_names):
       where[name] = (leaf, arr, leaf.index(i) if leaf.stacked else ())
@@ -67,9 +68,10 @@ def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 <<
   if jax.process_count() > 1:
     raise ConfigError("--mode=export runs in one process (it gathers each tensor to the host)")
   source = importer.model_dir(exp)
-  src_cfg = hf_config.read(source)
-  arch = hf_config.architecture(src_cfg)
-  hf_config.check_exportable(exp.model, arch)
+  src_cfg = hf_models.read(source)
+  arch = hf_models.architecture(src_cfg)
+  adapter = hf_models.adapter_for(arch)
+  adapter.check_exportable(exp.model, arch)
   dtype_name = src_cfg.get("dtype") or src_cfg.get("torch_dtype") or exp.model.param_dtype
   if dtype_name not in DTYPES:
     raise ConfigError(f"config.json dtype={dtype_name!r}: export writes one of {sorted(DTYPES)}")
@@ -77,10 +79,10 @@ def run(exp: Experiment, job_dir: str, out_dir: str, max_shard_bytes: int = 4 <<
     raise ConfigError(f"--hf_out={out_dir} is the source model directory; export somewhere else")
   params, step = checkpoint.restore_params(model_setup.create(exp, make_mesh(exp.mesh)), job_dir)
   t0 = time.perf_counter()
-  files = export_params(params, exp.model, out_dir, DTYPES[dtype_name], max_shard_bytes)
+  files = export_params(params, exp.model, arch, out_dir, DTYPES[dtype_name], max_shard_bytes)
   seconds = time.perf_counter() - t0
   with open(os.path.join(out_dir, "config.json"), "w") as f:
-    json.dump({**hf_config.to_hf(exp.model, arch, src_cfg), "dtype": dtype_name}, f, indent=2, sort_keys=True)
+    json.dump({**adapter.to_hf(exp.model, arch, src_cfg), "dtype": dtype_name}, f, indent=2, sort_keys=True)
   for name in TOKENIZER_FILES:
     if os.path.exists(os.path.join(source, name)):
       shutil.copy(os.path.join(source, name), os.path.join(out_dir, name))

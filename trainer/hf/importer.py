@@ -24,8 +24,8 @@ from absl import logging
 from jax.sharding import NamedSharding
 
 from shardax.configs.schema import ConfigError, Experiment
-from shardax.trainer.hf import config as hf_config
-from shardax.trainer.hf import safetensors, weights
+from shardax.models import hf as hf_models
+from shardax.trainer.hf import safetensors
 
 
 def model_dir(exp: Experiment) -> str:
@@ -44,7 +44,7 @@ def _distinct_shards(sharding: NamedSharding, shape: tuple[int, ...]):
   return groups
 
 
-def put_leaf(leaf: weights.Leaf, reader: safetensors.Reader, shape, dtype, sharding) -> jax.Array:
+def put_leaf(leaf: hf_models.Leaf, reader: safetensors.Reader, shape, dtype, sharding) -> jax.Array:
   """One param as a sharded jax.Array, streamed from the checkpoint's tensors."""
   dtype = np.dtype(dtype)
   groups = _distinct_shards(sharding, tuple(shape))
@@ -82,9 +82,9 @@ def import_params(setup, source: str):
   setup) filled from the model dir `source`."""
   reader = safetensors.Reader(source)
   abstract = setup.abstract_params
-  plan = weights.leaves(abstract, setup.exp.model)
   model = setup.exp.model
-  weights.check_names(plan, reader.names(), model.tied_embedding)
+  plan = hf_models.leaves(abstract, model, hf_models.architecture(hf_models.read(source)))
+  hf_models.check_names(plan, reader.names(), model.tied_embedding)
   flat, treedef = jax.tree_util.tree_flatten(abstract)
   out = [put_leaf(leaf, reader, a.shape, a.dtype, a.sharding) for (_, leaf), a in zip(plan, flat)]
   return jax.tree_util.tree_unflatten(treedef, out)
@@ -97,8 +97,9 @@ def run(exp: Experiment, job_dir: str) -> dict:
   from shardax.trainer import model_setup
   from shardax.trainer import state as state_lib
   source = model_dir(exp)
-  hf = hf_config.read(source)   # the same checks as the experiment's build
-  hf_config.model_fields(hf), hf_config.moe_fields(hf)
+  hf = hf_models.read(source)   # the same checks as the experiment's build
+  adapter = hf_models.adapter_for(hf)
+  adapter.model_fields(hf), adapter.moe_fields(hf)
   mesh = make_mesh(exp.mesh)
   model = model_setup.create(exp, mesh)
   setup = state_lib.with_optimizer(model)   # step 0 is a train state: training resumes from it

@@ -1,25 +1,22 @@
-"""config.json <-> our model config, for the decoder architectures we implement.
+"""The Llama family's Hugging Face adapter: Llama, Mistral, Qwen2, Qwen3 and Mixtral.
 
 Dense (Llama, Mistral, Qwen2, Qwen3) -> TransformerConfig fields (`model_fields`); Mixtral
 -> the same fields plus MoEConfig fields (`moe_fields`) for the model's `moe` section (one
-decoder, whose feed-forward blocks are dense MLPs or MoE).
+decoder, whose feed-forward blocks are dense MLPs or MoE). Both use the rotate-half RoPE
+convention, so q/k need no permutation.
 
-Every key of config.json is accounted for: mapped onto a field, checked against the one value
-we implement (e.g. `hidden_act` must be silu), or known to leave the math alone (ids, dtype,
-bookkeeping). Anything else is an error naming the key, never silently ignored: a model whose
-config says something we do not compute must not load as a different model.
-
-Both spellings of RoPE are read: `rope_theta` + `rope_scaling` (transformers 4) and
-`rope_parameters` (transformers 5, which also writes it); export writes both.
+Mixtral (layers/blocks.py, every layer an MoE block): the stack is `layers/blocks/moe_block/...`
+(scanned) or `layers/blocks/{i}/moe_block/...`; the router kernel [embed, E] is `block_sparse_moe.
+gate.weight` [E, embed]; an expert weight is stacked over experts too: `wi_gate` [E, embed, h]
+is the E tensors `block_sparse_moe.experts.{e}.w1.weight` [h, embed] (w3: wi_up, w2: wo).
 """
 
 from __future__ import annotations
 
-import json
-import os
 from typing import Any
 
 from shardax.configs.schema import ConfigError
+from shardax.models.hf import common
 
 ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                  "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
@@ -28,13 +25,6 @@ MOE = ("mixtral",)
 # transformers' defaults where they differ from Llama's (a config.json may omit a key).
 DEFAULTS = {"mixtral": {"rms_norm_eps": 1e-5, "rope_theta": 1e6}}
 
-# Keys that do not change what the model computes (bookkeeping, ids, generation defaults).
-METADATA = {"architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
-            "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
-            "pretraining_tp", "max_window_layers", "_name_or_path", "output_attentions",
-            "output_hidden_states", "return_dict", "tie_encoder_decoder", "is_decoder",
-            "_attn_implementation_autoset", "unk_token_id", "sep_token_id", "decoder_start_token_id",
-            "task_specific_params", "problem_type", "id2label", "label2id", "use_return_dict"}
 MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings",
           "rms_norm_eps", "rope_theta", "rope_scaling", "rope_parameters", "tie_word_embeddings",
@@ -46,61 +36,51 @@ MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
 MOE_MAPPED = {"num_local_experts", "num_experts_per_tok", "router_jitter_noise",
               "router_aux_loss_coef", "output_router_logits"}
 
-
-def read(model_dir: str) -> dict[str, Any]:
-  path = os.path.join(os.path.expanduser(model_dir), "config.json")
-  if not os.path.exists(path):
-    raise ConfigError(f"hf:{model_dir}: no config.json there; give a Hugging Face model directory "
-                      f"(config.json, *.safetensors, tokenizer.json)")
-  with open(path) as f:
-    return json.load(f)
-
-
-def architecture(hf: dict[str, Any]) -> str:
-  archs = hf.get("architectures") or []
-  known = [ARCHITECTURES[a] for a in archs if a in ARCHITECTURES]
-  if len(archs) != 1 or not known:
-    raise ConfigError(f"config.json architectures={archs}: shardax imports exactly one of "
-                      f"{sorted(ARCHITECTURES)}")
-  return known[0]
-
-
-def _rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
-  """rope_theta and llama3 scaling fields, from either spelling."""
-  params = dict(hf.get("rope_parameters") or {})
-  scaling = dict(hf.get("rope_scaling") or {})
-  theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
-  kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
-  src = params if params.get("rope_type", params.get("type")) == kind and kind != "default" else scaling
-  out: dict[str, Any] = {"rope_theta": float(theta)}
-  if kind == "default":
-    extra = set(params) - {"rope_type", "type"}
-    if extra:
-      raise ConfigError(f"config.json rope_parameters has {sorted(extra)} that plain RoPE does not use")
-    return out
-  if kind != "llama3":
-    raise ConfigError(f"config.json rope scaling type {kind!r} is not implemented (shardax has "
-                      f"'default' and 'llama3')")
-  known = {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
-           "original_max_position_embeddings", "rope_theta"}
-  extra = set(src) - known
-  if extra:
-    raise ConfigError(f"config.json llama3 rope scaling has keys {sorted(extra)} shardax does not implement")
-  out.update(rope_scaling="llama3", rope_scaling_factor=float(src["factor"]),
-             rope_low_freq_factor=float(src["low_freq_factor"]),
-             rope_high_freq_factor=float(src["high_freq_factor"]),
-             rope_original_max_len=int(src["original_max_position_embeddings"]))
-  return out
+# Block-relative path -> (Hugging Face name inside `model.layers.{i}.`, input dims of a kernel).
+BLOCK = {
+    ("attn_norm", "scale"): ("input_layernorm.weight", None),
+    ("attn", "query", "kernel"): ("self_attn.q_proj.weight", 1),
+    ("attn", "query", "bias"): ("self_attn.q_proj.bias", None),
+    ("attn", "key", "kernel"): ("self_attn.k_proj.weight", 1),
+    ("attn", "key", "bias"): ("self_attn.k_proj.bias", None),
+    ("attn", "value", "kernel"): ("self_attn.v_proj.weight", 1),
+    ("attn", "value", "bias"): ("self_attn.v_proj.bias", None),
+    ("attn", "out", "kernel"): ("self_attn.o_proj.weight", 2),
+    ("attn", "out", "bias"): ("self_attn.o_proj.bias", None),
+    ("attn", "q_norm", "scale"): ("self_attn.q_norm.weight", None),
+    ("attn", "k_norm", "scale"): ("self_attn.k_norm.weight", None),
+    ("mlp_norm", "scale"): ("post_attention_layernorm.weight", None),
+    ("mlp", "gate", "kernel"): ("mlp.gate_proj.weight", 1),
+    ("mlp", "gate", "bias"): ("mlp.gate_proj.bias", None),
+    ("mlp", "up", "kernel"): ("mlp.up_proj.weight", 1),
+    ("mlp", "up", "bias"): ("mlp.up_proj.bias", None),
+    ("mlp", "down", "kernel"): ("mlp.down_proj.weight", 1),
+    ("mlp", "down", "bias"): ("mlp.down_proj.bias", None),
+}
+# Mixtral's unit is one MoE Block (`moe_block`): attention and norms as above, then the router
+# and the experts.
+MOE_BLOCK = {("moe_block",) + k: v for k, v in BLOCK.items() if k[0] in ("attn_norm", "attn", "mlp_norm")}
+MOE_BLOCK.update({
+    ("moe_block", "moe", "router", "kernel"): ("block_sparse_moe.gate.weight", 1),
+    ("moe_block", "moe", "wi_gate"): ("block_sparse_moe.experts.{e}.w1.weight", 1),
+    ("moe_block", "moe", "wi_up"): ("block_sparse_moe.experts.{e}.w3.weight", 1),
+    ("moe_block", "moe", "wo"): ("block_sparse_moe.experts.{e}.w2.weight", 1),
+})
+TOP = {
+    ("embed", "embedding"): ("model.embed_tokens.weight", 0),
+    ("final_norm", "scale"): ("model.norm.weight", None),
+    ("head", "kernel"): ("lm_head.weight", 1),
+}
+# The MoEConfig fields Mixtral's config.json cannot express (its router is fixed).
+MIXTRAL_ROUTER = dict(every=1, first_dense_layers=0, num_shared_experts=0, score="softmax",
+                      renormalize=True, gate_scale=1.0, bias_update_rate=0.0)
 
 
 def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """TransformerConfig fields for a config.json (raises ConfigError naming a key we lack)."""
-  arch = architecture(hf)
+  arch = common.arch_name(hf, ARCHITECTURES)
   defaults = DEFAULTS.get(arch, {})
-  unknown = sorted(set(hf) - METADATA - MAPPED - (MOE_MAPPED if arch in MOE else set()))
-  if unknown:
-    raise ConfigError(f"config.json key(s) {unknown} are not implemented by shardax's {arch} import; "
-                      f"a key that changes the math cannot be ignored (remove it only if it does not)")
+  common.check_keys(hf, arch, MAPPED, MOE_MAPPED if arch in MOE else set())
   act = hf.get("hidden_act", "silu")
   if act not in ("silu", "swish"):
     raise ConfigError(f"config.json hidden_act={act!r}: shardax's gated MLP implements 'silu'")
@@ -121,7 +101,6 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   # cache) masks keys outside it. Qwen2's sliding_window is unused without use_sliding_window.
   window = hf.get("sliding_window") if arch in ("mistral", "mixtral") else None
   heads = int(hf["num_attention_heads"])
-  d_model = int(hf["hidden_size"])
   head_dim = hf.get("head_dim")
   attention_bias = bool(hf.get("attention_bias", False))
   if arch == "qwen2":
@@ -131,18 +110,18 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   else:
     qkv_bias = out_bias = attention_bias
   eps = float(hf.get("rms_norm_eps", defaults.get("rms_norm_eps", 1e-6)))
-  rope = _rope(hf, defaults.get("rope_theta", 10000.0))
   if arch in MOE and hf.get("mlp_bias"):
     raise ConfigError("config.json mlp_bias=true: shardax's MoE experts (and Mixtral's) have no biases")
   return dict(
-      vocab_size=int(hf["vocab_size"]), num_layers=int(hf["num_hidden_layers"]), d_model=d_model,
-      num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+      vocab_size=int(hf["vocab_size"]), num_layers=int(hf["num_hidden_layers"]),
+      d_model=int(hf["hidden_size"]), num_heads=heads, num_kv_heads=int(hf.get("num_key_value_heads") or heads),
       head_dim=int(head_dim) if head_dim else None, d_ff=int(hf["intermediate_size"]),
       max_len=max_len, attention_window=None if window is None else int(window), norm="rms",
       tied_embedding=bool(hf.get("tie_word_embeddings", arch not in ("llama", "mistral", "mixtral"))),
       activation="silu", mlp="gated", parallel_block=False, norm_eps=eps,
       scale_embedding=False, qkv_bias=qkv_bias, out_bias=out_bias,
-      mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=arch == "qwen3", **rope)
+      mlp_bias=bool(hf.get("mlp_bias", False)), qk_norm=arch == "qwen3",
+      **common.rope(hf, defaults.get("rope_theta", 10000.0)))
 
 
 def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
@@ -156,7 +135,7 @@ def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
   k * tokens assignments together), so aux_loss_weight = router_aux_loss_coef * k gives the
   same training loss. (transformers adds it only with output_router_logits=true; shardax
   trains with it always: --set model.moe.aux_loss_weight=0 to leave it out.)"""
-  if architecture(hf) not in MOE:
+  if common.arch_name(hf, ARCHITECTURES) not in MOE:
     return None
   jitter = hf.get("router_jitter_noise", 0.0)
   if jitter:
@@ -164,13 +143,12 @@ def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
                       f"is not implemented; set it to 0 (it does not change inference)")
   k = int(hf.get("num_experts_per_tok", 2))
   return dict(num_experts=int(hf.get("num_local_experts", 8)), top_k=k, d_ff=int(hf["intermediate_size"]),
-              every=1, first_dense_layers=0, num_shared_experts=0, score="softmax", renormalize=True,
-              gate_scale=1.0, bias_update_rate=0.0, dispatch="dropless",
+              **MIXTRAL_ROUTER, dispatch="dropless",
               aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k, z_loss_weight=0.0)
 
 
 def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
-  """config.json for our model config (`arch` as `architecture` names it).
+  """config.json for our model config (`arch` as `ARCHITECTURES` names it).
 
   Keys of the imported `source` config that carry no math (ids, ...) are kept, and so is
   its `max_position_embeddings`: the experiment caps model.max_len at 4096 for what it
@@ -180,21 +158,14 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
   cls = {v: k for k, v in ARCHITECTURES.items()}[arch]
   source = source or {}
   t = model
-  out = {k: v for k, v in source.items() if k in METADATA}
-  rope = {"rope_type": "default", "rope_theta": t.rope_theta}
-  if t.rope_scaling == "llama3":
-    rope = {"rope_type": "llama3", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
-            "low_freq_factor": t.rope_low_freq_factor, "high_freq_factor": t.rope_high_freq_factor,
-            "original_max_position_embeddings": t.rope_original_max_len}
+  out = {k: v for k, v in source.items() if k in common.METADATA}
   out.update(
       architectures=[cls], model_type=arch, vocab_size=t.vocab_size, hidden_size=t.d_model,
       intermediate_size=t.d_ff, num_hidden_layers=t.num_layers,
       num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads,
       max_position_embeddings=max(t.max_len, int(source.get("max_position_embeddings", 0))),
       rms_norm_eps=t.norm_eps, tie_word_embeddings=t.tied_embedding, hidden_act="silu", attention_dropout=0.0,
-      rope_parameters=rope, rope_theta=t.rope_theta, dtype=t.param_dtype)
-  if t.rope_scaling == "llama3":
-    out["rope_scaling"] = rope
+      dtype=t.param_dtype, **common.rope_keys(t))
   if t.head_dim is not None:   # else transformers derives it as hidden_size // heads, as we do
     out["head_dim"] = t.head_dim
   if arch in ("llama", "qwen3") or (arch == "mixtral" and t.qkv_bias):
@@ -218,7 +189,8 @@ def check_exportable(model, arch: str) -> None:
   if (moe is not None) != (arch in MOE):
     raise ConfigError(f"cannot export as {arch}: the model {'is' if moe else 'is not'} a mixture of experts")
   if moe is not None:
-    bad += _moe_not_mixtral(model)
+    bad += [f"model.moe.{k}={getattr(moe, k)!r} (Mixtral: {v!r})"
+            for k, v in MIXTRAL_ROUTER.items() if getattr(moe, k) != v]
   if model.norm != "rms" or model.mlp != "gated" or model.activation != "silu" or model.parallel_block:
     bad.append("norm/mlp/activation/parallel_block other than rms/gated/silu/False")
   if model.scale_embedding:
@@ -238,9 +210,12 @@ def check_exportable(model, arch: str) -> None:
     raise ConfigError(f"cannot export as {arch}: the model has {', '.join(bad)}")
 
 
-def _moe_not_mixtral(model) -> list[str]:
-  """The MoEConfig fields Mixtral's config.json cannot express (its router is fixed)."""
-  m = model.moe
-  want = dict(every=1, first_dense_layers=0, num_shared_experts=0, score="softmax", renormalize=True,
-              gate_scale=1.0, bias_update_rate=0.0)
-  return [f"model.moe.{k}={getattr(m, k)!r} (Mixtral: {v!r})" for k, v in want.items() if getattr(m, k) != v]
+def weight_names(model_cfg, arch: str) -> common.WeightNames:
+  """The tensor names of `model_cfg`'s params: dense blocks, or Mixtral's MoE block in every
+  layer (a ConfigError for an MoE layout Mixtral's tensors cannot hold)."""
+  moe = getattr(model_cfg, "moe", None)
+  if moe is not None and (moe.every != 1 or moe.first_dense_layers or moe.num_shared_experts):
+    raise ConfigError(f"Hugging Face MoE weights (Mixtral) have an MoE FFN in every layer and no shared "
+                      f"experts; the model has model.moe.every={moe.every}, first_dense_layers="
+                      f"{moe.first_dense_layers}, num_shared_experts={moe.num_shared_experts}")
+  return common.WeightNames(top=TOP, block=MOE_BLOCK if moe is not None else BLOCK)

@@ -1,0 +1,242 @@
+"""What every Hugging Face family adapter shares: reading config.json, the keys that carry no
+math, the unknown-key check, RoPE in both spellings, and the param tree <-> tensor walk.
+
+Config: every key of config.json is accounted for by a family (mapped onto a field, checked
+against the one value we implement, or in METADATA: ids, dtype, bookkeeping). Anything else
+is an error naming the key (`check_keys`): a model whose config says something we do not
+compute must not load as a different model.
+
+Weights: a Hugging Face linear weight is [out, in]; ours are einsum kernels with the input
+dims first (query [embed, heads, kv], out [heads, kv, embed]). So a kernel is the transposed
+weight reshaped, and back: a pure relayout, bit-exact both ways (`Leaf`). Biases and norm
+scales only reshape. Scanned stacks hold one leaf per block param with a leading `layers`
+dim: leaf `layers/blocks/attn/query/kernel` [L, ...] is the L tensors `model.layers.{i}.
+self_attn.q_proj.weight`; a Python-list stack (scan_layers=False) has one leaf per block. A
+table entry whose name holds "{e}" is stacked over experts too: a scanned leaf [L, E, ...] is
+L x E tensors, in that order. A family supplies the tables (`WeightNames`); `leaves` walks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from shardax.configs.schema import ConfigError
+
+# Keys that do not change what the model computes (bookkeeping, ids, generation defaults).
+METADATA = frozenset({
+    "architectures", "model_type", "transformers_version", "torch_dtype", "dtype",
+    "bos_token_id", "eos_token_id", "pad_token_id", "initializer_range", "use_cache",
+    "pretraining_tp", "max_window_layers", "_name_or_path", "output_attentions",
+    "output_hidden_states", "return_dict", "tie_encoder_decoder", "is_decoder",
+    "_attn_implementation_autoset", "unk_token_id", "sep_token_id", "decoder_start_token_id",
+    "task_specific_params", "problem_type", "id2label", "label2id", "use_return_dict"})
+# Buffers some checkpoints carry that hold no weights (recomputed from the config).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+LAYER_PREFIX = "model.layers.{i}."
+
+
+def read(model_dir: str) -> dict[str, Any]:
+  """The config.json of a Hugging Face model directory, as JSON (nothing executed)."""
+  path = os.path.join(os.path.expanduser(model_dir), "config.json")
+  if not os.path.exists(path):
+    raise ConfigError(f"hf:{model_dir}: no config.json there; give a Hugging Face model directory "
+                      f"(config.json, *.safetensors, tokenizer.json)")
+  with open(path) as f:
+    return json.load(f)
+
+
+def arch_name(hf: dict[str, Any], architectures: dict[str, str]) -> str:
+  """The short name (`architectures` maps config.json classes to them) of the one class
+  config.json declares; a ConfigError listing the known classes otherwise."""
+  archs = hf.get("architectures") or []
+  known = [architectures[a] for a in archs if a in architectures]
+  if len(archs) != 1 or not known:
+    raise ConfigError(f"config.json architectures={archs}: shardax imports exactly one of "
+                      f"{sorted(architectures)}")
+  return known[0]
+
+
+def check_keys(hf: dict[str, Any], arch: str, *known: set[str]) -> None:
+  """Every key of `hf` is METADATA or in one of the family's `known` sets, else a ConfigError
+  naming the keys."""
+  unknown = sorted(set(hf) - METADATA - set().union(*known))
+  if unknown:
+    raise ConfigError(f"config.json key(s) {unknown} are not implemented by shardax's {arch} import; "
+                      f"a key that changes the math cannot be ignored (remove it only if it does not)")
+
+
+def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
+  """TransformerConfig's rope_theta and llama3 scaling fields, from `rope_theta` + `rope_scaling`
+  (transformers 4) or `rope_parameters` (transformers 5); other scaling types are errors."""
+  params = dict(hf.get("rope_parameters") or {})
+  scaling = dict(hf.get("rope_scaling") or {})
+  theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
+  kind = params.get("rope_type") or params.get("type") or scaling.get("rope_type") or scaling.get("type") or "default"
+  src = params if params.get("rope_type", params.get("type")) == kind and kind != "default" else scaling
+  out: dict[str, Any] = {"rope_theta": float(theta)}
+  if kind == "default":
+    extra = set(params) - {"rope_type", "type"}
+    if extra:
+      raise ConfigError(f"config.json rope_parameters has {sorted(extra)} that plain RoPE does not use")
+    return out
+  if kind != "llama3":
+    raise ConfigError(f"config.json rope scaling type {kind!r} is not implemented (shardax has "
+                      f"'default' and 'llama3')")
+  known = {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
+           "original_max_position_embeddings", "rope_theta"}
+  extra = set(src) - known
+  if extra:
+    raise ConfigError(f"config.json llama3 rope scaling has keys {sorted(extra)} shardax does not implement")
+  out.update(rope_scaling="llama3", rope_scaling_factor=float(src["factor"]),
+             rope_low_freq_factor=float(src["low_freq_factor"]),
+             rope_high_freq_factor=float(src["high_freq_factor"]),
+             rope_original_max_len=int(src["original_max_position_embeddings"]))
+  return out
+
+
+def rope_keys(t) -> dict[str, Any]:
+  """config.json's RoPE keys for TransformerConfig `t`, in both spellings (`rope_parameters`
+  and `rope_theta`, plus `rope_scaling` when scaled)."""
+  params = {"rope_type": "default", "rope_theta": t.rope_theta}
+  if t.rope_scaling == "llama3":
+    params = {"rope_type": "llama3", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
+              "low_freq_factor": t.rope_low_freq_factor, "high_freq_factor": t.rope_high_freq_factor,
+              "original_max_position_embeddings": t.rope_original_max_len}
+  out = {"rope_parameters": params, "rope_theta": t.rope_theta}
+  if t.rope_scaling == "llama3":
+    out["rope_scaling"] = params
+  return out
+
+
+# A table: our param path (block-relative in `block`) -> (Hugging Face name, input dims of a
+# kernel: the number of leading dims of our per-tensor shape that are the weight's input;
+# 0: the same layout; None: not a kernel, only reshaped).
+Table = dict[tuple[str, ...], tuple[str, "int | None"]]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightNames:
+  """A family's tensor names for one model config.
+
+  top: paths outside the layer stack -> full Hugging Face names;
+  block: paths inside one layer of `layers/blocks` (after the layer index of an unscanned
+    stack) -> names inside `model.layers.{i}.`; "{e}" in a name marks an expert-stacked leaf.
+  """
+  top: Table
+  block: Table
+
+
+@dataclasses.dataclass(frozen=True)
+class Leaf:
+  """One leaf of our params and the Hugging Face tensor(s) it is made of.
+
+  A stacked leaf's leading dims `stack` (layers; layers and experts; or experts) each index
+  one tensor: `hf_names` lists them in row-major order of `stack` (`index(i)` is the i-th's
+  position). An unstacked leaf (stack ()) is the one tensor. `one_shape` is our per-tensor
+  shape (the leaf's shape without the stacked dims)."""
+  path: tuple[str, ...]
+  hf_names: tuple[str, ...]
+  stack: tuple[int, ...]
+  one_shape: tuple[int, ...]
+  in_dims: int | None
+
+  @property
+  def stacked(self) -> bool:
+    return bool(self.stack)
+
+  def index(self, i: int) -> tuple[int, ...]:
+    """The position in the stacked dims of the i-th tensor of `hf_names`."""
+    return tuple(int(j) for j in np.unravel_index(i, self.stack))
+
+  @property
+  def hf_shape(self) -> tuple[int, ...]:
+    if self.in_dims == 0:
+      return self.one_shape
+    if self.in_dims is None:
+      return (math.prod(self.one_shape),)
+    return (math.prod(self.one_shape[self.in_dims:]), math.prod(self.one_shape[:self.in_dims]))
+
+  def to_ours(self, t: np.ndarray) -> np.ndarray:
+    """One Hugging Face tensor -> our layout of it."""
+    if tuple(t.shape) != self.hf_shape:
+      raise ConfigError(f"{self.hf_names[0]}: shape {tuple(t.shape)} in the checkpoint, but the config "
+                        f"makes {self.hf_shape} (for {'/'.join(self.path)} {self.one_shape})")
+    return (t if not self.in_dims else t.T).reshape(self.one_shape)
+
+  def to_hf(self, a: np.ndarray) -> np.ndarray:
+    """Our layout of one tensor -> the Hugging Face tensor (contiguous)."""
+    if not self.in_dims:
+      return np.ascontiguousarray(a.reshape(self.hf_shape))
+    rows = math.prod(self.one_shape[:self.in_dims])
+    return np.ascontiguousarray(a.reshape(rows, -1).T)
+
+
+def _names(path) -> tuple[str, ...]:
+  out = []
+  for k in path:
+    for attr in ("key", "name", "idx"):
+      if hasattr(k, attr):
+        out.append(str(getattr(k, attr)))
+        break
+    else:
+      out.append(str(k))
+  return tuple(out)
+
+
+def leaves(params_abstract, model_cfg, names: WeightNames) -> list[tuple[tuple, Leaf]]:
+  """(tree path, Leaf) for every leaf of our params (abstract or real), in tree order."""
+  import jax
+  t = model_cfg
+  if t.pipeline.stages > 1:
+    raise ConfigError("Hugging Face import/export of a pipelined stack (model.pipeline.stages > 1) is not "
+                      "supported yet; import with stages=1")
+  stack_key = ("layers", "blocks")
+  out = []
+  for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
+    full = _names(path)
+    shape = tuple(leaf.shape)
+    if full[:len(stack_key)] == stack_key:
+      rest = full[len(stack_key):]
+      if t.scan_layers:
+        layers, key = range(shape[0]), rest
+      else:
+        layers, key = [int(rest[0])], rest[1:]
+      hf, in_dims = _lookup(names.block, key, full)
+      stack = (shape[0],) if t.scan_layers else ()
+      prefix = LAYER_PREFIX
+      if "{e}" in hf:   # one tensor per (layer, expert)
+        stack += (shape[len(stack)],)
+        hf_names = tuple(prefix.format(i=i) + hf.format(e=e) for i in layers for e in range(stack[-1]))
+      else:
+        hf_names = tuple(prefix.format(i=i) + hf for i in layers)
+      out.append((path, Leaf(full, hf_names, stack, shape[len(stack):], in_dims)))
+    else:
+      hf, in_dims = _lookup(names.top, full, full)
+      out.append((path, Leaf(full, (hf,), (), shape, in_dims)))
+  return out
+
+
+def _lookup(table: Table, key, full) -> tuple[str, int | None]:
+  if key not in table:
+    raise ConfigError(f"param {'/'.join(full)} has no Hugging Face counterpart")
+  return table[key]
+
+
+def check_names(plan: list[tuple[tuple, Leaf]], available: list[str], tied: bool) -> None:
+  """Every tensor we need is there and every tensor there is used (a tied checkpoint may
+  still carry lm_head.weight: it equals the embedding and is skipped)."""
+  needed = {n for _, leaf in plan for n in leaf.hf_names}
+  missing = sorted(needed - set(available))
+  unused = sorted(n for n in set(available) - needed
+                  if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight"))
+  if missing:
+    raise ConfigError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs: {missing[:5]}")
+  if unused:
+    raise ConfigError(f"the checkpoint has {len(unused)} tensor(s) the config does not use "
+                      f"(a config.json that does not describe these weights?): {unused[:5]}")
