@@ -41,7 +41,7 @@ class PipelineConfig:
   # Each visit's weight gradients leave the stage body in the weights' stored layout: with
   # weights split over `data` (pp_2d) a reduce-scatter per visit instead of a full all-reduce
   # (pipeline/loop.py `weight_axes`). The TPU compilers differ on which is cheaper (v4 faster,
-  # v5e slower): docs/pipeline.md has the measurements.
+  # v5e slower): docs/results/pipeline.md has the measurements.
   grads_in_layout: bool = True
 
   def __post_init__(self):
