@@ -125,6 +125,24 @@ _TPU_SOURCES = {
     "host_bandwidth": _SCALING_BOOK,
     "matmul_efficiency": ("docs/scale.md 'Checked against published runs' (0.8: large unpadded matmuls, "
                           "set before the published rows were compared)")}
+_TPU_HOST_BANDWIDTH = 1.5e10   # bytes/s one way between a chip and its host ("PCIe bandwidth ~1.5e10")
+
+
+def _tpu(name: str, page: str, *, devices_per_chip: int, sources: dict[str, str], **figures) -> Chip:
+  """A TPU row. `figures` are per jax device; `page` is the generation's Cloud TPU page, the
+  source of its peaks, HBM and ICI figures and (with the scaling book) of its torus shape unless
+  `sources` (keyed like `_cite`'s groups) names another; every TPU row shares the host link
+  (per chip, split between its devices), the MXU side's architecture page and the family's
+  matmul efficiency."""
+  own = _TPU + page
+  return Chip(name=name, source=own, devices_per_chip=devices_per_chip,
+              host_bandwidth=_TPU_HOST_BANDWIDTH / devices_per_chip, matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
+              sources=_cite(_TPU_SOURCES, {
+                  "peak_bf16_flops peak_int8_flops peak_fp8_flops hbm_bytes hbm_bandwidth ici_bandwidth": own,
+                  "torus_dims wraparound_from": own + " / " + _SCALING_BOOK, "mxu_dim": _ARCH}, sources),
+              **figures)
+
+
 # Sources every GPU row shares: NVSwitch, no torus, no array to pad to, A3 High's network.
 _GPU_SOURCES = {
     "torus_dims": "n/a: NVSwitch (0)", "wraparound_from": "n/a (0)", "devices_per_chip": "one GPU, one device",
@@ -157,105 +175,77 @@ _A100 = dict(  # the A100 parts differ in HBM only; PCIe Gen4 x16 to the host
 _H100_SOURCES = _gpu_sources(_NV + "h100/", _H100_WP, clock_hz=_UNREAD + " (boost clocks differ by SKU)")
 
 CHIPS: dict[str, Chip] = {c.name: c for c in (
-    Chip(name="TPU v3", source=_TPU + "v3",   # per core: 123 TFLOPs, 32 GiB, 900 GBps per chip of 2
+    _tpu("TPU v3", "v3", devices_per_chip=2,   # per core: 123 TFLOPs, 32 GiB, 900 GBps per chip of 2
          peak_bf16_flops=123e12 / 2, peak_int8_flops=0.0, peak_fp8_flops=0.0,
          hbm_bytes=16 * GiB, hbm_bandwidth=900 * GB / 2,
          ici_bandwidth=2 * 340e12 / 1024 / 2,   # 2 x pod all-reduce 340 TB/s / 1024 chips, per core
-         ici_link_bandwidth=1e11, ici_links_per_chip=4, torus_dims=2, wraparound_from=4,
-         dcn_bandwidth=3.125e9, host_bandwidth=1.5e10 / 2, devices_per_chip=2,
+         ici_link_bandwidth=1e11, ici_links_per_chip=4, torus_dims=2, wraparound_from=4, dcn_bandwidth=3.125e9,
          cores_per_chip=2, mxus_per_core=2, mxu_dim=128, clock_hz=940e6,
-         matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
-         sources=_cite(_TPU_SOURCES, {
-             "peak_bf16_flops hbm_bytes hbm_bandwidth ici_bandwidth": _TPU + "v3",
-             "ici_link_bandwidth torus_dims wraparound_from dcn_bandwidth": _TPU + "v3 / " + _SCALING_BOOK,
-             "host_bandwidth": _SCALING_BOOK + " (the chip's link, shared by its two cores)",
-             "peak_int8_flops": _NO_INT8, "peak_fp8_flops": _NO_FP8,
-             "cores_per_chip mxus_per_core clock_hz": _V3_PAPER, "mxu_dim": _ARCH,
-             "ici_links_per_chip": _TPU + "v3 (2D torus, 4 ports)"})),
-    Chip(name="TPU v4", source=_TPU + "v4",
+         sources={"ici_link_bandwidth dcn_bandwidth": _TPU + "v3 / " + _SCALING_BOOK,
+                  "host_bandwidth": _SCALING_BOOK + " (the chip's link, shared by its two cores)",
+                  "peak_int8_flops": _NO_INT8, "peak_fp8_flops": _NO_FP8,
+                  "cores_per_chip mxus_per_core clock_hz": _V3_PAPER,
+                  "ici_links_per_chip": _TPU + "v3 (2D torus, 4 ports)"}),
+    _tpu("TPU v4", "v4", devices_per_chip=1,
          peak_bf16_flops=275e12, peak_int8_flops=275e12, peak_fp8_flops=0.0,
          hbm_bytes=32 * GiB, hbm_bandwidth=1200 * GB,
          ici_bandwidth=2 * 1.1e15 / 4096,   # 2 x pod all-reduce 1.1 PB/s / 4096 chips
-         ici_link_bandwidth=4.5e10, ici_links_per_chip=6, torus_dims=3, wraparound_from=4,
-         dcn_bandwidth=6.25e9, host_bandwidth=1.5e10, devices_per_chip=1,
+         ici_link_bandwidth=4.5e10, ici_links_per_chip=6, torus_dims=3, wraparound_from=4, dcn_bandwidth=6.25e9,
          cores_per_chip=2, mxus_per_core=4, mxu_dim=128, clock_hz=1050e6,
-         matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
-         sources=_cite(_TPU_SOURCES, {
-             "peak_bf16_flops peak_int8_flops hbm_bytes hbm_bandwidth ici_bandwidth": _TPU + "v4",
-             "ici_link_bandwidth torus_dims wraparound_from dcn_bandwidth": _TPU + "v4 / " + _SCALING_BOOK,
-             "peak_fp8_flops": _NO_FP8,
-             "cores_per_chip mxus_per_core clock_hz ici_links_per_chip": _V4_PAPER, "mxu_dim": _ARCH})),
-    Chip(name="TPU v5 lite", source=_TPU + "v5e",
+         sources={"ici_link_bandwidth dcn_bandwidth": _TPU + "v4 / " + _SCALING_BOOK, "peak_fp8_flops": _NO_FP8,
+                  "cores_per_chip mxus_per_core clock_hz ici_links_per_chip": _V4_PAPER}),
+    _tpu("TPU v5 lite", "v5e", devices_per_chip=1,
          peak_bf16_flops=197e12, peak_int8_flops=393e12, peak_fp8_flops=0.0,
          hbm_bytes=16 * GiB, hbm_bandwidth=819 * GB,
          ici_bandwidth=400 * GB, ici_link_bandwidth=5e10, ici_links_per_chip=4, torus_dims=2, wraparound_from=16,
-         dcn_bandwidth=3.125e9, host_bandwidth=1.5e10, devices_per_chip=1,
-         cores_per_chip=1, mxus_per_core=4, mxu_dim=128, clock_hz=0.0,
-         matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
-         sources=_cite(_TPU_SOURCES, {
-             "peak_bf16_flops peak_int8_flops hbm_bytes hbm_bandwidth ici_bandwidth": _TPU + "v5e",
-             "torus_dims wraparound_from": _TPU + "v5e / " + _SCALING_BOOK,
-             "ici_link_bandwidth": _TPU + "v5e (400 GBps bidirectional ICI over 4 ports)",
-             "dcn_bandwidth": _TPU + "v5e (2 x 100 Gbps NICs per host of 8 chips)",
-             "peak_fp8_flops": _NO_FP8,
-             "cores_per_chip": _TPU + "v5e ('each v5e chip contains one TensorCore')",
-             "mxus_per_core": _TPU + "v5e ('four matrix-multiply units')", "mxu_dim": _ARCH,
-             "clock_hz": _UNREAD, "ici_links_per_chip": _TPU + "v5e ('ICI ports per chip: 4')"})),
+         dcn_bandwidth=3.125e9, cores_per_chip=1, mxus_per_core=4, mxu_dim=128, clock_hz=0.0,
+         sources={"ici_link_bandwidth": _TPU + "v5e (400 GBps bidirectional ICI over 4 ports)",
+                  "dcn_bandwidth": _TPU + "v5e (2 x 100 Gbps NICs per host of 8 chips)",
+                  "peak_fp8_flops": _NO_FP8, "clock_hz": _UNREAD,
+                  "cores_per_chip": _TPU + "v5e ('each v5e chip contains one TensorCore')",
+                  "mxus_per_core": _TPU + "v5e ('four matrix-multiply units')",
+                  "ici_links_per_chip": _TPU + "v5e ('ICI ports per chip: 4')"}),
     # The v5p page says 95 GiB of HBM, but libtpu's compiler lets one device use 95.74 GiB.
-    Chip(name="TPU v5", source=_TPU + "v5p",
+    _tpu("TPU v5", "v5p", devices_per_chip=1,
          peak_bf16_flops=459e12, peak_int8_flops=918e12, peak_fp8_flops=0.0,
          hbm_bytes=96 * GiB, hbm_bandwidth=2765 * GB,
          ici_bandwidth=1200 * GB, ici_link_bandwidth=9e10, ici_links_per_chip=6, torus_dims=3, wraparound_from=4,
-         dcn_bandwidth=6.25e9, host_bandwidth=1.5e10, devices_per_chip=1,
-         cores_per_chip=2, mxus_per_core=4, mxu_dim=128, clock_hz=0.0,
-         matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
-         sources=_cite(_TPU_SOURCES, {
-             "peak_bf16_flops peak_int8_flops hbm_bandwidth ici_bandwidth": _TPU + "v5p",
-             "hbm_bytes": _TPU + "v5p (95 GiB) and libtpu, which lets one device use 95.74 GiB "
-                          "(tests/test_hardware.py): 96 GiB",
-             "ici_link_bandwidth torus_dims wraparound_from": _TPU + "v5p / " + _SCALING_BOOK,
-             "dcn_bandwidth": _TPU + "v5p (DCN 50 Gbps per chip)",
-             "peak_fp8_flops": _NO_FP8,
-             "cores_per_chip": _TPU + "v5p (the topology table: 8 cores per 4 chips)",
-             "mxus_per_core": _TPU + "v5p ('each TensorCore has four MXUs')", "mxu_dim": _ARCH,
-             "clock_hz": _UNREAD, "ici_links_per_chip": _TPU + "v5p (3D torus: 6 neighbours)"})),
-    Chip(name="TPU v6 lite", source=_TPU + "v6e",   # Trillium
+         dcn_bandwidth=6.25e9, cores_per_chip=2, mxus_per_core=4, mxu_dim=128, clock_hz=0.0,
+         sources={"hbm_bytes": _TPU + "v5p (95 GiB) and libtpu, which lets one device use 95.74 GiB "
+                               "(tests/test_hardware.py): 96 GiB",
+                  "ici_link_bandwidth": _TPU + "v5p / " + _SCALING_BOOK,
+                  "dcn_bandwidth": _TPU + "v5p (DCN 50 Gbps per chip)",
+                  "peak_fp8_flops": _NO_FP8, "clock_hz": _UNREAD,
+                  "cores_per_chip": _TPU + "v5p (the topology table: 8 cores per 4 chips)",
+                  "mxus_per_core": _TPU + "v5p ('each TensorCore has four MXUs')",
+                  "ici_links_per_chip": _TPU + "v5p (3D torus: 6 neighbours)"}),
+    _tpu("TPU v6 lite", "v6e", devices_per_chip=1,   # Trillium
          peak_bf16_flops=918e12, peak_int8_flops=1836e12, peak_fp8_flops=0.0,
          hbm_bytes=32 * GiB, hbm_bandwidth=1638 * GB,
          ici_bandwidth=800 * GB, ici_link_bandwidth=1e11, ici_links_per_chip=4, torus_dims=2, wraparound_from=16,
-         dcn_bandwidth=1.25e10, host_bandwidth=1.5e10, devices_per_chip=1,
-         cores_per_chip=1, mxus_per_core=2, mxu_dim=256, clock_hz=0.0,
-         matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
-         sources=_cite(_TPU_SOURCES, {
-             "peak_bf16_flops peak_int8_flops hbm_bytes hbm_bandwidth ici_bandwidth": _TPU + "v6e",
-             "torus_dims wraparound_from": _TPU + "v6e / " + _SCALING_BOOK,
-             "ici_link_bandwidth": _TPU + "v6e (800 GBps bidirectional ICI over 4 ports)",
-             "dcn_bandwidth": _SCALING_BOOK + " (DCN per chip; the v6e page gives no NIC figure)",
-             "peak_fp8_flops": _NO_FP8,
-             "cores_per_chip": _TPU + "v6e ('each v6e chip contains one TensorCore')",
-             "mxus_per_core": _TPU + "v6e ('two 256x256 matrix-multiply units')",
-             "mxu_dim": _TPU + "v6e ('256x256 matrix-multiply units')", "clock_hz": _UNREAD,
-             "ici_links_per_chip": _TPU + "v6e ('ICI ports per chip: 4')"})),
+         dcn_bandwidth=1.25e10, cores_per_chip=1, mxus_per_core=2, mxu_dim=256, clock_hz=0.0,
+         sources={"ici_link_bandwidth": _TPU + "v6e (800 GBps bidirectional ICI over 4 ports)",
+                  "dcn_bandwidth": _SCALING_BOOK + " (DCN per chip; the v6e page gives no NIC figure)",
+                  "peak_fp8_flops": _NO_FP8, "clock_hz": _UNREAD,
+                  "cores_per_chip": _TPU + "v6e ('each v6e chip contains one TensorCore')",
+                  "mxus_per_core": _TPU + "v6e ('two 256x256 matrix-multiply units')",
+                  "mxu_dim": _TPU + "v6e ('256x256 matrix-multiply units')",
+                  "ici_links_per_chip": _TPU + "v6e ('ICI ports per chip: 4')"}),
     # Ironwood, per device = half a chip: 2307 TFLOPs bf16, 4614 fp8, 192 GiB, 7.37 TB/s HBM, 1.2 TB/s ICI.
-    Chip(name="TPU7x", source=_TPU + "tpu7x",
+    _tpu("TPU7x", "tpu7x", devices_per_chip=2,
          peak_bf16_flops=2307e12 / 2, peak_int8_flops=0.0, peak_fp8_flops=4614e12 / 2,
          hbm_bytes=192 * GiB // 2, hbm_bandwidth=7370 * GB / 2,
          ici_bandwidth=1200 * GB / 2, ici_link_bandwidth=1e11, ici_links_per_chip=6, torus_dims=3, wraparound_from=4,
-         dcn_bandwidth=6.25e9, host_bandwidth=1.5e10 / 2, devices_per_chip=2,
-         cores_per_chip=2, mxus_per_core=0, mxu_dim=0, clock_hz=0.0,
-         matmul_efficiency=MATMUL_EFFICIENCY["tpu"],
-         sources=_cite(_TPU_SOURCES, {
-             "peak_bf16_flops peak_fp8_flops hbm_bytes": _TPU + "tpu7x",
-             "hbm_bandwidth": _IRONWOOD + " (7.37 TB/s per chip)",
-             "ici_bandwidth": _IRONWOOD + " (1.2 TB/s bidirectional per chip)",
-             "ici_link_bandwidth": _IRONWOOD + " (1.2 TB/s bidirectional ICI over 6 ports)",
-             "torus_dims wraparound_from": _TPU + "tpu7x / " + _SCALING_BOOK,
-             "dcn_bandwidth": "not found on the pages read: v5p's 50 Gbps per chip",
-             "host_bandwidth": _SCALING_BOOK + " (the chip's link, shared by its two devices)",
-             "peak_int8_flops": "no int8 figure on the tpu7x page: priced at bf16 (0)",
-             "cores_per_chip": _TPU + "tpu7x (two TensorCores, each a jax device)",
-             "mxus_per_core clock_hz": _UNREAD, "mxu_dim": _UNREAD + "; no padding priced",
-             "ici_links_per_chip": _TPU + "tpu7x (3D torus: 6 neighbours)"})),
+         dcn_bandwidth=6.25e9, cores_per_chip=2, mxus_per_core=0, mxu_dim=0, clock_hz=0.0,
+         sources={"hbm_bandwidth": _IRONWOOD + " (7.37 TB/s per chip)",
+                  "ici_bandwidth": _IRONWOOD + " (1.2 TB/s bidirectional per chip)",
+                  "ici_link_bandwidth": _IRONWOOD + " (1.2 TB/s bidirectional ICI over 6 ports)",
+                  "dcn_bandwidth": "not found on the pages read: v5p's 50 Gbps per chip",
+                  "host_bandwidth": _SCALING_BOOK + " (the chip's link, shared by its two devices)",
+                  "peak_int8_flops": "no int8 figure on the tpu7x page: priced at bf16 (0)",
+                  "cores_per_chip": _TPU + "tpu7x (two TensorCores, each a jax device)",
+                  "mxus_per_core clock_hz": _UNREAD, "mxu_dim": _UNREAD + "; no padding priced",
+                  "ici_links_per_chip": _TPU + "tpu7x (3D torus: 6 neighbours)"}),
     Chip(name="NVIDIA A100-SXM4-80GB", hbm_bytes=80 * GiB, hbm_bandwidth=2039 * GB, **_A100, **_GPU),
     Chip(name="NVIDIA A100-SXM4-40GB", hbm_bytes=40 * GiB, hbm_bandwidth=1555 * GB, **_A100, **_GPU),
     Chip(name="NVIDIA A100 80GB PCIe", hbm_bytes=80 * GiB, hbm_bandwidth=1935 * GB, **_A100, **_GPU),
