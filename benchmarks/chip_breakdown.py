@@ -101,7 +101,7 @@ def fitting(row: dict, gen: str, cache: str, layers: int, reread: str, compile_m
 
 
 def chip_table() -> str:
-  """The TPU rows of the chip table with each figure's source (docs/scale.md)."""
+  """The TPU rows of the chip table with each figure's source (docs/results/chips_v5e_v6e.md)."""
   from shardax.perf import hardware
   fields = ("peak_bf16_flops", "peak_int8_flops", "hbm_bytes", "hbm_bandwidth", "cores_per_chip", "mxus_per_core",
             "mxu_dim", "clock_hz", "ici_links_per_chip", "ici_link_bandwidth", "dcn_bandwidth", "matmul_efficiency")

@@ -5,7 +5,7 @@ on a trained router's choices.
     JAX_PLATFORMS=cpu python benchmarks/moe_drops.py --exp=moe.deepseek_tiny --job_dir=/tmp/dstiny
 
 The pod MoEs do not size their receive buffers for the worst routing (moe.deepseek_v3's
-no-overflow bound does not fit a v5p chip, docs/moe.md); they hold `expert_buffer` fair
+no-overflow bound does not fit a v5p chip, docs/results/moe_pods.md); they hold `expert_buffer` fair
 shares and drop the copies past it (`expert_overflow='drop'`, logged as
 `moe/dropped_copies`). What that bet loses depends on how the exchange bounds the buffer:
 

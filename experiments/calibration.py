@@ -4,7 +4,7 @@
 `published-runs/calibration.json`: hardware, model, training, sharding) into an
 experiment config for the same model, batch, mesh, remat and dtypes on the same TPU
 topology. Where shardax cannot say what the original ran, `approximations(row)`
-lists what it does instead; docs/scale.md shows them next to each row:
+lists what it does instead; docs/results/calibration.md shows them next to each row:
 
   * positions: RoPE stands in for T5 relative position biases (a [heads, S, S] bias
     add per layer: no matmul, a little memory traffic);

@@ -1,8 +1,8 @@
 """Long-context language models: Llama-3.1 shapes at 8192 tokens, checked with `--mode=dry_run`.
 
 `shardax --exp=lm.llama3_8b_8k --job_dir=/tmp/l8 --mode=dry_run` compiles the real train
-step for the slice in `mesh.topology` on any CPU machine with libtpu (docs/scale.md,
-"Long context", has the figures). What makes them fit, where XLA's attention did not
+step for the slice in `mesh.topology` on any CPU machine with libtpu
+(docs/results/long_context.md has the figures). What makes them fit, where XLA's attention did not
 (issue 21: a 3-layer copy of the 8B model asked a v6e chip for 57.4 GiB):
   * `model.attention='auto'`: the Pallas splash flash kernel when compiling for a TPU
     (layers/flash.py): no [batch, heads, S, S] scores, ever; cuDNN's on a GPU;
@@ -80,7 +80,8 @@ def llama3_70b_8k():
           "recipe's batch): offloaded layer inputs, chunked loss")
 def mistral_7b_8k():
   # MaxText's published v6e-8 recipe trains 6 x 8192 per chip (offloading the layer input and
-  # the q/k/v/out projections). Dry runs, 2026-11-26 (docs/scale.md, "Where the memory goes"):
+  # the q/k/v/out projections). Dry runs, 2026-11-26 (docs/results/long_context.md,
+  # "Where the memory goes"):
   # offload_proj with the loss in one piece 33.27 GiB of 31.25 (the [6, 8192, 32000] f32 logits
   # and their gradient: 8.8 GiB); offload_proj + loss_chunk 30.84 GiB, 0.41 spare, its 42 GiB
   # of host round trips 2.6 s longer than the step's compute; offload + loss_chunk 28.30 GiB,
@@ -99,7 +100,7 @@ def llama3_8b_32k():
   # Each chip holds a quarter of each of its data replica's 2 sequences (2 x 8192 tokens):
   # 21.86 GiB per chip, predicted 2.441 s, MFU 51.8% (dry run 2026-11-25). The same per
   # chip on v6e:4x8 (data 8 x context 4) predicted MFU 30.4%, memory-bound, with 15,873
-  # collective-permutes the square slice's program does not have (docs/scale.md).
+  # collective-permutes the square slice's program does not have (docs/results/long_context.md).
   cfg = _llama3(32, 4096, 32, 14336, topology="v6e:8x8", ici=(16, 4), per_chip=1, seq_len=32768)
   cfg.mesh.axes = ("data", "context")
   cfg.sharding.preset = "fsdp_cp"

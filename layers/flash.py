@@ -3,8 +3,8 @@
 Why a kernel: XLA's dot-product attention materializes every [batch, heads, S, S] score
 tensor (and keeps it, or its softmax, for the backward pass). A flash kernel streams K/V
 blocks through on-chip memory with an online softmax and never holds the scores: memory
-O(S) instead of O(S^2), which is what lets 8k-64k sequences fit (docs/scale.md,
-"Long context").
+O(S) instead of O(S^2), which is what lets 8k-64k sequences fit
+(docs/long_context.md).
 
 Which kernel. jax ships `jax.experimental.pallas.ops.tpu.splash_attention` ("splash":
 sparse flash attention, the kernel MaxText trains with): causal and local (sliding-window)

@@ -31,7 +31,7 @@ winner with `--mode=dry_run`, which compiles at effort 0); with `shallow=True` i
 two shallow copies of a scanned stack and extrapolates instead (extrapolate.py; its
 temp bytes can be far off, e.g. 8x on pod.lm_1t, so it is not the default).
 A scanned stack compiles in about the same time at any depth, so on its own the
-shallow path saves time only for unscanned stacks; docs/scale.md has the figures.
+shallow path saves time only for unscanned stacks; docs/results/dry_run_compile.md has the figures.
 """
 
 from __future__ import annotations

@@ -42,7 +42,8 @@ def test_tpu_fsdp_step_reduce_scatters_the_expert_weight_gradients():
   no all-reduce carries an expert weight. Before (2026-11-26), the weights entered the
   dispatch's shard_map whole, and the backward all-reduced the three expert weights' full
   gradients (f32[8,32,32] here). Not checked here: on 16 and 128 v5p chips the TPU compiler
-  itself lowers these reduce-scatters (and the dense layers') to all-reduces (docs/moe.md)."""
+  itself lowers these reduce-scatters (and the dense layers') to all-reduces
+  (docs/results/moe_pods.md)."""
   exp = tiny_dropless("fsdp", (4,), ("data",), "mesh.topology='v5e:2x2'",
                       "model.moe.first_dense_layers=0", "model.moe.num_shared_experts=0")
   _, setup = dry_run.prepare(exp)
@@ -61,8 +62,8 @@ def test_tpu_fsdp_over_two_axes_reduce_scatters_on_a_3d_torus():
   """On a 3D torus (v5p:2x2x4, 16 chips) libtpu writes one all-gather over all 16 chips, and
   its transpose, as all-reduces: with the expert weights FSDP-split over one 16-way axis the
   compiled step has no reduce-scatter from the dispatch (seen 2026-11-26; at Mixtral's shapes
-  on 128 chips, all-reduces of the whole bf16[8,4096,14336] weight: docs/moe.md). Split over
-  two axes (data 4 x fsdp 4) and gathered one axis at a time, the gradients leave by
+  on 128 chips, all-reduces of the whole bf16[8,4096,14336] weight: docs/results/moe_pods.md).
+  Split over two axes (data 4 x fsdp 4) and gathered one axis at a time, the gradients leave by
   reduce-scatter, and no all-reduce over all 16 chips carries an expert weight (f32[8,32,32],
   32,768 bytes). Gathered over both axes at once (the code before), it fails like one axis."""
   exp = tiny_dropless(None, (4, 4), ("data", "fsdp"), "mesh.topology='v5p:2x2x4'",
