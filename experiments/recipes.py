@@ -67,3 +67,26 @@ def on_pod(shape: TransformerConfig, *, seq_len: int, global_batch: int, mesh: M
                        data=DataConfig(source="synthetic", seq_len=seq_len),
                        train=TrainConfig(steps=100_000, global_batch=global_batch),
                        mesh=mesh, sharding=sharding, optimizer=optimizer, checkpoint=checkpoint)
+
+
+# The MoE pod recipe. Experts split over their own `expert` mesh axis, the tokens over (data,
+# expert), so the dropless exchange is an all-to-all within each expert group; every other
+# weight (and each expert's embed dim) FSDP-split over what its other dims leave free.
+POD_MOE_RULES = (("batch", ("data", "expert")), ("batch", "data"), ("expert", "expert"),
+                 ("embed", ("data", "expert")), ("embed", "data"))
+# The dropless exchange of the fine-grained pod MoEs: a receive buffer of 2 fair shares per
+# (sequence piece, device) block, not the no-overflow bound that does not fit; copies past it
+# are dropped and logged as moe/dropped_copies (a bet on balance, which bias balancing steers);
+# async all-to-alls of fixed blocks in 2 pieces, so one piece's exchange runs under the other's
+# megablox matmuls. docs/moe.md explains the choice; docs/results/moe_pods.md has the dry runs.
+PADDED_EXCHANGE = dict(expert_buffer=2.0, expert_overflow="drop", expert_exchange="padded", dispatch_chunks=2,
+                       grouped_matmul="megablox")
+
+
+def pod_moe(shape: TransformerConfig, *, mesh: MeshConfig, global_batch: int, step: dict[str, Any],
+            moe: dict[str, Any], rules: tuple = POD_MOE_RULES, seq_len: int = 4096) -> fdl.Config:
+  """An MoE pod experiment: `shape` with POD_STEP then `step` (model) and `moe` (its MoE) changes,
+  on `mesh` with `rules`, Adafactor, a checkpoint every 1000 steps."""
+  return on_pod(model(shape, moe=moe, **{**POD_STEP, **step}), seq_len=seq_len, global_batch=global_batch,
+                mesh=mesh, sharding=ShardingConfig(preset=None, rules=rules),
+                checkpoint=CheckpointConfig(every=1000))
