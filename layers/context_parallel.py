@@ -301,8 +301,8 @@ def _ring_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=b
   def later_contiguous(state, kv, k_idx):      # source j > i: nothing visible
     return state
 
-  b, _, nh, d = q.shape
-  kvh = k.shape[2]
+  b, _, nh, _ = q.shape
+  kvh, d = k.shape[2], v.shape[-1]   # v's head size may differ from q/k's (MLA)
   state = (jnp.zeros((b, kvh, nh // kvh, lq, d), jnp.float32),
            jnp.full((b, kvh, nh // kvh, lq), _NEG, jnp.float32),
            jnp.zeros((b, kvh, nh // kvh, lq), jnp.float32))
