@@ -60,8 +60,9 @@ def deepseek_tiny():
 def gshard_1t():
   """configs/shapes.py GSHARD_1T. One expert per TPUv3 core (v3:32x32 = 2048 cores), groups of
   2048 tokens (2 sequences) per core, capacity max(4, ceil(2.0 x 2 x 2048 / 2048)) = 4.
-  Adafactor, as GShard trained it, each expert's matrix factored on its own (docs/moe.md has
-  the memory against AdamW). Built abstractly by dry runs; not meant to be compiled on a CPU host."""
+  Adafactor, as GShard trained it, each expert's matrix factored on its own
+  (docs/results/pod_table.md has the memory against AdamW). Built abstractly by dry runs; not
+  meant to be compiled on a CPU host."""
   return recipes.on_pod(recipes.model(shapes.GSHARD_1T, moe=dict(group_size=2048), **recipes.POD_STEP),
                         seq_len=1024, global_batch=4096, mesh=MeshConfig(ici=(-1, 1), topology="v3:32x32"),
                         sharding=EXPERT, optimizer=dataclasses.replace(recipes.ADAFACTOR, warmup_steps=10_000),
@@ -74,7 +75,7 @@ def mixtral_8x7b():
   """MaxText's layout for it: no expert parallelism. Every chip runs all 8 experts on its own
   tokens (no all-to-all, no receive buffer), the expert weights FSDP-split over all 128 chips
   and gathered per layer like a dense FFN's, over two mesh axes (the 4x4 plane, the 8-chip dim)
-  so the gathers are all-gathers and reduce-scatters one axis at a time (docs/moe.md); megablox
+  so the gathers are all-gathers and reduce-scatters one axis at a time (docs/results/moe_pods.md); megablox
   kernels, whose weight gradient visits only filled row tiles; the splash kernel. remat
   'moe_matmuls' spends the HBM left over on each layer's expert matmul outputs and attention
   projections, so the backward recomputes neither."""

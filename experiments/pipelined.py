@@ -42,7 +42,7 @@ def gpt3_175b_pipelined():
   Mesh (stage=4, data=-1, model=4) on v4:8x8x8 (512 chips: data=32); the `pp_2d` rules split
   every stage's weights over data x model, so each chip holds 1/512. Per stage: 96 / (4 x 4)
   = 6 layers a visit; bubble (4-1)/(12*4+4-1) = 5.9%. The schedule and the model axis are
-  `--mode=plan`'s best with a bubble <= 7% (docs/scale.md). Global batch 1536 x 2048 tokens
+  `--mode=plan`'s best with a bubble <= 7% (docs/results/pipeline.md). Global batch 1536 x 2048 tokens
   (GPT-3's 3.2M) in one pass, 128 rows per pipeline microbatch (4 per data shard): pp_2d
   gathers each stage's weights over `data` for every microbatch, so the rows per microbatch
   set the matmul work per gathered byte. What makes the whole batch fit: the splash kernel
@@ -70,7 +70,7 @@ def gpt3_175b_4slices():
   Without a pipeline the weights must still be split over all 1024 chips to fit (fp32
   AdamW: 12 bytes per param, 2.1 TB), so FSDP gathers weights across slices every layer,
   or (data parallel over DCN) every chip holds a quarter of the model's state and
-  all-reduces its gradients over DCN; docs/scale.md compares both, and 2D across the
+  all-reduces its gradients over DCN; docs/results/pipelines_at_pod_scale.md compares both, and 2D across the
   slices beats this pipeline here (its program is HBM-bound in every slice).
   Mesh (stage=4 over DCN, data=32, model=8 inside each slice), pp_2d, the v4 schedule;
   the weight gradients as the partitioner likes them here (`grads_in_layout=False`) and no
