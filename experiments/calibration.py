@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import math
 
-from shardax.configs import experiment
-from shardax.experiments.moe import moe_experiment
+from shardax.configs.moe import MoEConfig
+from shardax.configs.schema import DataConfig, ShardingConfig, TrainConfig, TransformerConfig
+from shardax.experiments.recipes import experiment_of
+from shardax.sharding import MeshConfig
 
 _GEN = {"TPU v3": "v3", "TPU v4": "v4", "TPU v5p": "v5p", "TPU v5e": "v5e", "TPU v6e": "v6e",
         "TPU7x": "tpu7x", "TPU v7x": "tpu7x", "TPU v7": "tpu7x", "Ironwood": "tpu7x"}
@@ -187,40 +189,27 @@ def from_row(row: dict, num_layers: int | None = None):
 
 
 def _from_row(row: dict, num_layers: int | None):
-  m, t, sh = row["model"], row["training"], row["sharding"]
-  moe = _is_moe(row)
-  cfg = moe_experiment() if moe else experiment()
-  cfg.name = f"calibration.{row['id']}"
-  mc = cfg.model
-  mc.num_layers = num_layers or m["num_layers"]
-  mc.d_model, mc.num_heads, mc.d_ff = m["d_model"], m["num_heads"], m["d_ff"]
-  mc.num_kv_heads, mc.head_dim = m.get("num_kv_heads"), m.get("head_dim")
-  mc.vocab_size, mc.tied_embedding = m["vocab_size"], bool(m["tied_embeddings"])
-  mc.mlp = "gated" if m["gated_mlp"] else "plain"
+  m, t = row["model"], row["training"]
   act = m["activation"].lower()
-  mc.activation = "silu" if "silu" in act else "gelu" if "gelu" in act else "relu"
-  mc.parallel_block = "parallel" in m.get("block", "")
-  mc.max_len = t["seq_len"]
-  mc.dtype, mc.param_dtype = "bfloat16", "float32"
-  mc.remat, mc.scan_layers = remat(row), True
-  mc.attention = attention(row)
-  cfg.data.source, cfg.data.seq_len = "synthetic", t["seq_len"]
-  cfg.train.global_batch = t["global_batch_seqs"]
+  model = dict(
+      num_layers=num_layers or m["num_layers"], d_model=m["d_model"], num_heads=m["num_heads"], d_ff=m["d_ff"],
+      num_kv_heads=m.get("num_kv_heads"), head_dim=m.get("head_dim"), vocab_size=m["vocab_size"],
+      tied_embedding=bool(m["tied_embeddings"]), mlp="gated" if m["gated_mlp"] else "plain",
+      activation="silu" if "silu" in act else "gelu" if "gelu" in act else "relu",
+      parallel_block="parallel" in m.get("block", ""), max_len=t["seq_len"], dtype="bfloat16",
+      param_dtype="float32", remat=remat(row), scan_layers=True, attention=attention(row))
   name, slices = topology(row)
-  cfg.mesh.topology = name
   if is_gpu(row):
     gpu_kind(row)   # a GPU the chip table lacks is named here, not in the step model
-    cfg.mesh.network = gpu_network(row)
   axes, ici, dcn, preset = mesh_of(row, slices)
-  cfg.mesh.axes, cfg.mesh.ici = axes, ici
-  if slices > 1:
-    cfg.mesh.dcn = dcn
-  cfg.sharding.preset = preset
-  if "expert" in axes:
-    cfg.sharding.rules = expert_rules()
-  if moe:
-    _set_moe(cfg, row)
-  return cfg
+  if _is_moe(row):   # the dense layers' width is the row's dense_d_ff where it names one
+    model.update(moe=_moe(row), d_ff=int(_first(m, "dense_d_ff", "d_ff")))
+  return experiment_of(name=f"calibration.{row['id']}", model=TransformerConfig(**model),
+                       data=DataConfig(source="synthetic", seq_len=t["seq_len"]),
+                       train=TrainConfig(global_batch=t["global_batch_seqs"]),
+                       mesh=MeshConfig(topology=name, axes=axes, ici=ici, dcn=dcn if slices > 1 else (),
+                                       network=gpu_network(row) if is_gpu(row) else None),
+                       sharding=ShardingConfig(preset=preset, rules=expert_rules() if "expert" in axes else None))
 
 
 # Mesh axes of the published layouts -> shardax's (data: batch only; fsdp: batch and weights'
@@ -307,39 +296,35 @@ def _top_k(row: dict) -> int:
   return int(_first(row["model"], "experts_per_token", "num_experts_per_tok", "top_k", "moe_top_k") or 2)
 
 
-def _set_moe(cfg, row: dict) -> None:
-  """A row's mixture of experts on shardax's MoE config; what it lacks is named, never guessed."""
+def _moe(row: dict) -> MoEConfig:
+  """A row's mixture of experts as shardax's MoE config; what it lacks is named, never guessed."""
   m, t = row["model"], row["training"]
-  moe = cfg.model.moe
   experts = _first(m, "num_experts", "num_local_experts")
   if experts is None:
     raise Unexpressible(f"row {row['id']}: an MoE row without model.num_experts")
-  moe.num_experts = int(experts)
-  moe.d_ff = int(_first(m, "expert_d_ff", "moe_d_ff", "d_ff"))
-  moe.every = int(_first(m, "moe_every", "moe_layer_interval") or 1)
-  moe.num_shared_experts = int(_first(m, "num_shared_experts", "n_shared_experts", "shared_experts") or 0)
-  moe.first_dense_layers = int(_first(m, "first_dense_layers", "first_k_dense_replace") or 0)
-  cfg.model.d_ff = int(_first(m, "dense_d_ff", "d_ff"))
   top_k = _top_k(row)
-  if not 1 <= top_k <= moe.num_experts:
+  if not 1 <= top_k <= int(experts):
     raise Unexpressible(f"row {row['id']}: model.experts_per_token={top_k} is not in [1, num_experts="
-                        f"{moe.num_experts}]")
-  moe.top_k = top_k
+                        f"{int(experts)}]")
   score = str(_first(m, "router_score", "scoring_func", "score") or "softmax").lower()
   if score not in ("softmax", "sigmoid"):
     raise Unexpressible(f"row {row['id']}: model.router_score={score!r}; shardax's routers score with "
                         f"'softmax' or 'sigmoid'")
-  moe.score = score
-  moe.dispatch = moe_dispatch(row)
-  if moe.dispatch == "capacity":
+  dispatch, capacity = moe_dispatch(row), {}
+  if dispatch == "capacity":
     if top_k != 2 or score != "softmax":
       raise Unexpressible(f"row {row['id']}: capacity dispatch (training.moe_impl / capacity_factor) with "
                           f"model.experts_per_token={top_k}, router score {score!r}: shardax's capacity "
                           f"dispatch is GShard's top-2 softmax gating only (dropless takes any top-k)")
-    capacity = _first(t, "capacity_factor", "moe_capacity_factor")
-    if capacity is not None:
-      moe.capacity_factor = float(capacity)
-    moe.second_expert = "all"   # published top-k routers keep every chosen expert
+    factor = _first(t, "capacity_factor", "moe_capacity_factor")
+    # published top-k routers keep every chosen expert
+    capacity = dict(second_expert="all", **({} if factor is None else {"capacity_factor": float(factor)}))
+  return MoEConfig(
+      num_experts=int(experts), d_ff=int(_first(m, "expert_d_ff", "moe_d_ff", "d_ff")),
+      every=int(_first(m, "moe_every", "moe_layer_interval") or 1),
+      num_shared_experts=int(_first(m, "num_shared_experts", "n_shared_experts", "shared_experts") or 0),
+      first_dense_layers=int(_first(m, "first_dense_layers", "first_k_dense_replace") or 0),
+      top_k=top_k, score=score, dispatch=dispatch, **capacity)
 
 
 def approximations(row: dict) -> list[str]:

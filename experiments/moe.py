@@ -11,22 +11,12 @@ step-by-step predictions are in docs/results/moe_pods.md): a published shape on 
 
 import dataclasses
 
-from shardax.configs import experiment, register, shapes
-from shardax.configs.moe import MoEConfig
-from shardax.configs.registry import config_tree
+from shardax.configs import register, shapes
 from shardax.configs.schema import CheckpointConfig, ShardingConfig
 from shardax.experiments import recipes
 from shardax.sharding import MeshConfig, libtpu_flags
 
 EXPERT = ShardingConfig(preset="expert")
-
-
-def moe_experiment():
-  """An experiment tree whose model has MoE layers (`model.moe`; defaults everywhere else)."""
-  cfg = experiment()
-  cfg.model.moe = config_tree(MoEConfig)
-  cfg.sharding.preset = "expert"
-  return cfg
 
 
 @register("moe.tiny", "4-layer byte-level LM, 8-expert top-2 MoE FFN every 2nd layer; CPU, minutes")
