@@ -65,6 +65,7 @@ from jax.sharding import PartitionSpec as P
 
 from shardax.layers import flash
 from shardax.layers.attention_choice import resolve
+from shardax.layers.attention_scores import grouped_logits
 from shardax.sharding import rules as rules_lib
 from shardax.sharding.annotate import current_mesh_shape
 
@@ -196,16 +197,10 @@ def block_attention(q, k, v, q_idx, k_idx, q_seg=None, k_seg=None, *, window=Non
   q_idx[l], k_idx[s]: real sequence indices (query p sees key s iff s <= p, and with a
   `window` iff also p - s < window); q_seg[b,l], k_seg[b,s]: segment ids (same document
   only), or None; `softcap`: logits -> cap * tanh(logits / cap) after the 1/sqrt(d) scale
-  (as layers/attention.py `xla_attention`). Returns the unnormalized output
+  (attention_scores.grouped_logits). Returns the unnormalized output
   acc[b,kv,g,l,d] (float32), the row max m[b,kv,g,l] and the row sum l[b,kv,g,l] of
   exp(logit - m) over visible keys (0 where a row sees nothing in this block)."""
-  b, lq, n, d = q.shape
-  kvh = k.shape[2]
-  qg = q.reshape(b, lq, kvh, n // kvh, d)
-  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * jnp.float32(d ** -0.5)
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
+  logits = grouped_logits(q, k, softcap)
   mask = (q_idx[:, None] >= k_idx[None, :])[None]                    # [1, l, s]
   if window is not None:
     mask = mask & (q_idx[:, None] - k_idx[None, :] < window)[None]

@@ -1,0 +1,30 @@
+"""Grouped-query attention by einsums: the one definition of its logits and of a masked softmax's
+output, shared by every path that computes attention without a kernel (layers/attention.py's
+XLA and decode paths, layers/context_parallel.py's per-block compute).
+
+Shapes: q[b, l, n, d] holds n query heads in kv groups of g = n // kv; k[b, s, kv, d],
+v[b, s, kv, dv] (dv may differ from d: MLA). K and V are never repeated to the query heads'
+count: the grouped einsum reads each key head once for its g query heads. Logits are float32
+whatever the inputs' dtype, so the softmax and its running statistics keep full precision.
+
+A leaf below attention.py and context_parallel.py (attention.py imports context_parallel), so
+both can import it without a cycle.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def grouped_logits(q: jax.Array, k: jax.Array, softcap: float | None = None) -> jax.Array:
+  """float32 logits[b, kv, g, l, s] = q . k / sqrt(d), then cap * tanh(logits / cap) when
+  `softcap` is set (after the scale, as Gemma 2 defines it)."""
+  b, l, n, d = q.shape
+  kv = k.shape[2]
+  qg = q.reshape(b, l, kv, n // kv, d)
+  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
+  logits = logits * jnp.float32(d ** -0.5)
+  if softcap is not None:
+    logits = softcap * jnp.tanh(logits / softcap)
+  return logits
