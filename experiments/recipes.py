@@ -75,10 +75,11 @@ def on_pod(shape: TransformerConfig, *, seq_len: int, global_batch: int, mesh: M
 POD_MOE_RULES = (("batch", ("data", "expert")), ("batch", "data"), ("expert", "expert"),
                  ("embed", ("data", "expert")), ("embed", "data"))
 # The dropless exchange of the fine-grained pod MoEs: a receive buffer of 2 fair shares per
-# (sequence piece, device) block, not the no-overflow bound that does not fit; copies past it
-# are dropped and logged as moe/dropped_copies (a bet on balance, which bias balancing steers);
-# async all-to-alls of fixed blocks in 2 pieces, so one piece's exchange runs under the other's
-# megablox matmuls. docs/moe.md explains the choice; docs/results/moe_pods.md has the dry runs.
+# (sequence piece, device) block, not the no-overflow bound (DeepSeek-V3's, 32 fair shares, does
+# not fit a v5p chip); copies past it are dropped and logged as moe/dropped_copies (a bet on
+# balance, which bias balancing steers); async all-to-alls of fixed blocks in 2 pieces, so one
+# piece's exchange runs under the other's megablox matmuls. docs/moe.md explains the choice;
+# docs/results/moe_pods.md has the dry runs.
 PADDED_EXCHANGE = dict(expert_buffer=2.0, expert_overflow="drop", expert_exchange="padded", dispatch_chunks=2,
                        grouped_matmul="megablox")
 
