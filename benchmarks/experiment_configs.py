@@ -8,6 +8,13 @@ dumping before, dumping after and comparing:
     python benchmarks/experiment_configs.py dump /tmp/exp_after
     python benchmarks/experiment_configs.py diff /tmp/exp_before /tmp/exp_after
 
+or in one step while other files change too (others' edits land in both trees):
+
+    python benchmarks/experiment_configs.py against REV experiments configs/shapes.py
+
+which dumps the working tree, and a copy of it whose named paths are as at git revision REV,
+and compares the two.
+
 The dump covers every registered experiment (`configs.registry.names()`), the `hf:` prefix on
 each Hugging Face fixture directory (tests/fixtures/hf/*), and every published row the
 calibration can rebuild (experiments/calibration.py `from_row` over
@@ -21,7 +28,10 @@ import difflib
 import glob
 import json
 import os
+import shutil
+import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -83,10 +93,38 @@ def diff(before: str, after: str) -> int:
   return 1 if bad else 0
 
 
+def against(rev: str, paths: list[str]) -> int:
+  """Diff the working tree's dump against that of a copy with `paths` as at `rev`."""
+  git = lambda *a: subprocess.run(["git", "-C", ROOT, *a], check=True, capture_output=True, text=True).stdout
+  with tempfile.TemporaryDirectory() as tmp:
+    copy = os.path.join(tmp, "pkg", "shardax")
+    for f in git("ls-files", "-co", "--exclude-standard").splitlines():
+      if os.path.isfile(os.path.join(ROOT, f)) and not f.startswith(".venv"):
+        os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
+        shutil.copy(os.path.join(ROOT, f), os.path.join(copy, f))
+    for path in paths:
+      target = os.path.join(copy, path)
+      if os.path.isdir(target):
+        shutil.rmtree(target)
+      elif os.path.exists(target):
+        os.remove(target)
+      for f in git("ls-tree", "-r", "--name-only", rev, "--", path).splitlines():
+        os.makedirs(os.path.dirname(os.path.join(copy, f)), exist_ok=True)
+        with open(os.path.join(copy, f), "w") as out:
+          out.write(git("show", f"{rev}:{f}"))
+    env = dict(os.environ, PYTHONPATH=os.path.join(tmp, "pkg"), JAX_PLATFORMS="cpu")
+    before, after = os.path.join(tmp, "before"), os.path.join(tmp, "after")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "dump", before], env=env, cwd=tmp, check=True)
+    dump(after)
+    return diff(before, after)
+
+
 if __name__ == "__main__":
   if len(sys.argv) == 3 and sys.argv[1] == "dump":
     dump(sys.argv[2])
   elif len(sys.argv) == 4 and sys.argv[1] == "diff":
     sys.exit(diff(sys.argv[2], sys.argv[3]))
+  elif len(sys.argv) >= 4 and sys.argv[1] == "against":
+    sys.exit(against(sys.argv[2], sys.argv[3:]))
   else:
     sys.exit(__doc__)
