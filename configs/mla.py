@@ -68,6 +68,9 @@ def check_model(model) -> None:
   require(model.head_dim is None,
           f"model.head_dim={model.head_dim} with model.mla: MLA's head sizes are model.mla."
           f"qk_nope_head_dim + qk_rope_head_dim (q, k) and model.mla.v_head_dim; set model.head_dim=None")
+  require(not model.layer_pattern,
+          "model.layer_pattern with model.mla: per-layer attention kinds are built for the standard "
+          "attention only; use model.attention_window for a uniform window, or model.mla=None")
   require(not model.qk_norm,
           "model.qk_norm=True with model.mla: MLA normalizes its latents (q_lora, kv_lora), not q/k "
           "per head; set model.qk_norm=False")
