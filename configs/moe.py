@@ -52,6 +52,11 @@ class MoEConfig:
                     the scores for choosing experts only (not to the gates), moved each train
                     step by this rate towards uniform load: b_e += rate * sign(mean load - load_e).
                     0 = off. Needs dispatch='dropless'.
+  n_group, topk_group: group-limited routing (DeepSeek-V3: 8 and 4): the E experts form
+                    n_group equal groups of consecutive experts, each token keeps the topk_group
+                    groups whose two best (biased) scores sum highest and picks its top_k experts
+                    (capacity: its top-2) within them (layers/routers.py `group_limit`).
+                    n_group=1: plain top-k over all experts.
   dispatch:         'capacity' (GShard: fixed slots per expert, tokens past them dropped) or
                     'dropless' (tokens sorted by expert, a grouped matmul; nothing dropped
                     unless expert_overflow='drop' with an expert_buffer below the bound).
@@ -117,6 +122,8 @@ class MoEConfig:
   renormalize: bool = True
   gate_scale: float = 1.0
   bias_update_rate: float = 0.0
+  n_group: int = 1
+  topk_group: int = 1
   dispatch: str = "capacity"
   num_shared_experts: int = 0
   first_dense_layers: int = 0
@@ -143,6 +150,17 @@ class MoEConfig:
     _require(1 <= self.top_k <= self.num_experts,
              f"model.moe.top_k={self.top_k} must be in [1, model.moe.num_experts={self.num_experts}]")
     _require(self.score in SCORES, f"model.moe.score={self.score!r}: use one of {SCORES}")
+    _require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
+             f"model.moe.n_group={self.n_group} must be >= 1 and divide model.moe.num_experts={self.num_experts}")
+    _require(1 <= self.topk_group <= self.n_group,
+             f"model.moe.topk_group={self.topk_group} must be in [1, model.moe.n_group={self.n_group}]")
+    per_group = self.num_experts // max(self.n_group, 1)
+    _require(self.n_group == 1 or per_group >= 2,
+             f"model.moe.n_group={self.n_group} leaves {per_group} expert per group; a group scores "
+             f"the sum of its two best experts: use n_group <= {self.num_experts // 2}")
+    _require(self.top_k <= self.topk_group * per_group,
+             f"model.moe.top_k={self.top_k} is more than the {self.topk_group * per_group} experts of "
+             f"topk_group={self.topk_group} groups of {per_group}: raise model.moe.topk_group or lower top_k")
     _require(self.dispatch in DISPATCHES, f"model.moe.dispatch={self.dispatch!r}: use one of {DISPATCHES}")
     _require(self.bias_update_rate >= 0, f"model.moe.bias_update_rate={self.bias_update_rate} must be >= 0")
     _require(self.num_shared_experts >= 0 and self.first_dense_layers >= 0,

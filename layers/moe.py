@@ -118,7 +118,7 @@ class MoEFeedForward(nnx.Module):
     logits = self.router(x, out_dtype=jnp.float32)                      # [b, l, e] float32
     bias = None if self.balance_bias is None else self.balance_bias[...]
     r = routers.route(logits, top_k=cfg.top_k, score=cfg.score, renormalize=cfg.renormalize,
-                      gate_scale=cfg.gate_scale, bias=bias)
+                      gate_scale=cfg.gate_scale, bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group)
     weights = tuple(w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
     y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
@@ -144,7 +144,7 @@ class MoEFeedForward(nnx.Module):
     if key is None:
       key = jax.random.key(cfg.seed)
     policy = "all" if deterministic else cfg.second_expert
-    gating = top2_gating(logits, cfg.capacity(xg.shape[1]), policy, key)
+    gating = top2_gating(logits, cfg.capacity(xg.shape[1]), policy, key, cfg.n_group, cfg.topk_group)
     dispatch = shard(gating.dispatch.astype(dt), GSEC)
     combine = shard(gating.combine.astype(dt), GSEC)
 

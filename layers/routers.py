@@ -10,6 +10,13 @@ Two routers:
 - `top2_gating` (capacity dispatch): GShard's top-2 with slots per expert and drops
   (arXiv 2006.16668, Algorithm 1), below.
 
+Both can limit each token to `topk_group` of `n_group` equal groups of experts
+(`group_limit`, DeepSeek-V3's node-limited routing, arXiv 2412.19437 section 2.1.2 and
+transformers' DeepseekV3TopkRouter): a group scores the sum of its two best (biased)
+scores, the best `topk_group` groups are kept, and the top-k is taken within them. With the
+groups laid out along an expert-parallel mesh axis this bounds how many devices (nodes) a
+token's copies travel to.
+
 Both give the Switch/GShard balance loss `E * sum_e(me * ce)` (me: mean normalized score
 of e, ce: e's share of the assignments; 1.0 when uniform, E when collapsed) and the
 router z-loss `mean(logsumexp(logits)^2)` (ST-MoE).
@@ -58,12 +65,16 @@ def scores_of(logits: jax.Array, score: str) -> jax.Array:
 
 
 def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize: bool = True,
-          gate_scale: float = 1.0, bias: jax.Array | None = None) -> Routing:
-  """Top-k routing of router logits [..., E] (float32 inside), every token kept."""
+          gate_scale: float = 1.0, bias: jax.Array | None = None, n_group: int = 1,
+          topk_group: int = 1) -> Routing:
+  """Top-k routing of router logits [..., E] (float32 inside), every token kept; within the
+  `topk_group` best of `n_group` expert groups when n_group > 1 (`group_limit`)."""
   logits = logits.astype(jnp.float32)
   e = logits.shape[-1]
   scores = scores_of(logits, score)
   choose = scores if bias is None else scores + jax.lax.stop_gradient(bias.astype(jnp.float32))
+  if n_group > 1:
+    choose = jnp.where(group_limit(choose, n_group, topk_group), choose, -jnp.inf)
   index = top_k_indices(choose, top_k)
   gates = jnp.take_along_axis(scores, index, axis=-1)
   share = gates / (jnp.sum(gates, axis=-1, keepdims=True) + 1e-20)
@@ -82,6 +93,27 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
   return Routing(index.astype(jnp.int32), gates, load, aux_loss, z_loss,
                  {"max_load": jnp.max(load) * e, "last_gate": last_gate})
+
+
+def group_limit(scores: jax.Array, n_group: int, topk_group: int) -> jax.Array:
+  """bool [..., E]: the experts of the `topk_group` groups (of `n_group` consecutive, equal
+  groups) whose two best `scores` sum highest; ties go to the lower group, as lax.top_k.
+
+  Written with maxima and comparisons along the last dims only (no top_k, no sort), so the
+  partitioner splits it over the token dims like any elementwise op."""
+  *lead, e = scores.shape
+  if e % n_group:
+    raise ValueError(f"model.moe.n_group={n_group} must divide the {e} experts")
+  grouped = scores.reshape(*lead, n_group, e // n_group)
+  best = jnp.max(grouped, axis=-1)
+  first = jnp.argmax(grouped, axis=-1)[..., None] == jnp.arange(e // n_group)
+  second = jnp.max(jnp.where(first, -jnp.inf, grouped), axis=-1)
+  group_score = best + second                                                    # [..., G]
+  g = jnp.arange(n_group)
+  ahead = (group_score[..., None, :] > group_score[..., :, None]) | (
+      (group_score[..., None, :] == group_score[..., :, None]) & (g[None, :] < g[:, None]))
+  keep = jnp.sum(ahead, axis=-1) < topk_group                                    # rank < topk_group
+  return jnp.repeat(keep, e // n_group, axis=-1)
 
 
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
@@ -122,8 +154,10 @@ class Gating(NamedTuple):
 
 
 def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
-                key: jax.Array | None = None) -> Gating:
-  """GShard top-2 gating of router logits [g, s, e] with `capacity` slots per expert.
+                key: jax.Array | None = None, n_group: int = 1, topk_group: int = 1) -> Gating:
+  """GShard top-2 gating of router logits [g, s, e] with `capacity` slots per expert; both
+  choices (and a sampled second) within the `topk_group` best of `n_group` expert groups
+  when n_group > 1 (`group_limit` of the softmax gates; the gate values stay the softmax's).
 
   metrics: 'dropped_fraction' (tokens that reach no expert), 'top1_overflow' (tokens
   whose first choice was over capacity), 'max_load' (max over experts of the share of
@@ -140,8 +174,9 @@ def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
   logits = logits.astype(jnp.float32)
   g, s, e = logits.shape
   gates = jax.nn.softmax(logits, axis=-1)
+  allowed = group_limit(gates, n_group, topk_group) if n_group > 1 else jnp.ones(gates.shape, bool)
 
-  index_1 = jnp.argmax(gates, axis=-1)
+  index_1 = jnp.argmax(jnp.where(allowed, gates, -1.0), axis=-1)
   mask_1 = jax.nn.one_hot(index_1, e, dtype=jnp.float32)
   # Balance loss and load from the first choices, before any are dropped.
   me = jnp.mean(gates, axis=1)              # [g, e]
@@ -151,9 +186,9 @@ def top2_gating(logits: jax.Array, capacity: int, second_expert: str = "all",
 
   if second_expert == "sampling":  # Gumbel-max: a draw from softmax(logits) without expert 1
     noisy = logits + jax.random.gumbel(key, logits.shape, jnp.float32)
-    index_2 = jnp.argmax(jnp.where(mask_1 > 0, -jnp.inf, noisy), axis=-1)
+    index_2 = jnp.argmax(jnp.where((mask_1 > 0) | ~allowed, -jnp.inf, noisy), axis=-1)
   else:
-    index_2 = jnp.argmax(jnp.where(mask_1 > 0, -1.0, gates), axis=-1)
+    index_2 = jnp.argmax(jnp.where((mask_1 > 0) | ~allowed, -1.0, gates), axis=-1)
   mask_2 = jax.nn.one_hot(index_2, e, dtype=jnp.float32)
 
   gate_1 = jnp.sum(gates * mask_1, axis=-1)
