@@ -11,6 +11,11 @@ causal mask because half the scores are never needed. The output head counts as
 a matmul (d_model x vocab) even when tied to the embedding; the embedding lookup
 itself is a gather and counts nothing. This is the convention of the PaLM paper
 (appendix B) and MaxText, so MFU figures compare.
+
+Multi-head latent attention (`cfg.mla`) counts its own projections (q down/up or plain,
+the kv latent and RoPE key, the k/v up projections, the output) and scores of its own
+widths: QK^T over qk_nope + qk_rope dims, AV over v_head_dim, per head (as training runs
+it, expanded; decoding's absorbed form is not a training FLOP).
 """
 
 from __future__ import annotations
@@ -20,8 +25,20 @@ CONVENTION = "6N + attention, causal-halved (PaLM app. B)"
 
 
 def _attention_params(cfg) -> int:
-  d, h, kv, dh = cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head
+  d, h = cfg.d_model, cfg.num_heads
+  m = getattr(cfg, "mla", None)
+  if m is not None:
+    q = d * h * m.qk_head_dim if m.q_lora_rank is None else (d + h * m.qk_head_dim) * m.q_lora_rank
+    latent = d * (m.kv_lora_rank + m.qk_rope_head_dim)
+    return q + latent + m.kv_lora_rank * h * (m.qk_nope_head_dim + m.v_head_dim) + h * m.v_head_dim * d
+  kv, dh = cfg.kv_heads, cfg.dim_per_head
   return d * h * dh + 2 * d * kv * dh + h * dh * d
+
+
+def score_width(cfg) -> int:
+  """Per head, the QK^T contraction plus the AV output width: 2 x head_dim, or MLA's own."""
+  m = getattr(cfg, "mla", None)
+  return 2 * cfg.dim_per_head if m is None else m.qk_head_dim + m.v_head_dim
 
 
 def _mlp_params(cfg) -> int:
@@ -38,7 +55,7 @@ def per_token(cfg, seq_len: int, causal: bool = True) -> float:
   """Training FLOPs per token; causal=False counts every attention score (MaxText before
   2023-11-29, Megatron's and many papers' figures). An MoE model (`cfg.moe`) counts the
   experts a token activates (`_moe_swap`)."""
-  attention = 12 * cfg.num_layers * seq_len * cfg.num_heads * cfg.dim_per_head / (2 if causal else 1)
+  attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * score_width(cfg) / (2 if causal else 1)
   return 6 * (matmul_params(cfg) + _moe_swap(cfg)) + attention
 
 
@@ -65,10 +82,14 @@ def _moe_swap(cfg) -> int:
 
 
 def param_count(cfg) -> int:
-  """Total parameters of a `TransformerConfig` (every expert counted; biases and q/k norms not)."""
+  """Total parameters of a `TransformerConfig` (every expert and MLA's latent norms counted;
+  biases and q/k norms not)."""
   d, n_moe, m = cfg.d_model, cfg.num_moe_layers, cfg.moe
   norm = d * (2 if cfg.norm == "layer" else 1)
   norms = (1 if cfg.parallel_block else 2) * norm
+  mla = getattr(cfg, "mla", None)
+  if mla is not None:
+    norms += (mla.q_lora_rank or 0) + mla.kv_lora_rank
   dense_ffn = (cfg.num_layers - n_moe) * _mlp_params(cfg)
   moe_ffn = 0 if m is None else n_moe * (
       d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff

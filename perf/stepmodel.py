@@ -439,7 +439,7 @@ def flash_kernel_flops(exp, num_devices: int) -> float:
   """FLOPs per step and device of the flash kernel, as flash_kernel_seconds counts them."""
   t = exp.model
   seq = exp.data.seq_len
-  forward = 4 * t.num_layers * seq * t.num_heads * t.dim_per_head / 2   # per token
+  forward = 2 * t.num_layers * seq * t.num_heads * flops_lib.score_width(t) / 2   # per token (MLA: its widths)
   per_token = forward * (3.5 + (1.0 if t.remat != "none" else 0.0))
   return per_token * seq * exp.train.global_batch / num_devices
 

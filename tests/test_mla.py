@@ -207,3 +207,44 @@ def test_config_errors_name_the_field(override, field):
   configs.apply_overrides(cfg, ["model.mla.kv_lora_rank=16", override])
   with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
     configs.build(cfg)
+
+
+def test_flop_and_param_counts_are_what_the_mla_model_runs():
+  """configs/flops.py: param_count is the model's, matmul_params its projections and head, and
+  the forward FLOPs the compiler counts are the formula's (training / 3) plus what it leaves
+  out: the causally masked half of the scores (QK^T over q/k's 12 dims, AV over v's 6; the
+  XLA path computes the square) and the embedding lookup (a one-hot matmul on CPU)."""
+  from shardax.configs import flops
+  from shardax.sharding import use_rules
+  from shardax.trainer import step as step_lib
+  exp = tiny_lm(2, 8, ici=(1, 1), extra=MLA_LM + ["model.scan_layers=False"])
+  t, s, b = exp.model, exp.data.seq_len, exp.train.global_batch
+  with nnx.use_eager_sharding(False):
+    model = models.build(t, nnx.Rngs(0))
+  total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
+  assert t.param_count() == total
+  norms = t.num_layers * (2 * t.d_model + 12 + 16) + t.d_model   # block norms + q/kv latent norms, final
+  # the head is counted even when tied to the embedding table; an untied table is a lookup only
+  assert flops.matmul_params(t) == total - norms - (0 if t.tied_embedding else t.vocab_size * t.d_model)
+  setup = setup_for(exp, jax.devices()[:1])
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = jax.jit(lambda p, x: step_lib.loss_fn(setup)(p, x)[0]).lower(
+        setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
+  cost = compiled.cost_analysis()
+  counted = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+  masked_half = t.num_layers * s * t.num_heads * (12 + 6) * b * s
+  lookup = 2 * b * s * t.vocab_size * t.d_model
+  ratio = counted / (flops.per_token(t, s) * s * b / 3 + masked_half + lookup)
+  assert 1.0 <= ratio <= 1.10, (counted, ratio)
+
+
+def test_explain_reports_the_latent_cache_against_full_keys_and_values():
+  """--mode=explain: the decode cache is layers x rows x slots x (kv_lora_rank + rope dims)
+  float32 values, and the per-token line compares it with every head's keys and values."""
+  from shardax.trainer import explain
+  exp = tiny_lm(2, 8, ici=(8, 1), preset="fsdp", extra=MLA_LM)
+  text = explain.explain(exp)
+  total = 2 * 8 * 16 * (16 + 4) * 4            # layers, rows, max_len slots, latent + RoPE key, f32
+  assert f"decode KV cache (8 rows x 16 slots): {total:,} bytes, {total // 8:,} per device" in text
+  assert ("decode cache per token and layer (MLA): latent 16 + RoPE key 4 = 80 bytes, against 288 for "
+          "full keys and values (4 heads x (12 + 6)): 3.6x less") in text

@@ -90,6 +90,19 @@ def format_activations(rows: list[Activation]) -> str:
   return "\n".join([fmt.format(*header)] + [fmt.format(*r) for r in body])
 
 
+def latent_cache_line(model) -> str | None:
+  """What multi-head latent attention's decode cache takes per token and layer (the latent and
+  the shared RoPE key) against full keys and values of every head; None without `model.mla`."""
+  m = model.mla
+  if m is None:
+    return None
+  size = np.dtype(model.dtype).itemsize
+  latent, full = m.cache_per_token(), m.full_kv_per_token(model.num_heads)
+  return (f"decode cache per token and layer (MLA): latent {m.kv_lora_rank} + RoPE key {m.qk_rope_head_dim} "
+          f"= {latent * size:,} bytes, against {full * size:,} for full keys and values ({model.num_heads} "
+          f"heads x ({m.qk_head_dim} + {m.v_head_dim})): {full / latent:.1f}x less")
+
+
 def explain(exp: Experiment, job_dir: str | None = None) -> str:
   mesh, setup = dry_run.prepare(exp)
   bet = moe_drops.bet(exp, dict(mesh.shape), setup.rules)
@@ -107,7 +120,7 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
            "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
            *filter(None, [bet]),
-           *filter(None, [decode.cache_summary(exp, mesh, setup.rules)]),
+           *filter(None, [decode.cache_summary(exp, mesh, setup.rules), latent_cache_line(exp.model)]),
            *buffers_lib.format_table(buffers),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
            report.format_collectives(summary), ""]
