@@ -16,7 +16,14 @@ ordinary multi-head attention. Query head h uses kv head h // g, the same groupi
            the lengths suit the kernel, 'fused' on a GPU, 'xla' elsewhere.
 All of them go through `attention_core` (one device's arrays) / `attend` (global arrays),
 with the options of `AttentionOptions`: a sliding window and a logit soft-cap, the same
-on every path.
+on every path. Chunked local attention (query i sees keys j <= i of its own chunk of C
+tokens: Llama 4) is folded into the batch (`chunked`): [b, l] -> [b * l/C, C], then plain
+causal attention on any path, so the flash kernel and cuDNN keep their static causal mask
+and no [l, l] mask is ever built. Context parallelism refuses it by name.
+
+Per layer (`TransformerConfig.layer_pattern`, configs/attention.py LayerKind) a layer may
+also skip RoPE (NoPE) or use its own base, and scale q by Llama 4's temperature
+log(floor((pos + 1) / floor_scale) + 1) * scale + 1 (`query_temperature`).
 
 Positions only rotate q and k (RoPE); the causal mask is by sequence index, so a
 shifted `positions` (e.g. a decode offset) changes nothing but the rotation.
@@ -49,7 +56,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa: F401  (re-exported)
-from shardax.layers import context_parallel, flash
+from shardax.configs.rope import Yarn
+from shardax.layers import context_parallel, flash, rope
 from shardax.layers.attention_choice import resolve  # noqa: F401  (re-exported)
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import RMSNorm
@@ -75,8 +83,10 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling: tuple[float, float, float, in
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_inv_freq(d: int, theta: float, scaling: tuple[float, float, float, int] | None) -> jax.Array:
-  """float32[d/2] rotation frequencies theta^(-2i/d), llama3-scaled when `scaling` is given."""
+def rope_inv_freq(d: int, theta: float, scaling: tuple[float, float, float, int] | Yarn | None) -> jax.Array:
+  """float32[d/2] rotation frequencies theta^(-2i/d), llama3- or YaRN-scaled when `scaling` is given."""
+  if isinstance(scaling, Yarn):
+    return jnp.asarray(rope.yarn_inv_freq(d, theta, scaling))
   if scaling is None:
     return theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
   base = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
@@ -90,7 +100,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0,
   Pair (x_i, x_{i+d/2}) is rotated by angle pos * theta^(-2i/d); a dot product of two
   rotated vectors then depends on their positions only through the difference.
   Computed in float32 (angles of large positions need the mantissa), cast back.
-  `scaling`: llama3 rope scaling parameters (`llama3_inv_freq`), None for plain RoPE.
+  `scaling`: llama3 rope scaling parameters (`llama3_inv_freq`), a `Yarn` (layers/rope.py;
+  cos and sin also scaled by its `cos_sin_scale`), None for plain RoPE.
   """
   d = x.shape[-1]
   if d % 2:
@@ -99,6 +110,8 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0,
   angle = positions.astype(jnp.float32)[..., None] * inv_freq     # [b, l, d/2]
   sin = jnp.sin(angle)[..., None, :]                                # [b, l, 1, d/2]
   cos = jnp.cos(angle)[..., None, :]
+  if isinstance(scaling, Yarn) and scaling.cos_sin_scale != 1.0:
+    sin, cos = sin * scaling.cos_sin_scale, cos * scaling.cos_sin_scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
   return out.astype(x.dtype)
@@ -107,6 +120,42 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0,
 def segment_mask(segment_ids: jax.Array) -> jax.Array:
   """bool[b, l, l]: query i may see key j of the same segment (document) only."""
   return segment_ids[:, :, None] == segment_ids[:, None, :]
+
+
+def query_temperature(positions: jax.Array, floor_scale: float, scale: float) -> jax.Array:
+  """float32[b, l, 1, 1]: Llama 4's attention temperature of the query at each position,
+  log(floor((pos + 1) / floor_scale) + 1) * scale + 1 (1 below floor_scale - 1), which
+  sharpens NoPE layers' attention as the context grows (arXiv 2501.19399)."""
+  pos = positions.astype(jnp.float32)
+  t = jnp.log1p(jnp.floor((pos + 1.0) / jnp.float32(floor_scale))) * jnp.float32(scale) + 1.0
+  return t[..., None, None]
+
+
+def chunked(attend_fn, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
+            chunk: int) -> jax.Array:
+  """Chunked causal attention: query i sees key j iff j <= i and j // chunk == i // chunk.
+
+  The sequence is padded to a multiple of `chunk` and folded into the batch,
+  q[b, l] -> [b * l/chunk, chunk], so `attend_fn(q, k, v, segment_ids)` (any causal path)
+  runs each chunk on its own; padded keys sit after every real query (causally unseen)."""
+  b, l = q.shape[:2]
+  if k.shape[1] != l:
+    raise ValueError(f"chunked attention (a layer kind's chunk={chunk}) needs queries and keys of "
+                     f"one sequence, got q {l} / kv {k.shape[1]}")
+  if l <= chunk:
+    return attend_fn(q, k, v, segment_ids)
+  pad = -l % chunk
+  n = (l + pad) // chunk
+
+  def fold(x):
+    x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    return x.reshape((b * n, chunk) + x.shape[2:])
+
+  seg = None if segment_ids is None else fold(segment_ids)
+  q2, k2, v2 = (shard(fold(t), ("batch", "length", h, "kv"))
+                for t, h in ((q, "heads"), (k, "kv_heads"), (v, "kv_heads")))
+  out = attend_fn(q2, k2, v2, seg)
+  return out.reshape((b, n * chunk) + out.shape[2:])[:, :l]
 
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -130,7 +179,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-  return out.reshape(b, l, n, d)
+  return out.reshape(b, l, n, v.shape[-1])   # v's head size may differ from q/k's (MLA)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -149,8 +198,12 @@ def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   q_offsets=...)`, needs sm90+ and a static maximum segment count per row; not used."""
   mask = None if segment_ids is None else segment_mask(segment_ids)[:, None]  # [b, 1, q, s]
   local = None if window is None else (window - 1, 0)
-  return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
-                                      implementation=_fused_impl(q))
+  dv = v.shape[-1]   # one head size for q, k and v here: a narrower v (MLA) is zero-padded
+  if dv < q.shape[-1]:
+    v = jnp.pad(v, [(0, 0)] * 3 + [(0, q.shape[-1] - dv)])
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True, local_window_size=local,
+                                     implementation=_fused_impl(q))
+  return out[..., :dv]
 
 
 def _fused_impl(q: jax.Array) -> str | None:
@@ -168,6 +221,10 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
 
   The one dispatch of every attention path; the flash path here is the per-device kernel
   (no shard_map: callers that hold local blocks, e.g. context parallelism, call this)."""
+  if options.chunk is not None:
+    unchunked = dataclasses.replace(options, chunk=None)
+    return chunked(lambda q, k, v, s: attention_core(q, k, v, s, options=unchunked),
+                   q, k, v, segment_ids, options.chunk)
   impl = resolve(options, q.shape[1], k.shape[1])
   if impl == "flash":
     return flash.splash_local(q, k, v, segment_ids, window=options.window, softcap=options.softcap,
@@ -185,6 +242,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | No
            *, options: AttentionOptions = AttentionOptions()) -> jax.Array:
   """`attention_core` on global arrays: the flash kernel runs per device under shard_map
   (layers/flash.py `sharded`); the other paths are left to the SPMD partitioner."""
+  if options.chunk is not None:
+    unchunked = dataclasses.replace(options, chunk=None)
+    return chunked(lambda q, k, v, s: attend(q, k, v, s, options=unchunked),
+                   q, k, v, segment_ids, options.chunk)
   if resolve(options, q.shape[1], k.shape[1]) == "flash":
     local = functools.partial(attention_core, options=dataclasses.replace(options, implementation="flash"))
     return flash.sharded(lambda q, k, v, s: local(q, k, v, s), q, k, v, segment_ids)
@@ -199,11 +260,16 @@ class Attention(nnx.Module):
                dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
                out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
                rope_scaling: tuple[float, float, float, int] | None = None, rngs: nnx.Rngs,
-               options: AttentionOptions | None = None, quantization: str = "none"):
+               options: AttentionOptions | None = None, quantization: str = "none",
+               rope: bool = True, temperature: tuple[float, float] | None = None):
+    """`rope=False`: q and k are not rotated (NoPE). `temperature`: (floor_scale, scale) of
+    `query_temperature`, which then multiplies q; None = off."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     self.rope_theta = rope_theta
-    self.rope_scaling = None if rope_scaling is None else tuple(rope_scaling)
+    self.rope = rope
+    self.temperature = None if temperature is None else tuple(temperature)
+    self.rope_scaling = rope_scaling if rope_scaling is None or isinstance(rope_scaling, Yarn) else tuple(rope_scaling)
     self.options = options or AttentionOptions(implementation)  # validates the name
     self.implementation = self.options.implementation
     kw = dict(dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
@@ -222,22 +288,35 @@ class Attention(nnx.Module):
 
   def _rotated(self, proj: DenseGeneral, norm: RMSNorm | None, x: jax.Array,
                positions: jax.Array) -> jax.Array:
-    """q or k: projected, normalized per head (qk_norm), rotated (RoPE)."""
+    """q or k: projected, normalized per head (qk_norm), rotated (RoPE; not for NoPE)."""
     y = proj(x)
     if norm is not None:
       y = norm(y)
+    if not self.rope:
+      return y
     return apply_rope(y, positions, self.rope_theta, self.rope_scaling)
+
+  def _query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    """q [b, l, heads, kv]: rotated, then scaled by its temperature when the layer tunes it."""
+    q = self._rotated(self.query, self.q_norm, x, positions)
+    if self.temperature is not None:
+      q = (q * query_temperature(positions, *self.temperature)).astype(q.dtype)
+    return shard(q, ("batch", "length", "heads", "kv"))
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
-    q = shard(self._rotated(self.query, self.q_norm, x, positions), ("batch", "length", "heads", "kv"))
+    q = self._query(x, positions)
     k = shard(self._rotated(self.key, self.k_norm, x, positions), ("batch", "length", "kv_heads", "kv"))
     v = shard(self.value(x), ("batch", "length", "kv_heads", "kv"))
     q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj")))
     split = context_parallel.length_split()  # `length` on a mesh axis: context parallel
     if split is not None:
+      if self.options.chunk is not None:
+        raise ValueError(f"chunked attention (model.layer_pattern kind with chunk={self.options.chunk}) "
+                         f"with context parallelism (the rules split 'length'): not supported; shard "
+                         f"'length' on no mesh axis, or use a window instead of a chunk")
       o = context_parallel.attention(q, k, v, segment_ids, split, options=self.options)
     else:
       o = attend(q, k, v, segment_ids, options=self.options)
@@ -247,7 +326,7 @@ class Attention(nnx.Module):
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """(out, cache after writing this block's k/v): a prefill (x[b, l > 1], positions
     0..l-1) or one generate step (x[b, 1] at positions[b, 0]); see the module docstring."""
-    q = shard(self._rotated(self.query, self.q_norm, x, positions), ("batch", "length", "heads", "kv"))
+    q = self._query(x, positions)
     k = self._rotated(self.key, self.k_norm, x, positions)
     v = self.value(x)
     cache = {"k": shard(write_cache(cache["k"], k, positions), CACHE_AXES),
@@ -258,7 +337,7 @@ class Attention(nnx.Module):
       o = attend(q, k, v, options=self.options)
     else:
       o = cached_attention(q, cache["k"], cache["v"], positions, window=self.options.window,
-                           softcap=self.options.softcap)
+                           softcap=self.options.softcap, chunk=self.options.chunk)
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o), cache
 
@@ -285,7 +364,7 @@ def kv_cache_spec(batch: int, length: int, kv_heads: int, head_dim: int, dtype) 
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
-  """cache[b, S, k, d] with `new`[b, l, k, d] written at each row's `positions`.
+  """cache[b, S, ...] (k/v: [b, S, k, d]) with `new`[b, l, ...] written at each row's `positions`.
 
   l > 1 is a prefill from position 0 (slots 0..l-1); l = 1 writes slot positions[b]
   of each row, as an elementwise select, which splits over any cache sharding.
@@ -294,14 +373,16 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
   if new.shape[1] > 1:
     return jax.lax.dynamic_update_slice_in_dim(cache, new, 0, axis=1)
   slots = jnp.arange(cache.shape[1], dtype=jnp.int32)
-  hit = (slots[None, :] == positions[:, :1])[:, :, None, None]       # [b, S, 1, 1]
+  hit = (slots[None, :] == positions[:, :1]).reshape(cache.shape[:2] + (1,) * (cache.ndim - 2))  # [b, S, 1..]
   return jnp.where(hit, new, cache)
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
-                     window: int | None = None, softcap: float | None = None) -> jax.Array:
+                     window: int | None = None, softcap: float | None = None,
+                     chunk: int | None = None) -> jax.Array:
   """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position
-  (and j > position - window with a sliding window), logits soft-capped as in training."""
+  (and j > position - window with a sliding window, j // chunk == position // chunk with
+  chunked attention), logits soft-capped as in training."""
   b, l, n, d = q.shape
   kv = k.shape[2]
   qg = q.reshape(b, l, kv, n // kv, d)
@@ -313,11 +394,13 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   visible = slots[None, None, :] <= positions[:, :, None]
   if window is not None:
     visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
+  if chunk is not None:
+    visible = visible & (slots[None, None, :] // chunk == positions[:, :, None] // chunk)
   visible = visible[:, None, None]   # [b,1,1,l,S]
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-  return out.reshape(b, l, n, d)
+  return out.reshape(b, l, n, v.shape[-1])   # v's head size may differ from q/k's (MLA)
 
 
 def default_positions(batch: int, length: int) -> jax.Array:

@@ -12,6 +12,15 @@ Mixtral every=1). An MoE model's first `moe.first_dense_layers` layers (DeepSeek
 dense Blocks before the units. Every unit returns (x, stats): the MoE block's gating
 statistics (balance and z losses, load metrics, the next balance bias), empty for dense.
 
+Per-layer attention kinds (`cfg.layer_pattern`, configs/attention.py LayerKind: a window or a
+chunk, RoPE on/off and its base, temperature tuning): layer i has kind i % len(pattern), each
+Block built with its kind's static options (so a kernel or the decode cache sees a static
+mask). The unit is then a `PatternUnit` of lcm(len(pattern), moe.every) Blocks, one kind and
+feed-forward each, and its statistics are stacked per MoE Block ([MoE blocks of the unit, ...]).
+Layers after the last whole unit (Gemma 3: 26 layers, a pattern of 6) form one more
+`PatternUnit`, the tail, run once after the scanned units: its blocks have different kinds, so
+no one scan body serves them, and being shorter than a unit it compiles no more than one unit.
+
 Scanned layers: the units are created at once by `nnx.vmap` over the constructor, so every
 parameter gets a leading dim (logical name 'layers'), and they are applied by
 `jax.lax.scan`: XLA compiles one unit instead of L (compile time flat in depth), and the
@@ -56,8 +65,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from shardax.configs.attention import LayerKind
 from shardax.configs.schema import TransformerConfig
 from shardax.layers.attention import Attention, default_positions, kv_cache_spec
+from shardax.layers.mla import MultiHeadLatentAttention, mla_cache_spec
 from shardax.layers.mlp import GatedMLP, PlainMLP
 from shardax.layers.moe import MoEFeedForward
 from shardax.layers.moe_dispatch import EXPERT_DOWN, EXPERT_MATMUL, EXPERT_RETURNED
@@ -91,15 +102,22 @@ class Block(nnx.Module):
   """x + attn(norm(x)), then x + ffn(norm(x)); ffn = the dense MLP, or the MoE FFN (`moe=True`,
   attribute `moe`). A parallel block (GPT-J/PaLM) adds both branches of one norm."""
 
-  def __init__(self, cfg: TransformerConfig, *, moe: bool = False, rngs: nnx.Rngs):
+  def __init__(self, cfg: TransformerConfig, *, moe: bool = False, kind: LayerKind | None = None,
+               rngs: nnx.Rngs):
+    """`kind`: this layer's attention kind (a `cfg.layer_pattern` entry); None = the model's
+    uniform attention fields."""
     dt, pdt = jnp.dtype(cfg.dtype), jnp.dtype(cfg.param_dtype)
     eps = cfg.norm_eps
     self.attn_norm = make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt, eps=eps)
-    self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
-                          rope_theta=cfg.rope_theta, implementation=cfg.attention,
-                          dtype=dt, param_dtype=pdt, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                          qk_norm=cfg.qk_norm, norm_eps=eps, rope_scaling=cfg.rope_scaling_params,
-                          rngs=rngs, options=cfg.attention_options(), quantization=cfg.quantization)
+    if cfg.mla is not None:   # multi-head latent attention (layers/mla.py)
+      self.attn = MultiHeadLatentAttention.from_config(cfg, rngs=rngs)
+    else:
+      self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
+                            implementation=cfg.attention,
+                            dtype=dt, param_dtype=pdt, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
+                            qk_norm=cfg.qk_norm, norm_eps=eps, rope_scaling=cfg.rope_scaling_params,
+                            rngs=rngs, options=cfg.attention_options(kind), quantization=cfg.quantization,
+                            **kind_options(cfg, kind))
     self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt,
                                                               param_dtype=pdt, eps=eps)
     if moe:
@@ -153,6 +171,16 @@ class Block(nnx.Module):
     return y, copies_without_output(stats)
 
 
+def kind_options(cfg: TransformerConfig, kind: LayerKind | None) -> dict:
+  """The Attention arguments a layer kind sets besides its mask: its RoPE base, RoPE on/off
+  and the query temperature (for None: the model's uniform RoPE base)."""
+  if kind is None:
+    return {"rope_theta": cfg.rope_theta}
+  temperature = (cfg.temperature_floor_scale, cfg.temperature_scale) if kind.temperature_tuning else None
+  theta = cfg.rope_theta if kind.rope_theta is None else kind.rope_theta
+  return {"rope_theta": theta, "rope": kind.rope, "temperature": temperature}
+
+
 def copies_without_output(stats: dict) -> jax.Array:
   """float32: the token copies an MoE FFN call routed to an expert and got no output for,
   from its stats: those dropped (capacity, or a dropless buffer with expert_overflow='drop')
@@ -188,19 +216,70 @@ class Unit(nnx.Module):
     return x, {"dense": dense, "moe": moe_cache}, dropped
 
 
-def make_unit(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block | Unit:
-  """The stack's repeating unit: a Block (dense model) or a Unit (MoE model)."""
+def is_moe_layer(cfg: TransformerConfig, layer: int) -> bool:
+  """Whether 0-based layer `layer` (counted after the first dense layers) has the MoE FFN."""
+  return cfg.moe is not None and (layer + 1) % cfg.moe.every == 0
+
+
+class PatternUnit(nnx.Module):
+  """Blocks of a model with a layer pattern: `count` layers from layer `start` (counted after
+  the first dense layers), each with its kind and its feed-forward (dense, or MoE every
+  moe.every layers). The stack's unit (start 0, `cfg.layers_per_unit` layers) or its tail.
+  Returns (x, stats stacked [MoE blocks, ...]; {} without MoE blocks); `keys` [MoE blocks]."""
+
+  def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, start: int = 0,
+               count: int | None = None):
+    count = cfg.layers_per_unit if count is None else count
+    self.blocks = nnx.List([Block(cfg, moe=is_moe_layer(cfg, i), kind=cfg.layer_kind(i), rngs=rngs)
+                            for i in range(start, start + count)])
+
+  def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
+               keys: jax.Array | None = None, deterministic: bool = False) -> tuple[jax.Array, dict]:
+    stats = []
+    for block in self.blocks:
+      if hasattr(block, "moe"):
+        key = None if keys is None else keys[len(stats)]
+        x, s = block(x, positions, segment_ids, key, deterministic)
+        stats.append(s)
+      else:
+        x, _ = block(x, positions, segment_ids)
+    return x, (jax.tree.map(lambda *v: jnp.stack(v), *stats) if stats else {})
+
+  def cached(self, x: jax.Array, positions: jax.Array, cache: list
+             ) -> tuple[jax.Array, list, jax.Array]:
+    """As `Block.cached`, `dropped` float32 [MoE blocks] (a dense model's: [blocks], zeros)."""
+    out, dropped = [], []
+    moe = any(hasattr(b, "moe") for b in self.blocks)
+    for block, block_cache in zip(self.blocks, cache):
+      x, block_cache, d = block.cached(x, positions, block_cache)
+      out.append(block_cache)
+      if hasattr(block, "moe") or not moe:
+        dropped.append(d)
+    return x, out, jnp.stack(dropped)
+
+
+def make_unit(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block | Unit | PatternUnit:
+  """The stack's repeating unit: a Block (dense model), a Unit (MoE model), a PatternUnit
+  (a model with a layer pattern)."""
+  if cfg.layer_pattern:
+    return PatternUnit(cfg, rngs=rngs)
   return Block(cfg, rngs=rngs) if cfg.moe is None else Unit(cfg, rngs=rngs)
 
 
 def block_cache_spec(cfg: TransformerConfig, batch: int, length: int) -> dict:
-  """The decode cache of one Block: its attention's KV cache (in the compute dtype)."""
+  """The decode cache of one Block: its attention's KV cache, or MLA's latent and RoPE key
+  (in the compute dtype)."""
+  if cfg.mla is not None:
+    return mla_cache_spec(batch, length, cfg.mla, cfg.dtype)
   return kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype)
 
 
 def unit_cache_spec(cfg: TransformerConfig, batch: int, length: int):
-  """The decode cache of one unit: a Block's, or {'dense': [...], 'moe': ...}."""
+  """The decode cache of one unit: a Block's, {'dense': [...], 'moe': ...}, or a
+  PatternUnit's list of its blocks' caches."""
   one = block_cache_spec(cfg, batch, length)
+  if cfg.layer_pattern:
+    return [one] * cfg.layers_per_unit
   return one if cfg.moe is None else {"dense": [one] * (cfg.moe.every - 1), "moe": one}
 
 

@@ -34,7 +34,7 @@ from shardax.configs.schema import TransformerConfig
 from shardax.layers import context_parallel
 from shardax.layers.attention import default_positions
 from shardax.layers.blocks import (LAYER_INPUT, PROJECTIONS, REMAT_POLICIES, RESIDUAL, Block,  # noqa: F401
-                                   Unit, block_fn, make_unit, scan_cached, scan_units,
+                                   PatternUnit, Unit, block_fn, make_unit, scan_cached, scan_units,
                                    block_cache_spec, stacked, stacked_blocks, unit_cache_spec)
 from shardax.layers.embedding import Embed
 from shardax.layers.linear import DenseGeneral
@@ -73,15 +73,32 @@ def _cached_list(modules, x, positions, cache):
   return x, out, jnp.stack(dropped)
 
 
+def _flat_layers(tree):
+  """Leaves [units, per unit, ...] -> [units * per unit, ...]: a PatternUnit's per-block
+  statistics (or dropped copies), stacked over units, as one per-layer list."""
+  return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
+
+
+def _concat_layers(a, b):
+  """Per-layer statistics of the units followed by the tail's."""
+  return jax.tree.map(lambda u, t: jnp.concatenate([u, t]), a, b) if b else a
+
+
 class LayerStack(nnx.Module):
   """cfg.num_layers layers: an MoE model's first dense blocks (`first_dense`), then the
   units (`blocks`): stacked + scanned if cfg.scan_layers, else a Python list; with
-  cfg.pipeline.stages > 1, stacked in the stage layout and run by `shardax.pipeline`."""
+  cfg.pipeline.stages > 1, stacked in the stage layout and run by `shardax.pipeline`.
+  With a layer pattern, the units are PatternUnits and the layers after the last whole one a
+  PatternUnit `tail` run after them (None without one); the statistics and dropped copies
+  stay one entry per MoE layer (per layer for a dense model), in layer order."""
 
   def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs):
     self.scan_layers = cfg.scan_layers
     self.remat = cfg.remat
-    k, n = cfg.num_first_dense, cfg.num_units
+    self.pattern = bool(cfg.layer_pattern)
+    k, n = cfg.num_first_dense, cfg.num_stack_units
+    # gating keys (one per MoE layer) the units take: [n, MoE blocks per unit] with a pattern
+    self.unit_moe = 0 if cfg.moe is None else cfg.layers_per_unit // cfg.moe.every
     p = cfg.pipeline
     self.schedule = (pipeline.Schedule(p.stages, p.microbatches, p.circular_repeats, p.delay_shift)
                      if p.stages > 1 else None)
@@ -100,11 +117,31 @@ class LayerStack(nnx.Module):
       self.blocks = stacked(lambda r: make_unit(cfg, r), n, rngs=rngs)
     else:
       self.blocks = nnx.List([make_unit(cfg, rngs) for _ in range(n)])
+    t = cfg.num_tail_layers
+    self.tail = PatternUnit(cfg, start=n * cfg.layers_per_unit, count=t, rngs=rngs) if t else None
+    self.tail_moe = 0 if cfg.moe is None else t // cfg.moe.every   # its MoE blocks
 
   def __call__(self, x: jax.Array, positions: jax.Array, segment_ids: jax.Array | None = None,
                keys: jax.Array | None = None, deterministic: bool = False) -> tuple[jax.Array, dict]:
-    """(x, stats of every unit stacked on a leading layers dim; {} for a dense model).
-    keys: one gating key per unit (MoE models)."""
+    """(x, stats of every MoE layer stacked on a leading layers dim; {} for a dense model).
+    keys: one gating key per MoE layer (MoE models)."""
+    if not self.pattern:
+      return self._units(x, positions, segment_ids, keys, deterministic)
+    unit_keys = tail_keys = None
+    if keys is not None:
+      split = keys.shape[0] - self.tail_moe
+      unit_keys, tail_keys = keys[:split].reshape(-1, self.unit_moe), keys[split:]
+    x, stats = self._units(x, positions, segment_ids, unit_keys, deterministic)
+    stats = _flat_layers(stats)
+    if self.tail is None:
+      return x, stats
+    graphdef, state = nnx.split(self.tail)
+    x, tail_stats = block_fn(graphdef, self.remat, deterministic=deterministic)(
+        state, x, positions, segment_ids, tail_keys)
+    return x, _concat_layers(stats, tail_stats)
+
+  def _units(self, x, positions, segment_ids, keys, deterministic):
+    """The first dense layers and the units: (x, stats stacked per unit)."""
     x = self._first(x, positions, segment_ids)
     if self.schedule is not None:  # packed rows and MoE statistics travel with their microbatch
       graphdef, state = nnx.split(self.blocks)
@@ -138,15 +175,18 @@ class LayerStack(nnx.Module):
 
   def cache_spec(self, cfg: TransformerConfig, batch: int, length: int):
     """The decode cache: one per unit (stacked [L, ...] for scanned and pipelined stacks);
-    with first dense layers {'first_dense': theirs, 'units': the units'}."""
+    with first dense layers {'first_dense': theirs, 'units': the units'}; with a pattern's
+    tail {'units': the units', 'tail': [one per tail block]}."""
     one = unit_cache_spec(cfg, batch, length)
     block = block_cache_spec(cfg, batch, length)
-    k, n = cfg.num_first_dense, cfg.num_units
+    k, n = cfg.num_first_dense, cfg.num_stack_units
     if self.schedule is None and not self.scan_layers:
       units, first = [one] * n, [block] * k
     else:
       units = jax.tree.map(lambda c: c.stacked(n), one)
       first = jax.tree.map(lambda c: c.stacked(k), block) if k else None
+    if self.tail is not None:   # a pattern has no first dense layers (config check)
+      return {"units": units, "tail": [block] * cfg.num_tail_layers}
     return {"first_dense": first, "units": units} if k else units
 
   def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object, jax.Array]:
@@ -158,7 +198,12 @@ class LayerStack(nnx.Module):
       x, first, _ = self._cached(self.first_dense, x, positions, cache["first_dense"])
       x, units, dropped = self._cached(self.blocks, x, positions, cache["units"])
       return x, {"first_dense": first, "units": units}, dropped
-    return self._cached(self.blocks, x, positions, cache)
+    if self.tail is not None:
+      x, units, dropped = self._cached(self.blocks, x, positions, cache["units"])
+      x, tail, tail_dropped = self.tail.cached(x, positions, cache["tail"])
+      return x, {"units": units, "tail": tail}, jnp.concatenate([_flat_layers(dropped), tail_dropped])
+    x, cache, dropped = self._cached(self.blocks, x, positions, cache)
+    return x, cache, _flat_layers(dropped) if self.pattern else dropped
 
   def _cached(self, modules, x, positions, cache):
     if self.schedule is not None:
@@ -308,7 +353,9 @@ class TransformerLM(nnx.Module):
     """The params subtree of every MoE layer's balance bias set to `next_bias` [layers, e], in
     the layout the params keep (a pipelined stack's: [S, (R,) L/(S*R), e])."""
     blocks, schedule = self.layers.blocks, self.layers.schedule
-    if schedule is not None:
+    if self.cfg.layer_pattern:
+      self._pattern_balance_updates(next_bias)
+    elif schedule is not None:
       blocks.moe_block.moe.balance_bias.set_value(
           pipeline.to_stages(next_bias, schedule.stages, schedule.repeats))
     elif self.cfg.scan_layers:
@@ -317,6 +364,28 @@ class TransformerLM(nnx.Module):
       for unit, bias in zip(blocks, next_bias):
         unit.moe_block.moe.balance_bias.set_value(bias)
     return nnx.to_pure_dict(nnx.state(self, BalanceBias))
+
+  def _pattern_balance_updates(self, next_bias: jax.Array) -> None:
+    """`balance_updates` of a stack of PatternUnits: MoE layer i of the units is MoE block
+    i % m of unit i // m (m per unit), the rest the tail's MoE blocks in order."""
+    stack = self.layers
+    m, tail = stack.unit_moe, stack.tail_moe
+    units = next_bias[:next_bias.shape[0] - tail]
+    units = units.reshape((-1, m) + units.shape[1:])                   # [units, m, e]
+    moe_at = lambda unit: [b for b in unit.blocks if hasattr(b, "moe")]
+    if isinstance(stack.blocks, nnx.List):
+      for unit, biases in zip(stack.blocks, units):
+        for block, bias in zip(moe_at(unit), biases):
+          block.moe.balance_bias.set_value(bias)
+    else:
+      for i, block in enumerate(moe_at(stack.blocks)):
+        bias = units[:, i]
+        if stack.schedule is not None:
+          bias = pipeline.to_stages(bias, stack.schedule.stages, stack.schedule.repeats)
+        block.moe.balance_bias.set_value(bias)
+    if stack.tail is not None:
+      for block, bias in zip(moe_at(stack.tail), next_bias[next_bias.shape[0] - tail:]):
+        block.moe.balance_bias.set_value(bias)
 
 
 def masked_cross_entropy(logits: jax.Array, targets: jax.Array, mask: jax.Array | None):
