@@ -3,6 +3,7 @@
   common.py  config.json reading, the no-math keys, the unknown-key check, RoPE in both
              spellings, and the param tree <-> tensor names walk (`Leaf`, `leaves`)
   llama.py   Llama, Mistral, Qwen2, Qwen3, Mixtral
+  qwen3_moe.py  Qwen3-MoE
 
 A family module provides:
   ARCHITECTURES                    {config.json class: short arch name}, e.g. {"LlamaForCausalLM": "llama"}
@@ -23,10 +24,10 @@ from types import ModuleType
 from typing import Any
 
 from shardax.configs.schema import ConfigError
-from shardax.models.hf import common, llama
+from shardax.models.hf import common, llama, qwen3_moe
 from shardax.models.hf.common import Leaf, check_names, read  # noqa: F401  (the adapters' shared API)
 
-FAMILIES: tuple[ModuleType, ...] = (llama,)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe)
 INTERFACE = ("ARCHITECTURES", "model_fields", "moe_fields", "to_hf", "check_exportable", "weight_names")
 
 

@@ -14,6 +14,17 @@ dim: leaf `layers/blocks/attn/query/kernel` [L, ...] is the L tensors `model.lay
 self_attn.q_proj.weight`; a Python-list stack (scan_layers=False) has one leaf per block. A
 table entry whose name holds "{e}" is stacked over experts too: a scanned leaf [L, E, ...] is
 L x E tensors, in that order. A family supplies the tables (`WeightNames`); `leaves` walks.
+
+The walk knows every layout of the decoder's stack (layers/transformer.py `LayerStack`) and
+gives each block param its Hugging Face layer index (`block_layers`):
+  layers/first_dense[/{i}]/...          an MoE model's first k dense layers: layers 0..k-1;
+  layers/blocks[/{u}]/...               a dense model's Block per layer: layer k + u;
+  layers/blocks[/{u}]/dense/{j}/...     an MoE unit's j-th dense Block: layer k + u*every + j;
+  layers/blocks[/{u}]/moe_block/...     the unit's MoE Block: layer k + u*every + every-1;
+  layers/blocks[/{u}]/blocks/{j}/...    a layer pattern's unit: layer k + u*P + j (P layers a unit);
+  layers/tail/blocks/{j}/...            the pattern's layers after the last whole unit;
+([/{u}]: the unit index of an unscanned stack; a scanned one has it as the leading dim.) What
+is left is block-relative (`attn/...`, `mlp/...`, `moe/...`) and looked up in the table.
 """
 
 from __future__ import annotations
@@ -125,8 +136,9 @@ class WeightNames:
   """A family's tensor names for one model config.
 
   top: paths outside the layer stack -> full Hugging Face names;
-  block: paths inside one layer of `layers/blocks` (after the layer index of an unscanned
-    stack) -> names inside `model.layers.{i}.`; "{e}" in a name marks an expert-stacked leaf.
+  block: paths inside one Block (`attn/...`, `mlp/...`, `moe/...`: what `block_layers` leaves
+    of a stack path) -> names inside `model.layers.{i}.`; "{e}" in a name marks an
+    expert-stacked leaf.
   """
   top: Table
   block: Table
@@ -189,6 +201,36 @@ def _names(path) -> tuple[str, ...]:
   return tuple(out)
 
 
+def block_layers(full: tuple[str, ...], lead: int, model_cfg) -> tuple[list[int], tuple[str, ...]]:
+  """(the Hugging Face layer index of each block the leaf at `full` holds, the block-relative
+  path) for a param of the layer stack (`full` starts with 'layers'). `lead`: the leaf's
+  leading dim (the number of units of a scanned stack)."""
+  t = model_cfg
+  part, rest = full[1], full[2:]
+  k = t.num_first_dense
+  pattern = bool(getattr(t, "layer_pattern", ()))
+  if part == "tail":
+    units, base, per = [0], k + t.num_stack_units * t.layers_per_unit, 0
+  else:
+    base, per = (0, 1) if part == "first_dense" else (k, t.layers_per_unit)
+    if t.scan_layers:
+      units = list(range(lead))
+    else:
+      units, rest = [int(rest[0])], rest[1:]
+  offset = 0
+  if part == "tail" or (part == "blocks" and pattern):   # PatternUnit: its j-th block
+    offset, rest = int(rest[1]), rest[2:]
+  elif part == "blocks" and t.moe is not None:          # Unit: dense/{j}, then moe_block
+    if rest[0] == "dense":
+      offset, rest = int(rest[1]), rest[2:]
+    else:
+      offset, rest = t.moe.every - 1, rest[1:]
+  elif part not in ("blocks", "first_dense"):
+    raise ConfigError(f"param {'/'.join(full)}: layers/{part} is a part of the layer stack the Hugging "
+                      f"Face walk does not know (models/hf/common.py block_layers)")
+  return [base + u * per + offset for u in units], rest
+
+
 def leaves(params_abstract, model_cfg, names: WeightNames) -> list[tuple[tuple, Leaf]]:
   """(tree path, Leaf) for every leaf of our params (abstract or real), in tree order."""
   import jax
@@ -196,19 +238,15 @@ def leaves(params_abstract, model_cfg, names: WeightNames) -> list[tuple[tuple, 
   if t.pipeline.stages > 1:
     raise ConfigError("Hugging Face import/export of a pipelined stack (model.pipeline.stages > 1) is not "
                       "supported yet; import with stages=1")
-  stack_key = ("layers", "blocks")
   out = []
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
     full = _names(path)
     shape = tuple(leaf.shape)
-    if full[:len(stack_key)] == stack_key:
-      rest = full[len(stack_key):]
-      if t.scan_layers:
-        layers, key = range(shape[0]), rest
-      else:
-        layers, key = [int(rest[0])], rest[1:]
+    if full[0] == "layers":
+      layers, key = block_layers(full, shape[0] if shape else 0, t)
+      scanned = t.scan_layers and full[1] != "tail"
       hf, in_dims = _lookup(names.block, key, full)
-      stack = (shape[0],) if t.scan_layers else ()
+      stack = (shape[0],) if scanned else ()
       prefix = LAYER_PREFIX
       if "{e}" in hf:   # one tensor per (layer, expert)
         stack += (shape[len(stack)],)

@@ -57,14 +57,13 @@ BLOCK = {
     ("mlp", "down", "kernel"): ("mlp.down_proj.weight", 1),
     ("mlp", "down", "bias"): ("mlp.down_proj.bias", None),
 }
-# Mixtral's unit is one MoE Block (`moe_block`): attention and norms as above, then the router
-# and the experts.
-MOE_BLOCK = {("moe_block",) + k: v for k, v in BLOCK.items() if k[0] in ("attn_norm", "attn", "mlp_norm")}
+# Mixtral's MoE Block: attention and norms as above, then the router and the experts.
+MOE_BLOCK = {k: v for k, v in BLOCK.items() if k[0] in ("attn_norm", "attn", "mlp_norm")}
 MOE_BLOCK.update({
-    ("moe_block", "moe", "router", "kernel"): ("block_sparse_moe.gate.weight", 1),
-    ("moe_block", "moe", "wi_gate"): ("block_sparse_moe.experts.{e}.w1.weight", 1),
-    ("moe_block", "moe", "wi_up"): ("block_sparse_moe.experts.{e}.w3.weight", 1),
-    ("moe_block", "moe", "wo"): ("block_sparse_moe.experts.{e}.w2.weight", 1),
+    ("moe", "router", "kernel"): ("block_sparse_moe.gate.weight", 1),
+    ("moe", "wi_gate"): ("block_sparse_moe.experts.{e}.w1.weight", 1),
+    ("moe", "wi_up"): ("block_sparse_moe.experts.{e}.w3.weight", 1),
+    ("moe", "wo"): ("block_sparse_moe.experts.{e}.w2.weight", 1),
 })
 TOP = {
     ("embed", "embedding"): ("model.embed_tokens.weight", 0),

@@ -1,0 +1,218 @@
+"""Qwen3-MoE from Hugging Face, checked against transformers' recorded outputs, and the
+param walk of every layout of the MoE stack (first dense layers, units of dense + MoE blocks).
+
+Fixtures (tests/fixtures/make_hf_fixtures.py, transformers 5.23): `qwen3_moe` (4 layers, layer
+0 dense by mlp_only_layers, top-2 of 8 renormalized) and `qwen3_moe_sparse` (6 layers,
+decoder_sparse_step 2 with mlp_only_layers [1]: layers 0-1 dense, then dense + MoE units; raw
+softmax gates, tied, attention biases), each with logits, greedy tokens and a training loss.
+"""
+
+import json
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
+
+from shardax import configs  # noqa: E402
+from shardax.configs.schema import ConfigError  # noqa: E402
+from shardax.models import hf as hf_models  # noqa: E402
+from shardax.models.hf import qwen3_moe  # noqa: E402
+from shardax.sharding import make_mesh, use_rules  # noqa: E402
+from shardax.trainer import decode, model_setup  # noqa: E402
+from shardax.trainer.hf import exporter, importer, safetensors  # noqa: E402
+
+ARCHS = ("qwen3_moe", "qwen3_moe_sparse")
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request):
+  setup, params = imported(request.param)
+  return request.param, setup, params
+
+
+def test_config_maps_onto_the_moe_lm():
+  """mlp_only_layers / decoder_sparse_step -> first_dense_layers / every; norm_topk_prob ->
+  renormalize; the two intermediate sizes; the balance-loss weight times k."""
+  t = experiment("qwen3_moe").model
+  m = t.moe
+  assert (m.num_experts, m.top_k, m.d_ff, m.every, m.first_dense_layers, m.renormalize, m.dispatch) == \
+      (8, 2, 32, 1, 1, True, "dropless")
+  assert (t.d_ff, t.head_dim, t.qk_norm, t.qkv_bias, t.tied_embedding, t.rope_theta) == (96, 24, True, False, False, 1e6)
+  assert m.aux_loss_weight == pytest.approx(0.05 * 2) and m.num_shared_experts == 0
+  t = experiment("qwen3_moe_sparse").model
+  m = t.moe
+  assert (m.num_experts, m.d_ff, m.every, m.first_dense_layers, m.renormalize) == (4, 48, 2, 2, False)
+  assert (t.qkv_bias, t.out_bias, t.tied_embedding) == (True, True, True)
+
+
+def test_logits_match_transformers(arch_model):
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  got = logits_of(setup, params, ref)
+  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
+  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")
+  for j, g in enumerate(got):
+    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"{arch} sequence {j}")
+
+
+def test_unscanned_stack_matches_transformers_too():
+  """scan_layers=False: layers/first_dense/{i}, layers/blocks/{u}/dense/{j}, .../moe_block."""
+  setup, params = imported("qwen3_moe_sparse", (1, 1), "model.scan_layers=False")
+  assert params["layers"]["blocks"][1]["moe_block"]["moe"]["wo"].shape == (4, 48, 64)
+  ref = reference("qwen3_moe_sparse")
+  for j, g in enumerate(logits_of(setup, params, ref)):
+    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+
+
+def test_greedy_decode_matches_transformers(arch_model):
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
+  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
+  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
+  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
+  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
+  for j in range(3):
+    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"{arch} prompt {j}"
+
+
+def _train_batch(tokens):
+  """transformers' batch (labels = the tokens) as shardax's: every token routed (its router
+  sees all of them), the last position's target masked (transformers predicts l - 1 tokens)."""
+  b, l = tokens.shape
+  mask = np.ones((b, l), np.float32)
+  mask[:, -1] = 0
+  return {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
+          "loss_mask": jnp.asarray(mask)}
+
+
+def test_training_loss_matches_transformers(arch_model):
+  """shardax's loss_and_metrics on transformers' training batch: the cross entropy is
+  transformers' loss without router logits; the balance loss is transformers' balance
+  function (load_balancing_loss_func) of each MoE layer alone, averaged over the layers; the
+  loss is their sum with router_aux_loss_coef. (transformers' own total pools the routing of
+  all layers before its product, which for more than one MoE layer differs: printed.)"""
+  arch, setup, params = arch_model
+  ref, m = reference(arch), setup.exp.model.moe
+  coef = hf_models.read(os.path.join(FIXTURES, arch))["router_aux_loss_coef"]
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, _train_batch(ref["train_tokens"]))
+  ce, balance = float(metrics["ce_loss"]), float(metrics["moe/aux_loss"]) * m.top_k
+  print(f"{arch}: loss {float(loss):.6f}, transformers' (layers pooled) {float(ref['train_loss']):.6f}")
+  assert ce == pytest.approx(float(ref["train_ce"]), abs=1e-5)
+  assert balance == pytest.approx(float(np.mean(ref["train_aux_layers"])), abs=1e-5)
+  assert float(loss) == pytest.approx(float(ref["train_ce"]) + coef * float(np.mean(ref["train_aux_layers"])), abs=1e-5)
+
+
+def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):
+  """The imported params written back: the source's tensors bit for bit (the tied head
+  left out) and a config.json with every key of the source's."""
+  arch, setup, params = arch_model
+  src = os.path.join(FIXTURES, arch)
+  exporter.export_params(params, setup.exp.model, "qwen3_moe", str(tmp_path), np.float32, 1 << 30)
+  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
+  tied = setup.exp.model.tied_embedding
+  assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
+  for name in b.names():
+    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  src_cfg = hf_models.read(src)
+  qwen3_moe.check_exportable(setup.exp.model, "qwen3_moe")
+  out = qwen3_moe.to_hf(setup.exp.model, "qwen3_moe", src_cfg)
+  assert {k: out.get(k) for k in src_cfg} == src_cfg
+  assert qwen3_moe.model_fields(out) == qwen3_moe.model_fields(src_cfg)
+  assert qwen3_moe.moe_fields(out) == qwen3_moe.moe_fields(src_cfg)
+
+
+def test_checkpoint_round_trip_with_experts_split(tmp_path):
+  """qwen3_moe_sparse through a step-0 checkpoint on a (4, 2) mesh with the 'expert' rules
+  (each device one expert of every MoE layer) and back out: the same tensors bit for bit,
+  and the config.json transformers reads (make_hf_fixtures.py --check-export OUT
+  qwen3_moe_sparse loads such an export with no missing or unexpected tensor)."""
+  src = os.path.join(FIXTURES, "qwen3_moe_sparse")
+  exp = experiment("qwen3_moe_sparse", "mesh.ici=(4, 2)", "sharding.preset='expert'")
+  job, out = str(tmp_path / "job"), str(tmp_path / "out")
+  importer.run(exp, job)
+  exporter.run(exp, job, out)
+  a, b = safetensors.Reader(src), safetensors.Reader(out)
+  assert a.names() == b.names() and "model.layers.5.mlp.experts.3.down_proj.weight" in b.names()
+  for name in a.names():
+    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  assert hf_models.read(out)["mlp_only_layers"] == [1]
+
+
+# Per Hugging Face layer of a 5-layer stack (first_dense_layers 1, every 2): where its block is.
+SCANNED = {0: ("first_dense", 0), 1: ("blocks/dense/0", 0), 2: ("blocks/moe_block", 0),
+           3: ("blocks/dense/0", 1), 4: ("blocks/moe_block", 1)}
+UNSCANNED = {0: "first_dense/0", 1: "blocks/0/dense/0", 2: "blocks/0/moe_block", 3: "blocks/1/dense/0",
+             4: "blocks/1/moe_block"}
+
+
+def _get(tree, path):
+  for part in path.split("/"):
+    tree = tree[int(part)] if part.isdigit() else tree[part]
+  return tree
+
+
+@pytest.mark.parametrize("scan", [True, False])
+def test_walk_maps_first_dense_layers_and_units_of_every_2(tmp_path, scan):
+  """A 5-layer MoE LM with first_dense_layers=1 and moe.every=2 (layer 0 dense, then units of
+  a dense and an MoE layer: MoE layers 2 and 4), random params: exported, each layer's
+  tensors come from that layer's block (SCANNED / UNSCANNED), the experts only from layers 2
+  and 4; imported back, every leaf equal."""
+  exp = experiment("qwen3_moe", "model.num_layers=5", "model.moe.every=2", "model.moe.first_dense_layers=1",
+                   f"model.scan_layers={scan}", "mesh.ici=(1, 1)")
+  setup = model_setup.create(exp, make_mesh(exp.mesh, jax.devices()[:1]))
+  rng = np.random.default_rng(0)
+  params = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), setup.abstract_params)
+  out = str(tmp_path)
+  exporter.export_params(params, exp.model, "qwen3_moe", out, np.float32, 1 << 30)
+  with open(os.path.join(out, "config.json"), "w") as f:   # the importer reads the architecture from it
+    json.dump({"architectures": ["Qwen3MoeForCausalLM"]}, f)
+  r = safetensors.Reader(out)
+  experts = sorted({int(n.split(".")[2]) for n in r.names() if ".mlp.experts." in n})
+  dense = sorted({int(n.split(".")[2]) for n in r.names() if ".mlp.gate_proj." in n})
+  assert (experts, dense) == ([2, 4], [0, 1, 3])
+  for i in range(5):
+    where = UNSCANNED[i] if not scan else SCANNED[i][0]
+    block = _get(params["layers"], where)
+    scale = block["attn_norm"]["scale"] if not scan else block["attn_norm"]["scale"][SCANNED[i][1]]
+    np.testing.assert_array_equal(r.get(f"model.layers.{i}.input_layernorm.weight"), scale, err_msg=f"layer {i}")
+  wo = _get(params["layers"], "blocks/moe_block/moe/wo" if scan else "blocks/1/moe_block/moe/wo")
+  wo = wo[1] if scan else wo
+  np.testing.assert_array_equal(r.get("model.layers.4.mlp.experts.3.down_proj.weight"), wo[3].T)
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    back = importer.import_params(setup, out)
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(back)):
+    np.testing.assert_array_equal(a, np.asarray(b), err_msg=jax.tree_util.keystr(path))
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"some_new_routing": 2.0}, "some_new_routing"),
+    ({"mlp_only_layers": [2]}, "mlp_only_layers"),          # a dense layer between MoE layers
+    ({"decoder_sparse_step": 3}, "decoder_sparse_step=3"),   # 4 layers are not units of 3
+    ({"use_sliding_window": True, "sliding_window": 8}, "use_sliding_window"),
+    ({"num_experts": 16}, "disagree"),                       # beside num_local_experts 8
+    ({"num_local_experts": 0}, "dense Qwen3"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+])
+def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
+  d = _write_config(str(tmp_path / "m"), "qwen3_moe", **changes)
+  with pytest.raises(ConfigError, match=message):
+    configs.get(f"hf:{d}")
+
+
+def test_export_refuses_what_qwen3_moe_cannot_express():
+  model = experiment("qwen3_moe").model
+  import dataclasses
+  moe = dataclasses.replace(model.moe, every=2, first_dense_layers=1)
+  with pytest.raises(ConfigError, match="first_dense_layers=1 not a multiple"):
+    qwen3_moe.check_exportable(dataclasses.replace(model, num_layers=5, moe=moe), "qwen3_moe")
+  moe = dataclasses.replace(model.moe, num_shared_experts=1)
+  with pytest.raises(ConfigError, match="num_shared_experts=1"):
+    qwen3_moe.check_exportable(dataclasses.replace(model, moe=moe), "qwen3_moe")
