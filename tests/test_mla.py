@@ -209,15 +209,26 @@ def test_config_errors_name_the_field(override, field):
     configs.build(cfg)
 
 
+def compiled_forward_flops(exp) -> float:
+  from shardax.sharding import use_rules
+  from shardax.trainer import step as step_lib
+  setup = setup_for(exp, jax.devices()[:1])
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = jax.jit(lambda p, x: step_lib.loss_fn(setup)(p, x)[0]).lower(
+        setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
+  cost = compiled.cost_analysis()
+  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
 def test_flop_and_param_counts_are_what_the_mla_model_runs():
   """configs/flops.py: param_count is the model's, matmul_params its projections and head, and
   the forward FLOPs the compiler counts are the formula's (training / 3) plus what it leaves
   out: the causally masked half of the scores (QK^T over q/k's 12 dims, AV over v's 6; the
-  XLA path computes the square) and the embedding lookup (a one-hot matmul on CPU)."""
+  XLA path computes the square) and the embedding lookup (a one-hot matmul on CPU). Widening
+  v by 8 adds exactly what the formula says: value_up and out columns, and the AV scores."""
   from shardax.configs import flops
-  from shardax.sharding import use_rules
-  from shardax.trainer import step as step_lib
-  exp = tiny_lm(2, 8, ici=(1, 1), extra=MLA_LM + ["model.scan_layers=False"])
+  unscanned = MLA_LM + ["model.scan_layers=False"]
+  exp = tiny_lm(2, 8, ici=(1, 1), extra=unscanned)
   t, s, b = exp.model, exp.data.seq_len, exp.train.global_batch
   with nnx.use_eager_sharding(False):
     model = models.build(t, nnx.Rngs(0))
@@ -226,16 +237,15 @@ def test_flop_and_param_counts_are_what_the_mla_model_runs():
   norms = t.num_layers * (2 * t.d_model + 12 + 16) + t.d_model   # block norms + q/kv latent norms, final
   # the head is counted even when tied to the embedding table; an untied table is a lookup only
   assert flops.matmul_params(t) == total - norms - (0 if t.tied_embedding else t.vocab_size * t.d_model)
-  setup = setup_for(exp, jax.devices()[:1])
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    compiled = jax.jit(lambda p, x: step_lib.loss_fn(setup)(p, x)[0]).lower(
-        setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
-  cost = compiled.cost_analysis()
-  counted = (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+  counted = compiled_forward_flops(exp)
   masked_half = t.num_layers * s * t.num_heads * (12 + 6) * b * s
   lookup = 2 * b * s * t.vocab_size * t.d_model
   ratio = counted / (flops.per_token(t, s) * s * b / 3 + masked_half + lookup)
   assert 1.0 <= ratio <= 1.10, (counted, ratio)
+  wide = tiny_lm(2, 8, ici=(1, 1), extra=unscanned + ["model.mla.v_head_dim=14"])
+  formula = (flops.per_token(wide.model, s) - flops.per_token(t, s)) * s * b / 3
+  formula += t.num_layers * s * t.num_heads * 8 * b * s          # the masked half of AV's extra width
+  assert compiled_forward_flops(wide) - counted == pytest.approx(formula, rel=0.02)
 
 
 def test_explain_reports_the_latent_cache_against_full_keys_and_values():
