@@ -182,20 +182,11 @@ def by_family(rows: list[dict], results: dict) -> list[str]:
           for f, v in sorted(families.items())]
 
 
-def main():
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--runs", default=RUNS, help="the published-runs table (default: ../shared beside the checkout)")
-  p.add_argument("--rows", default="")
-  p.add_argument("--compile", action="store_true")
-  p.add_argument("--layers", type=int, default=3)
-  p.add_argument("--write-docs", action="store_true")
-  a = p.parse_args()
-  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+def evaluate(rows: list[dict], compile: bool = False, layers: int = 3) -> tuple[dict, set, dict]:
+  """(row id -> Prediction, or the text of its cell when refused, not expressible or not compiled;
+  the multi-slice rows whose cache did not read DCN; row id -> notes on a stale cache) for the
+  cached rows of `rows`; `compile`: compile missing and stale caches first (`layers` deep)."""
   from shardax.perf import stepmodel
-  rows = json.load(open(a.runs))
-  if a.rows:
-    order = a.rows.split(",")
-    rows = sorted([r for r in rows if r["id"] in order], key=lambda r: order.index(r["id"]))
   results, unread, stale = {}, set(), {}
   for row in rows:
     path = os.path.join(CACHE, f"{row['id']}.json")
@@ -205,14 +196,14 @@ def main():
       results[row["id"]] = f"not expressible: {e}".replace("|", "/")
       continue
     if not os.path.exists(path):
-      if not a.compile:
+      if not compile:
         continue
-      entry = compile_row(row, a.layers)
+      entry = compile_row(row, layers)
       print(f"compiled {row['id']} in {entry['compile_seconds']:.0f} s ({entry['compile_cpu_seconds']:.0f} s CPU)",
             flush=True)
     entry = json.load(open(path))
-    if a.compile and (compiled_as(row, entry) or dcn_unread(row, entry)):   # stale cache: recompile
-      entry = compile_row(row, a.layers)
+    if compile and (compiled_as(row, entry) or dcn_unread(row, entry)):   # stale cache: recompile
+      entry = compile_row(row, layers)
       print(f"recompiled {row['id']} in {entry['compile_seconds']:.0f} s", flush=True)
     if notes := compiled_as(row, entry):
       stale[row["id"]] = notes
@@ -222,11 +213,34 @@ def main():
       results[row["id"]] = predict_row(row, entry)
     except stepmodel.ImpossiblePrediction as e:   # recorded, left out of the error bar
       results[row["id"]] = refused(e)
+  return results, unread, stale
+
+
+def errors_of(rows: list[dict], results: dict) -> dict[str, tuple[str, float]]:
+  """{row id: (chip, predicted / published)} of the rows `evaluate` priced: what
+  error_bar.write stores."""
+  return {r["id"]: (results[r["id"]].chip, results[r["id"]].step_seconds / _published(r))
+          for r in rows if hasattr(results.get(r["id"]), "step_seconds")}
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--runs", default=RUNS, help="the published-runs table (default: ../shared beside the checkout)")
+  p.add_argument("--rows", default="")
+  p.add_argument("--compile", action="store_true")
+  p.add_argument("--layers", type=int, default=3)
+  p.add_argument("--write-docs", action="store_true")
+  a = p.parse_args()
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  rows = json.load(open(a.runs))
+  if a.rows:
+    order = a.rows.split(",")
+    rows = sorted([r for r in rows if r["id"] in order], key=lambda r: order.index(r["id"]))
+  results, unread, stale = evaluate(rows, a.compile, a.layers)
   text, errors = table(rows, results, unread, stale)
+  from shardax.perf import error_bar
   if not a.rows:   # the whole table: the dry run's error bar reads it (perf/error_bar.py)
-    from shardax.perf import error_bar
-    error_bar.write({r["id"]: (results[r["id"]].chip, results[r["id"]].step_seconds / _published(r))
-                     for r in rows if hasattr(results.get(r["id"]), "step_seconds")})
+    error_bar.write(errors_of(rows, results))
   print(text)
   if errors:
     summary = (f"{len(errors)} of {len(rows)} rows: error factor max(pred/pub, pub/pred) median "
@@ -234,6 +248,11 @@ def main():
     families = by_family(rows, results)
     print(summary)
     print("\n".join(families))
+    bars = error_bar.summary(errors_of(rows, results))["families"]
+    print("\n".join(f"{chip}: {error_bar.COVERAGE:.0%} interval for a new run's pred/pub "
+                     + (f"{f['interval'][0]:.2f}x-{f['interval'][1]:.2f}x; leave-one-out: {f['loo_inside']} of "
+                        f"{f['loo_checked']} rows inside the interval of the others" if f["interval"] else "none")
+                     for chip, f in bars.items()))
     if a.write_docs:
       _write_docs(text + "\n\n" + summary + "\n\n" + "\n".join(f"* {f}" for f in families))
 

@@ -295,3 +295,28 @@ def test_a_row_priced_under_its_roofline_is_recorded_as_refused_not_a_crash(tmp_
   cal.main()
   line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith(f"| {row['id']} |"))
   assert "refused:" in line and "under the roofline" in line, line
+
+
+def _rounded(v):
+  """`v` with every float to 9 significant digits (a summary read back from JSON, compared)."""
+  if isinstance(v, dict):
+    return {k: _rounded(x) for k, x in v.items()}
+  if isinstance(v, (list, tuple)):
+    return [_rounded(x) for x in v]
+  return float(f"{v:.9g}") if isinstance(v, float) else v
+
+
+@needs_libtpu
+def test_the_dry_runs_error_bar_file_is_what_the_cached_rows_give_today():
+  """perf/calibration_errors.json (what every dry run prints under its prediction) recomputed
+  from the cached costs of every published row through the step model as it is now: a change
+  to the model that moves a row's error without rerunning benchmarks/calibrate.py fails here."""
+  from shardax.perf import error_bar
+  cal = _calibrate()
+  rows = published_runs()
+  results, _, _ = cal.evaluate(rows)
+  errors = cal.errors_of(rows, results)
+  assert len(errors) == len(rows), sorted(set(r["id"] for r in rows) - set(errors))
+  stored = json.load(open(error_bar.ERRORS))
+  assert _rounded(stored) == _rounded(error_bar.summary(errors)), (
+      "perf/calibration_errors.json is stale: run benchmarks/calibrate.py over the whole table")

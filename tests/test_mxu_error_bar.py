@@ -73,8 +73,36 @@ def test_the_error_bar_is_the_chips_own_calibration_or_says_there_is_none(tmp_pa
   assert "no summary" in error_bar.for_chip(hardware.lookup("TPU v4"), str(tmp_path / "none.json"))["line"]
 
 
+def test_the_interval_is_students_t_on_log_ratios_with_one_more_run_in_its_width():
+  """Three ratios e^-0.1, 1, e^0.1: log mean 0, stdev 0.1; t(0.95, 2 df) = 2.919986 (t tables);
+  a new run's spread adds the mean's: sqrt(1 + 1/3)."""
+  import math
+  lo, hi = error_bar.interval([math.exp(-0.1), 1.0, math.exp(0.1)])
+  half = 2.919986 * 0.1 * math.sqrt(4 / 3)
+  assert (math.log(lo), math.log(hi)) == (pytest.approx(-half, rel=1e-6), pytest.approx(half, rel=1e-6))
+  assert error_bar.interval([1.1]) is None   # one run gives no spread
+
+
+def test_a_rows_own_error_never_enters_the_bar_it_is_checked_against():
+  """Leave-one-out: row 'x' is judged by the interval of the other rows of its chip, so making
+  its error absurd changes its own bar not at all (and fails its check), while the bars of
+  the rows beside it, and the family's interval for a new run, widen."""
+  rows = {"a": ("TPU v5", 1.05), "b": ("TPU v5", 0.97), "c": ("TPU v5", 1.10), "d": ("TPU v5", 1.01),
+          "x": ("TPU v5", 1.04), "other": ("TPU v4", 1.5)}
+  before = error_bar.leave_one_out(rows)
+  after = error_bar.leave_one_out({**rows, "x": ("TPU v5", 3.0)})
+  assert after["x"]["loo"] == before["x"]["loo"] and before["x"]["inside"] and not after["x"]["inside"]
+  assert after["x"]["loo"] == list(error_bar.interval([1.05, 0.97, 1.10, 1.01]))
+  for rid in "abcd":
+    assert after[rid]["loo"][1] > before[rid]["loo"][1], rid
+  assert before["other"]["loo"] is None   # alone in its family: nothing to check it against
+  fam = error_bar.summary({**rows, "x": ("TPU v5", 3.0)})["families"]["TPU v5"]
+  assert (fam["loo_inside"], fam["loo_checked"]) == (4, 5) and fam["interval"][1] > 1.5
+
+
 def test_the_dry_runs_printed_prediction_carries_the_error_bar(tmp_path, monkeypatch):
-  monkeypatch.setattr(error_bar, "ERRORS", _summary(tmp_path, {"a": ("TPU v5", 1.2)}))
+  monkeypatch.setattr(error_bar, "ERRORS", _summary(tmp_path, {"a": ("TPU v5", 1.2), "b": ("TPU v5", 1.0),
+                                                                "c": ("TPU v5", 1.1)}))
   pr = stepmodel.Prediction(step_seconds=1.0, mfu=0.5, hfu=0.5, tokens_per_second_per_device=1.0,
                             chip="TPU v6 lite", model_flops_per_step=1.0, hardware_flops_per_device=1.0,
                             flops_convention="6N", breakdown={
@@ -83,8 +111,11 @@ def test_the_dry_runs_printed_prediction_carries_the_error_bar(tmp_path, monkeyp
                                 "collectives": {"by_kind": {}, "by_axis": {}, "by_link": {},
                                                 "exposed_seconds": 0.0, "hidden_seconds": 0.0}})
   lines = stepmodel.format_prediction(pr)
+  lo, hi = error_bar.interval([1.2, 1.0, 1.1])
   assert "predicted step" in lines[0]
-  assert "v6e: no calibrated runs; expect larger error" in lines[1] and "v5p: 1 runs, error median 1.20x" in lines[1]
+  assert "v6e: no calibrated runs; expect larger error" in lines[1] and "v5p: 3 runs, error median 1.10x" in lines[1]
+  assert f"90% interval for a new run's pred/pub {lo:.2f}x-{hi:.2f}x" in lines[1]
+  assert "inside the others' interval: 3 of 3" in lines[1]   # two rows at t(1 df) = 6.3: wide bars
 
 
 def _fsdp_scan_grad(slice_name: str) -> str:
