@@ -59,6 +59,7 @@ from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa:
 from shardax.configs.rope import Yarn
 from shardax.layers import context_parallel, flash, rope
 from shardax.layers.attention_choice import resolve  # noqa: F401  (re-exported)
+from shardax.layers.attention_scores import grouped_logits, masked_output
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import RMSNorm
 from shardax.sharding import shard
@@ -164,22 +165,14 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
   """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]; within segments if given;
   within a sliding `window` (key j visible to query i iff i - window < j <= i) and with
   logits soft-capped (cap * tanh(logits / cap), after the 1/sqrt(d) scale) when set."""
-  b, l, n, d = q.shape
-  kv = k.shape[2]
-  qg = q.reshape(b, l, kv, n // kv, d)
-  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * jnp.float32(d ** -0.5)
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
+  l = q.shape[1]
+  logits = grouped_logits(q, k, softcap)
   mask = jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool))[None]     # [1|b, q, s]
   if window is not None:
     mask = mask & ~jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool), -window)[None]
   if segment_ids is not None:
     mask = mask & segment_mask(segment_ids)
-  logits = jnp.where(mask[:, None, None], logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-  return out.reshape(b, l, n, v.shape[-1])   # v's head size may differ from q/k's (MLA)
+  return masked_output(logits, mask[:, None, None], v)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -383,24 +376,14 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
   """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position
   (and j > position - window with a sliding window, j // chunk == position // chunk with
   chunked attention), logits soft-capped as in training."""
-  b, l, n, d = q.shape
-  kv = k.shape[2]
-  qg = q.reshape(b, l, kv, n // kv, d)
-  logits = jnp.einsum("bqkgd,bskd->bkgqs", qg, k, preferred_element_type=jnp.float32)
-  logits = logits * jnp.float32(d ** -0.5)
-  if softcap is not None:
-    logits = softcap * jnp.tanh(logits / softcap)
+  logits = grouped_logits(q, k, softcap)
   slots = jnp.arange(k.shape[1], dtype=jnp.int32)
   visible = slots[None, None, :] <= positions[:, :, None]
   if window is not None:
     visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
   if chunk is not None:
     visible = visible & (slots[None, None, :] // chunk == positions[:, :, None] // chunk)
-  visible = visible[:, None, None]   # [b,1,1,l,S]
-  logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
-  return out.reshape(b, l, n, v.shape[-1])   # v's head size may differ from q/k's (MLA)
+  return masked_output(logits, visible[:, None, None], v)   # visible [b,1,1,l,S]
 
 
 def default_positions(batch: int, length: int) -> jax.Array:

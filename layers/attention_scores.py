@@ -28,3 +28,14 @@ def grouped_logits(q: jax.Array, k: jax.Array, softcap: float | None = None) -> 
   if softcap is not None:
     logits = softcap * jnp.tanh(logits / softcap)
   return logits
+
+
+def masked_output(logits: jax.Array, visible: jax.Array, v: jax.Array) -> jax.Array:
+  """out[b, l, n, dv]: the softmax of `logits`[b, kv, g, l, s] over the keys `visible`
+  (broadcast against the logits) applied to v[b, s, kv, dv]. A row that sees no key gets the
+  mean of v (uniform weights), never NaN; every causal row sees at least itself."""
+  b, kv, g, l, _ = logits.shape
+  logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
+  return out.reshape(b, l, kv * g, v.shape[-1])
