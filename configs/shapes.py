@@ -96,3 +96,12 @@ MAVERICK = TransformerConfig(
     vocab_size=202048, tied_embedding=False,
     moe=MoEConfig(num_experts=128, d_ff=8192, every=2, top_k=1, num_shared_experts=1, score="sigmoid",
                   aux_loss_weight=1e-3, dispatch="dropless"))
+# Qwen3-235B-A22B (Qwen config.json): 94 layers, every FFN an MoE of 128 experts of 1536, softmax
+# top-8 renormalized (norm_topk_prob), no shared expert; 64 q heads and 4 KV heads of 128 with q/k
+# RMSNorm, RoPE theta 1e6, vocab 151936, untied; balance loss 1e-3 x k (transformers' coefficient
+# on its k-summed loss); 235B parameters, 22B active. Its dense intermediate_size 12288 is unused.
+QWEN3_235B = TransformerConfig(
+    num_layers=94, d_model=4096, num_heads=64, num_kv_heads=4, head_dim=128, d_ff=12288,
+    vocab_size=151936, rope_theta=1e6, qk_norm=True, tied_embedding=False,
+    moe=MoEConfig(num_experts=128, d_ff=1536, every=1, top_k=8, renormalize=True, aux_loss_weight=8e-3,
+                  dispatch="dropless"))
