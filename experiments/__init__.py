@@ -7,3 +7,4 @@ from shardax.experiments import pipelined  # noqa: F401
 from shardax.experiments import pods  # noqa: F401
 from shardax.experiments import hf  # noqa: F401
 from shardax.experiments import long_context  # noqa: F401
+from shardax.experiments import families  # noqa: F401
