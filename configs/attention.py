@@ -13,6 +13,7 @@ alternate local and global layers (Gemma 3, gpt-oss) or chunked-RoPE and NoPE la
 from __future__ import annotations
 
 import dataclasses
+import math
 
 from shardax.configs.errors import require
 
@@ -115,6 +116,12 @@ def checked_pattern(model) -> tuple[LayerKind, ...]:
   require(not first_dense,
           f"model.moe.first_dense_layers={first_dense} with model.layer_pattern: first dense layers "
           f"with per-layer kinds are not supported; use first_dense_layers=0 or no pattern")
+  every = 1 if model.moe is None else model.moe.every
+  unit = math.lcm(len(pattern), every)
+  require(model.num_layers >= unit,
+          f"model.num_layers={model.num_layers} is below one unit of the stack: lcm(len(model."
+          f"layer_pattern)={len(pattern)}, moe.every={every}) = {unit} layers; use at least {unit} "
+          f"layers or a shorter pattern")
   require(model.temperature_floor_scale > 0 and model.temperature_scale >= 0,
           f"model.temperature_floor_scale={model.temperature_floor_scale} must be > 0 and "
           f"model.temperature_scale={model.temperature_scale} >= 0")
