@@ -5,10 +5,11 @@ Letters: b batch, l length, S cache slots, n heads, r kv_lora_rank, c q_lora_ran
 p qk_nope_head_dim, e qk_rope_head_dim, v v_head_dim, m embed.
 
     q         = up_q(norm(down_q(x)))  [b,l,n,p+e]     (or one projection: q_lora_rank=None)
-    latent    = norm(down_kv(x))       [b,l,r]          what every key and value comes from
-    k_rope    = rope(x W_kr)           [b,l,e]          one RoPE key, shared by all heads
-    k         = [latent W_uk, k_rope]  [b,l,n,p+e]     no-RoPE part per head, RoPE part shared
-    v         = latent W_uv            [b,l,n,v]
+    [latent, k_rope] = x W_dkv         [b,l,r+e]        one projection (transformers' kv_a_proj_with_mqa)
+    latent    = norm(latent)           [b,l,r]          what every key and value comes from
+    k_rope    = rope(k_rope)           [b,l,e]          one RoPE key, shared by all heads
+    [k_nope, v] = latent W_ukv         [b,l,n,p+v]      per head (kv_b_proj): W_uk and W_uv side by side
+    k         = [k_nope, k_rope]       [b,l,n,p+e]     no-RoPE part per head, RoPE part shared
     out       = softmax(q.k * scale) v, projected back to m
 with q's last e dims rotated too and scale = (p+e)^-1/2, times YaRN's mscale^2 when the model
 uses YaRN with mscale_all_dim (transformers' DeepseekV3Attention). Training runs the expanded
@@ -23,7 +24,11 @@ applied after the softmax, so it is one-kv-head attention over the cached [laten
 with the latent as the value (`cached_attention` with a single kv head). A prefill attends
 within its block as training does.
 
-The latent norms use eps 1e-6 whatever model.norm_eps, as transformers builds them.
+The params are transformers' tensors one for one (models/hf/deepseek_v3.py). `rope_interleave`
+(DeepSeek's checkpoints) rotates pairs (0, 1), (2, 3), ... instead of (i, i + e/2): the same
+rotation on the RoPE dims reordered evens-then-odds, so the layer reorders them and rotates
+as everywhere else. The latent norms use eps 1e-6 whatever model.norm_eps, as transformers
+builds them.
 """
 
 from __future__ import annotations
@@ -96,15 +101,16 @@ class MultiHeadLatentAttention(nnx.Module):
       self.q_down = DenseGeneral(d_model, c, in_axes=("embed",), out_axes=("q_lora",), use_bias=qkv_bias, **kw)
       self.q_norm = norm(c, "q_lora")
       self.q_up = DenseGeneral(c, (n, p + e), in_axes=("q_lora",), out_axes=("heads", "kv"), **kw)
-    self.kv_down = DenseGeneral(d_model, r, in_axes=("embed",), out_axes=("kv_lora",), use_bias=qkv_bias, **kw)
+    self.kv_down = DenseGeneral(d_model, r + e, in_axes=("embed",), out_axes=("kv_lora",), use_bias=qkv_bias,
+                                **kw)
     self.kv_norm = norm(r, "kv_lora")
-    self.key_rope = DenseGeneral(d_model, e, in_axes=("embed",), out_axes=("kv",), use_bias=qkv_bias, **kw)
-    self.key_up = DenseGeneral(r, (n, p), in_axes=("kv_lora",), out_axes=("heads", "kv"), **kw)
-    self.value_up = DenseGeneral(r, (n, mla.v_head_dim), in_axes=("kv_lora",), out_axes=("heads", "kv"), **kw)
+    self.kv_up = DenseGeneral(r, (n, p + mla.v_head_dim), in_axes=("kv_lora",), out_axes=("heads", "kv"), **kw)
     self.out = DenseGeneral((n, mla.v_head_dim), d_model, in_axes=("heads", "kv"), out_axes=("embed",),
                             use_bias=out_bias, **kw)
 
   def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
+    if self.mla.rope_interleave:   # pairs (0, 1), (2, 3), ...: rotate-half of evens-then-odds
+      x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
     return apply_rope(x, positions, self.rope_theta, self.rope_scaling)
 
   def _queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -116,20 +122,22 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def _latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(latent [b,l,r] normalized, k_rope [b,l,e] rotated)."""
-    latent = shard(self.kv_norm(self.kv_down(x)), ("batch", "length", "kv_lora"))
-    k_rope = self._rope(self.key_rope(x)[:, :, None, :], positions)[:, :, 0]
+    down, r = self.kv_down(x), self.mla.kv_lora_rank
+    latent = shard(self.kv_norm(down[..., :r]), ("batch", "length", "kv_lora"))
+    k_rope = self._rope(down[:, :, None, r:], positions)[:, :, 0]
     return latent, shard(k_rope, ("batch", "length", "kv"))
 
   def _expanded(self, q_nope, q_rope, latent, k_rope) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Full-width q, k [b,l,n,p+e] and v [b,l,n,v]; q carries the part of the softmax scale
     the core's (p+e)^-1/2 does not apply (YaRN's mscale^2)."""
-    k_nope = self.key_up(latent)
+    kv = shard(self.kv_up(latent), BLNK)
+    k_nope, v = kv[..., :self.mla.qk_nope_head_dim], kv[..., self.mla.qk_nope_head_dim:]
     k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), k_nope.shape[:-1] + k_rope.shape[-1:])
     q = jnp.concatenate([q_nope, q_rope.astype(q_nope.dtype)], axis=-1)
     if self.mscale != 1.0:
       q = q * jnp.asarray(self.mscale, q.dtype)
     k = jnp.concatenate([k_nope, k_rope], axis=-1)
-    return shard(q, BLNK), shard(k, BLNK), shard(self.value_up(latent), BLNK)
+    return shard(q, BLNK), shard(k, BLNK), shard(v, BLNK)
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
                segment_ids: jax.Array | None = None) -> jax.Array:
@@ -156,7 +164,8 @@ class MultiHeadLatentAttention(nnx.Module):
       return self.out(shard(o, BLNK)), cache
     # Generate step: W_uk absorbed into the query, the latent is the one kv head's value.
     dt = self.dtype
-    q_latent = jnp.einsum("blnp,rnp->blnr", q_nope, self.key_up.kernel[...].astype(dt))
+    w_uk, w_uv = jnp.split(self.kv_up.kernel[...].astype(dt), [self.mla.qk_nope_head_dim], axis=-1)
+    q_latent = jnp.einsum("blnp,rnp->blnr", q_nope, w_uk)
     q = jnp.concatenate([q_latent, q_rope.astype(dt)], axis=-1)
     # cached_attention scales by (r + e)^-1/2; the softmax wants mscale (p + e)^-1/2.
     q = q * jnp.asarray(self.mscale * (q.shape[-1] / self.mla.qk_head_dim) ** 0.5, dt)
@@ -164,5 +173,5 @@ class MultiHeadLatentAttention(nnx.Module):
     keys = jnp.concatenate([cache["latent"], cache["k_rope"]], axis=-1)[:, :, None, :]
     o_latent = cached_attention(q, keys.astype(dt), cache["latent"][:, :, None, :].astype(dt), positions,
                                 window=self.options.window, softcap=self.options.softcap)
-    o = jnp.einsum("blnr,rnv->blnv", o_latent, self.value_up.kernel[...].astype(dt))
+    o = jnp.einsum("blnr,rnv->blnv", o_latent, w_uv)
     return self.out(shard(o, BLNK)), cache

@@ -39,41 +39,30 @@ def layer(mla=SMALL, rope_scaling=None, theta=10_000.0, options=None, seed=0) ->
                                     options=options, rngs=nnx.Rngs(seed))
 
 
-def load_transformers(attn: MultiHeadLatentAttention, w: dict, interleave: bool) -> None:
-  """transformers' DeepseekV3Attention weights ([out, in]) into `attn`. An interleaved RoPE
-  (pairs (0, 1), (2, 3), ...) is rotate-half RoPE on the dims reordered evens-then-odds, the
-  same for q and k, so it is a permutation of the RoPE rows of q's and k's projections."""
+def load_transformers(attn: MultiHeadLatentAttention, w: dict) -> None:
+  """transformers' DeepseekV3Attention weights ([out, in]) into `attn`: one tensor per param."""
   m, n = attn.mla, attn.num_heads
-  p, e, r = m.qk_nope_head_dim, m.qk_rope_head_dim, m.kv_lora_rank
-  perm = np.concatenate([np.arange(0, e, 2), np.arange(1, e, 2)]) if interleave else np.arange(e)
-  heads = lambda t, width: t.T.reshape(t.shape[1], n, width)
-  q = w["q_proj.weight" if m.q_lora_rank is None else "q_b_proj.weight"]
-  q = heads(q, p + e)
-  q = np.concatenate([q[..., :p], q[..., p:][..., perm]], axis=-1)
+  heads = lambda t: t.T.reshape(t.shape[1], n, -1)
   if m.q_lora_rank is None:
-    attn.query.kernel[...] = jnp.asarray(q)
+    attn.query.kernel[...] = jnp.asarray(heads(w["q_proj.weight"]))
   else:
     attn.q_down.kernel[...] = jnp.asarray(w["q_a_proj.weight"].T)
     attn.q_norm.scale[...] = jnp.asarray(w["q_a_layernorm.weight"])
-    attn.q_up.kernel[...] = jnp.asarray(q)
-  kv_a = w["kv_a_proj_with_mqa.weight"]
-  attn.kv_down.kernel[...] = jnp.asarray(kv_a[:r].T)
-  attn.key_rope.kernel[...] = jnp.asarray(kv_a[r:][perm].T)
+    attn.q_up.kernel[...] = jnp.asarray(heads(w["q_b_proj.weight"]))
+  attn.kv_down.kernel[...] = jnp.asarray(w["kv_a_proj_with_mqa.weight"].T)
   attn.kv_norm.scale[...] = jnp.asarray(w["kv_a_layernorm.weight"])
-  kv_b = heads(w["kv_b_proj.weight"], p + m.v_head_dim)
-  attn.key_up.kernel[...] = jnp.asarray(kv_b[..., :p])
-  attn.value_up.kernel[...] = jnp.asarray(kv_b[..., p:])
+  attn.kv_up.kernel[...] = jnp.asarray(heads(w["kv_b_proj.weight"]))
   attn.out.kernel[...] = jnp.asarray(w["o_proj.weight"].T.reshape(n, m.v_head_dim, -1))
 
 
-@pytest.mark.parametrize("case,mla,scaling,theta,interleave", [
-    ("lora_yarn_interleave", SMALL, FIXTURE_YARN, 10_000.0, True),
-    ("plain_q", MLAConfig(None, 16, 8, 4, 6), None, 500.0, False),
+@pytest.mark.parametrize("case,mla,scaling,theta", [
+    ("lora_yarn_interleave", MLAConfig(12, 16, 8, 4, 6, rope_interleave=True), FIXTURE_YARN, 10_000.0),
+    ("plain_q", MLAConfig(None, 16, 8, 4, 6), None, 500.0),
 ])
-def test_equals_transformers_deepseek_v3_attention(case, mla, scaling, theta, interleave):
+def test_equals_transformers_deepseek_v3_attention(case, mla, scaling, theta):
   w = dict(np.load(os.path.join(FIXTURES, f"attention_{case}.npz")))
   attn = layer(mla, scaling, theta)
-  load_transformers(attn, w, interleave)
+  load_transformers(attn, w)
   out = jax.jit(lambda x, pos: attn(x, pos))(w["x"], w["positions"])
   np.testing.assert_allclose(np.asarray(out), w["out"], rtol=2e-5, atol=2e-5)
 
@@ -117,7 +106,7 @@ def decode_outputs(attn, x, prefill: int, slots: int = 16):
 def test_cached_decode_over_the_latent_equals_the_full_forward(q_lora_rank, scaling):
   """Prefill 4 tokens, then 6 generate steps, each attending to the cached latent and RoPE
   key with W_uk absorbed into the query: the same outputs as one causal forward pass."""
-  mla = MLAConfig(q_lora_rank, 16, 8, 4, 6)
+  mla = MLAConfig(q_lora_rank, 16, 8, 4, 6, rope_interleave=scaling is not None)
   attn = layer(mla, scaling, options=AttentionOptions(window=5))
   x = jax.random.normal(jax.random.key(1), (2, 10, D_MODEL))
   full = jax.jit(lambda x: attn(x))(x)
@@ -170,7 +159,7 @@ def test_lm_with_mla_sharded_equals_one_device(reference, ici, axes, preset, ext
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
-  assert "value_up" in str(jax.tree_util.tree_structure(grads))
+  assert "kv_up" in str(jax.tree_util.tree_structure(grads))
 
 
 def test_lm_decode_caches_the_latent_and_equals_the_full_forward(reference):
