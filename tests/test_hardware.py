@@ -45,6 +45,14 @@ def test_tpu7x_is_priced_per_device_at_half_its_chip():
   assert (c.torus_dims, c.devices_per_chip) == (3, 2)
 
 
+def test_a_tpu_chips_host_link_is_shared_by_its_devices():
+  """Every TPU chip has the same PCIe link to its host; a chip run as two devices (v3, TPU7x)
+  gives each device half of it, so offload is not priced at twice the chip's link."""
+  tpus = [c for c in hardware.CHIPS.values() if c.torus_dims]
+  assert {c.host_bandwidth * c.devices_per_chip for c in tpus} == {1.5e10}
+  assert {c.devices_per_chip for c in tpus} == {1, 2}
+
+
 def test_every_chip_row_sources_every_field():
   """One table: each row gives each figure with where it comes from; a figure left at 0 says why."""
   for c in hardware.CHIPS.values():
