@@ -72,7 +72,7 @@ class TransformerConfig:
   # Attention when the rules split `length` over a mesh axis (layers/context_parallel.py):
   # "allgather" (all-gather K/V) | "ring" (K/V blocks passed round the axis with ppermute).
   context_parallel: str = "allgather"
-  # Options that imported checkpoints need (trainer/hf/); the defaults are shardax's own model.
+  # Options that imported checkpoints need (models/hf/); the defaults are shardax's own model.
   norm_eps: float = 1e-6              # epsilon of every RMSNorm/LayerNorm
   scale_embedding: bool = True        # multiply looked-up rows by sqrt(d_model) (Praxis); HF models: False
   qkv_bias: bool = False              # biases on the q/k/v projections (Qwen2; Llama's attention_bias)
