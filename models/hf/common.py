@@ -83,8 +83,9 @@ def check_keys(hf: dict[str, Any], arch: str, *known: set[str]) -> None:
 
 
 def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
-  """TransformerConfig's rope_theta and llama3 scaling fields, from `rope_theta` + `rope_scaling`
-  (transformers 4) or `rope_parameters` (transformers 5); other scaling types are errors."""
+  """TransformerConfig's rope_theta and llama3 or YaRN scaling fields, from `rope_theta` +
+  `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5); other scaling types
+  are errors."""
   params = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
   theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
@@ -96,9 +97,11 @@ def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
     if extra:
       raise ConfigError(f"config.json rope_parameters has {sorted(extra)} that plain RoPE does not use")
     return out
+  if kind == "yarn":
+    return {**out, **yarn_fields(src, hf)}
   if kind != "llama3":
     raise ConfigError(f"config.json rope scaling type {kind!r} is not implemented (shardax has "
-                      f"'default' and 'llama3')")
+                      f"'default', 'llama3' and 'yarn')")
   known = {"rope_type", "type", "factor", "low_freq_factor", "high_freq_factor",
            "original_max_position_embeddings", "rope_theta"}
   extra = set(src) - known
@@ -111,6 +114,28 @@ def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
   return out
 
 
+YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
+             "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
+
+
+def yarn_fields(src: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
+  """TransformerConfig's YaRN fields (configs/rope.py) from a yarn rope_parameters / rope_scaling,
+  with transformers' defaults: factor = max_position_embeddings / original length when absent,
+  beta_fast 32, beta_slow 1, mscales absent, truncate true."""
+  extra = set(src) - YARN_KEYS
+  if extra:
+    raise ConfigError(f"config.json yarn rope scaling has keys {sorted(extra)} shardax does not implement")
+  original = int(src["original_max_position_embeddings"])
+  factor = src.get("factor")
+  factor = float(hf["max_position_embeddings"]) / original if factor is None else float(factor)
+  attention = src.get("attention_factor")
+  return dict(rope_scaling="yarn", rope_scaling_factor=factor, rope_original_max_len=original,
+              rope_beta_fast=float(src.get("beta_fast") or 32.0), rope_beta_slow=float(src.get("beta_slow") or 1.0),
+              rope_mscale=float(src.get("mscale") or 0.0), rope_mscale_all_dim=float(src.get("mscale_all_dim") or 0.0),
+              rope_attention_factor=None if attention is None else float(attention),
+              rope_truncate=bool(src.get("truncate", True)))
+
+
 def rope_keys(t) -> dict[str, Any]:
   """config.json's RoPE keys for TransformerConfig `t`, in both spellings (`rope_parameters`
   and `rope_theta`, plus `rope_scaling` when scaled)."""
@@ -119,8 +144,14 @@ def rope_keys(t) -> dict[str, Any]:
     params = {"rope_type": "llama3", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
               "low_freq_factor": t.rope_low_freq_factor, "high_freq_factor": t.rope_high_freq_factor,
               "original_max_position_embeddings": t.rope_original_max_len}
+  if t.rope_scaling == "yarn":
+    params = {"rope_type": "yarn", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
+              "original_max_position_embeddings": t.rope_original_max_len, "beta_fast": t.rope_beta_fast,
+              "beta_slow": t.rope_beta_slow, "truncate": t.rope_truncate}
+    params.update({k: v for k, v in (("mscale", t.rope_mscale), ("mscale_all_dim", t.rope_mscale_all_dim),
+                                     ("attention_factor", t.rope_attention_factor)) if v})
   out = {"rope_parameters": params, "rope_theta": t.rope_theta}
-  if t.rope_scaling == "llama3":
+  if t.rope_scaling in ("llama3", "yarn"):
     out["rope_scaling"] = params
   return out
 
