@@ -36,6 +36,10 @@ class MoEConfig:
                     with probability 2 * its normalized gate, GShard), 'sampling' (draw the
                     second expert from the softmax of the remaining router logits).
   aux_loss_weight:  weight of the load-balancing loss E^2 * mean_e(me * ce).
+  aux_loss_pooling: how several MoE layers' balance losses combine: 'per_layer' (the mean of
+                    each layer's loss) or 'over_layers' (transformers' load_balancing_loss_func,
+                    Mixtral's and Qwen3-MoE's: me and ce averaged over the MoE layers first, then
+                    E * sum_e(me * ce); what a Hugging Face import trains with). Dropless only.
   z_loss_weight:    weight of the router z-loss mean(logsumexp(logits)^2) (ST-MoE); 0 = off.
   seed:             seed of the gating randomness ('random'/'sampling'); each step folds
                     in a hash of its batch, each layer its index.
@@ -48,6 +52,8 @@ class MoEConfig:
   renormalize:      gates = the chosen k scores divided by their sum (Mixtral, DeepSeek-V3),
                     else the raw scores (softmax top-k without renormalizing, Qwen1.5-MoE).
   gate_scale:       the gates times this (DeepSeek-V3's routed_scaling_factor 2.5).
+  gate_input:       the gate scales the routed expert's input, FFN(gate * x), instead of its
+                    output, gate * FFN(x) (Llama 4); top_k=1 (one gate per token) and dropless.
   bias_update_rate: auxiliary-loss-free balancing (DeepSeek-V3): a per-expert bias added to
                     the scores for choosing experts only (not to the gates), moved each train
                     step by this rate towards uniform load: b_e += rate * sign(mean load - load_e).
@@ -115,12 +121,14 @@ class MoEConfig:
   min_capacity: int = 4
   second_expert: str = "random"
   aux_loss_weight: float = 1e-2
+  aux_loss_pooling: str = "per_layer"
   z_loss_weight: float = 0.0
   seed: int = 0
   top_k: int = 2
   score: str = "softmax"
   renormalize: bool = True
   gate_scale: float = 1.0
+  gate_input: bool = False
   bias_update_rate: float = 0.0
   n_group: int = 1
   topk_group: int = 1
@@ -147,8 +155,16 @@ class MoEConfig:
              f"model.moe.second_expert={self.second_expert!r}: use one of {SECOND_EXPERT_POLICIES}")
     _require(self.aux_loss_weight >= 0 and self.z_loss_weight >= 0,
              "model.moe.aux_loss_weight and model.moe.z_loss_weight must be >= 0")
+    _require(self.aux_loss_pooling in ("per_layer", "over_layers"),
+             f"model.moe.aux_loss_pooling={self.aux_loss_pooling!r}: use 'per_layer' or 'over_layers'")
+    _require(self.aux_loss_pooling == "per_layer" or self.dispatch == "dropless",
+             f"model.moe.aux_loss_pooling='over_layers' is computed by the dropless router; use "
+             f"dispatch='dropless' or aux_loss_pooling='per_layer'")
     _require(1 <= self.top_k <= self.num_experts,
              f"model.moe.top_k={self.top_k} must be in [1, model.moe.num_experts={self.num_experts}]")
+    _require(not self.gate_input or (self.top_k == 1 and self.dispatch == "dropless"),
+             f"model.moe.gate_input=True (the gate scales the expert's input, Llama 4) is implemented for "
+             f"top_k=1 with dispatch='dropless'; got top_k={self.top_k}, dispatch={self.dispatch!r}")
     _require(self.score in SCORES, f"model.moe.score={self.score!r}: use one of {SCORES}")
     _require(self.n_group >= 1 and self.num_experts % self.n_group == 0,
              f"model.moe.n_group={self.n_group} must be >= 1 and divide model.moe.num_experts={self.num_experts}")

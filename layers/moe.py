@@ -120,7 +120,10 @@ class MoEFeedForward(nnx.Module):
     r = routers.route(logits, top_k=cfg.top_k, score=cfg.score, renormalize=cfg.renormalize,
                       gate_scale=cfg.gate_scale, bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group)
     weights = tuple(w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
-    y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, r.gates, weights, self.act,
+    gates = r.gates
+    if cfg.gate_input:   # Llama 4: FFN(gate * x) of the one chosen expert, summed unweighted
+      x, gates = x * r.gates.astype(x.dtype), jnp.ones_like(r.gates)
+    y, overflow = moe_dispatch.dropless(x.astype(dt), r.index, gates, weights, self.act,
                                         buffer=cfg.expert_buffer, exchange=cfg.expert_exchange,
                                         impl=cfg.grouped_matmul, quantization=self.quantization,
                                         overflow=cfg.expert_overflow, chunks=cfg.dispatch_chunks,
@@ -134,6 +137,8 @@ class MoEFeedForward(nnx.Module):
       stats["expert_buffer_overflow"] = overflow.astype(jnp.float32)
     if bias is not None:
       stats["next_bias"] = routers.next_bias(bias, r.load, cfg.bias_update_rate)
+    if cfg.aux_loss_pooling == "over_layers":   # the LM pools them over its MoE layers
+      stats.update(expert_load=r.load, expert_prob=r.prob)
     return shard(y, ("batch", "length", "embed")), stats
 
   def capacity(self, x: jax.Array, key: jax.Array | None, deterministic: bool

@@ -49,6 +49,7 @@ class Routing(NamedTuple):
   index: jax.Array      # int32 [..., k]: the chosen experts, best first
   gates: jax.Array      # float32 [..., k]: their gate weights
   load: jax.Array       # float32 [E]: each expert's share of the assignments (sums to 1)
+  prob: jax.Array       # float32 [E]: each expert's mean normalized score (me)
   aux_loss: jax.Array   # scalar E * sum_e(me * load_e)
   z_loss: jax.Array     # scalar mean(logsumexp(logits)^2)
   metrics: dict         # scalar diagnostics: 'max_load' (max share x E; 1.0 is uniform),
@@ -91,7 +92,7 @@ def route(logits: jax.Array, *, top_k: int, score: str = "softmax", renormalize:
   me = jnp.mean(probs, axis=tokens)
   aux_loss = e * jnp.sum(me * load)
   z_loss = jnp.mean(jnp.square(jax.nn.logsumexp(logits, axis=-1)))
-  return Routing(index.astype(jnp.int32), gates, load, aux_loss, z_loss,
+  return Routing(index.astype(jnp.int32), gates, load, me, aux_loss, z_loss,
                  {"max_load": jnp.max(load) * e, "last_gate": last_gate})
 
 

@@ -8,7 +8,8 @@ Face import/export) reaches MoE models by construction.
 
 Loss = mean next-token cross entropy over the unmasked targets
        + cfg.z_loss x mean(logsumexp(logits)^2)                      (PaLM's z-loss)
-       + moe.aux_loss_weight x mean_layers(balance loss) + moe.z_loss_weight x mean_layers(router z-loss).
+       + moe.aux_loss_weight x mean_layers(balance loss) + moe.z_loss_weight x mean_layers(router z-loss)
+       (moe.aux_loss_pooling='over_layers': the balance loss of the expert shares pooled over the layers).
 `model.loss_chunk` makes the logits and these losses a chunk of the sequence at a time
 (`head_losses`), so no [tokens, vocab] float32 array lives at once; same values.
 Eval loss = cross entropy alone; MoE routing deterministic (every token to its top-2
@@ -47,8 +48,9 @@ from shardax.sharding import shard
 # trainer/step.py imports it from here (layers do not import the trainer).
 STATE_UPDATES = "state_updates"
 # MoE statistics kept per MoE layer ([moe layers, ...]), not averaged over them: the next
-# balance bias, and the token copies each layer routed and dropped (counts).
-PER_LAYER_STATS = ("next_bias", "routed_copies_count", "dropped_copies_count")
+# balance bias, the token copies each layer routed and dropped (counts), and the expert shares
+# a balance loss pooled over the layers is made of.
+PER_LAYER_STATS = ("next_bias", "routed_copies_count", "dropped_copies_count", "expert_load", "expert_prob")
 COUNT_STATS = ("routed_copies_count", "dropped_copies_count")
 
 
@@ -327,6 +329,9 @@ class TransformerLM(nnx.Module):
       metrics["z_loss"] = z
     m = self.cfg.moe
     if m is not None:
+      if "expert_load" in stats:   # aux_loss_pooling='over_layers': [layers, E] shares, pooled first
+        load, prob = stats.pop("expert_load"), stats.pop("expert_prob")
+        stats["aux_loss"] = load.shape[-1] * jnp.sum(jnp.mean(load, 0) * jnp.mean(prob, 0))
       loss = loss + m.aux_loss_weight * stats["aux_loss"] + m.z_loss_weight * stats["z_loss"]
       next_bias = stats.pop("next_bias", None)
       metrics.update({f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()})

@@ -92,22 +92,45 @@ def _train_batch(tokens):
           "loss_mask": jnp.asarray(mask)}
 
 
-def test_training_loss_matches_transformers(arch_model):
-  """shardax's loss_and_metrics on transformers' training batch: the cross entropy is
-  transformers' loss without router logits; the balance loss is transformers' balance
-  function (load_balancing_loss_func) of each MoE layer alone, averaged over the layers; the
-  loss is their sum with router_aux_loss_coef. (transformers' own total pools the routing of
-  all layers before its product, which for more than one MoE layer differs: printed.)"""
-  arch, setup, params = arch_model
-  ref, m = reference(arch), setup.exp.model.moe
-  coef = hf_models.read(os.path.join(FIXTURES, arch))["router_aux_loss_coef"]
+def _loss(setup, params, tokens):
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, _train_batch(ref["train_tokens"]))
-  ce, balance = float(metrics["ce_loss"]), float(metrics["moe/aux_loss"]) * m.top_k
-  print(f"{arch}: loss {float(loss):.6f}, transformers' (layers pooled) {float(ref['train_loss']):.6f}")
+    loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, _train_batch(tokens))
+  return float(loss), float(metrics["ce_loss"]), float(metrics["moe/aux_loss"]) * setup.exp.model.moe.top_k
+
+
+def test_training_loss_matches_transformers(arch_model):
+  """shardax's loss_and_metrics on transformers' training batch equals transformers' loss
+  with output_router_logits (cross entropy + router_aux_loss_coef x its balance loss, the
+  expert shares pooled over the MoE layers), its cross entropy and its balance loss."""
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  loss, ce, balance = _loss(setup, params, ref["train_tokens"])
+  print(f"{arch}: loss {loss:.6f}, transformers' {float(ref['train_loss']):.6f}")
   assert ce == pytest.approx(float(ref["train_ce"]), abs=1e-5)
+  assert balance == pytest.approx(float(ref["train_aux"]), abs=1e-5)
+  assert loss == pytest.approx(float(ref["train_loss"]), abs=1e-5)
+
+
+def test_training_loss_on_an_expert_parallel_mesh():
+  """The same loss with the experts split 4 ways and the batch 2 ways ((4, 2) mesh, 'expert'
+  rules): the pooled shares are of the whole batch. The batch is transformers' twice (its
+  rows repeated: the same means)."""
+  setup, params = imported("qwen3_moe", (4, 2), "sharding.preset='expert'")
+  ref = reference("qwen3_moe")
+  loss, ce, balance = _loss(setup, params, np.concatenate([ref["train_tokens"]] * 2))
+  assert (ce, balance, loss) == pytest.approx(
+      (float(ref["train_ce"]), float(ref["train_aux"]), float(ref["train_loss"])), abs=1e-5)
+
+
+def test_per_layer_balance_loss_is_the_mean_of_each_layers():
+  """aux_loss_pooling='per_layer': the balance loss is transformers' balance function of each
+  MoE layer's router logits alone, averaged over the layers (which differs from the pooled
+  one by more than the tolerance here)."""
+  setup, params = imported("qwen3_moe", (1, 1), "model.moe.aux_loss_pooling='per_layer'")
+  ref = reference("qwen3_moe")
+  _, _, balance = _loss(setup, params, ref["train_tokens"])
   assert balance == pytest.approx(float(np.mean(ref["train_aux_layers"])), abs=1e-5)
-  assert float(loss) == pytest.approx(float(ref["train_ce"]) + coef * float(np.mean(ref["train_aux_layers"])), abs=1e-5)
+  assert abs(float(np.mean(ref["train_aux_layers"])) - float(ref["train_aux"])) > 1e-2
 
 
 def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):

@@ -131,8 +131,9 @@ def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
   gates. That is `dispatch='dropless'` (nothing dropped), `score='softmax'`, `renormalize`.
   Its balance loss is num_experts * sum over the k slots and experts of (fraction of tokens
   routed there) * (mean router probability): k times shardax's (routers.route counts the
-  k * tokens assignments together), so aux_loss_weight = router_aux_loss_coef * k gives the
-  same training loss. (transformers adds it only with output_router_logits=true; shardax
+  k * tokens assignments together), so aux_loss_weight = router_aux_loss_coef * k; and it
+  averages the fractions and probabilities over all MoE layers before their product
+  (aux_loss_pooling='over_layers'): the same training loss. (transformers adds it only with output_router_logits=true; shardax
   trains with it always: --set model.moe.aux_loss_weight=0 to leave it out.)"""
   if common.arch_name(hf, ARCHITECTURES) not in MOE:
     return None
@@ -142,7 +143,7 @@ def moe_fields(hf: dict[str, Any]) -> dict[str, Any] | None:
                       f"is not implemented; set it to 0 (it does not change inference)")
   k = int(hf.get("num_experts_per_tok", 2))
   return dict(num_experts=int(hf.get("num_local_experts", 8)), top_k=k, d_ff=int(hf["intermediate_size"]),
-              **MIXTRAL_ROUTER, dispatch="dropless",
+              **MIXTRAL_ROUTER, dispatch="dropless", aux_loss_pooling="over_layers",
               aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k, z_loss_weight=0.0)
 
 

@@ -21,8 +21,9 @@ wo), the hub's layout (transformers 5 fuses them in memory and saves them split)
 
 The balance loss: transformers adds router_aux_loss_coef x its balance loss when
 output_router_logits; that loss counts each expert's share of the k x tokens assignments
-against tokens (k times shardax's per-layer loss), so aux_loss_weight = coef x k
-(models/hf/llama.py `moe_fields`, Mixtral's, says the same).
+against tokens (k times shardax's), so aux_loss_weight = coef x k, and it averages the shares
+and mean probabilities over all MoE layers before their product (aux_loss_pooling=
+'over_layers'), as for Mixtral (models/hf/llama.py `moe_fields`).
 """
 
 from __future__ import annotations
@@ -123,15 +124,16 @@ def num_experts(hf: dict[str, Any]) -> int:
 
 def moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """MoEConfig fields: softmax top-k, renormalized when norm_topk_prob, dropless; the layer
-  layout (`layout`); the balance loss weight router_aux_loss_coef x k (transformers sums its
-  loss over the k slots; shardax trains with it whatever output_router_logits says:
-  --set model.moe.aux_loss_weight=0 to leave it out)."""
+  layout (`layout`); the balance loss as transformers computes it: weight router_aux_loss_coef
+  x k (its loss sums over the k slots) and the expert shares pooled over the MoE layers
+  (aux_loss_pooling='over_layers'). shardax trains with it whatever output_router_logits says:
+  --set model.moe.aux_loss_weight=0 to leave it out."""
   every, first = layout(hf)
   k = int(hf.get("num_experts_per_tok", 8))
   return dict(num_experts=num_experts(hf), top_k=k, d_ff=int(hf.get("moe_intermediate_size", 768)),
               every=every, first_dense_layers=first, renormalize=bool(hf.get("norm_topk_prob", False)),
               **ROUTER, dispatch="dropless", aux_loss_weight=float(hf.get("router_aux_loss_coef", 0.001)) * k,
-              z_loss_weight=0.0)
+              aux_loss_pooling="over_layers", z_loss_weight=0.0)
 
 
 def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, Any]:
