@@ -4,6 +4,7 @@
              spellings, and the param tree <-> tensor names walk (`Leaf`, `leaves`)
   llama.py   Llama, Mistral, Qwen2, Qwen3, Mixtral
   qwen3_moe.py  Qwen3-MoE
+  deepseek_v3.py  DeepSeek-V3 (multi-head latent attention, group-limited sigmoid routing)
 
 A family module provides:
   ARCHITECTURES                    {config.json class: short arch name}, e.g. {"LlamaForCausalLM": "llama"}
@@ -24,10 +25,10 @@ from types import ModuleType
 from typing import Any
 
 from shardax.configs.schema import ConfigError
-from shardax.models.hf import common, llama, qwen3_moe
+from shardax.models.hf import common, deepseek_v3, llama, qwen3_moe
 from shardax.models.hf.common import Leaf, check_names, read  # noqa: F401  (the adapters' shared API)
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, deepseek_v3)
 INTERFACE = ("ARCHITECTURES", "model_fields", "moe_fields", "to_hf", "check_exportable", "weight_names")
 
 
