@@ -152,6 +152,7 @@ def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):
   assert qwen3_moe.moe_fields(out) == qwen3_moe.moe_fields(src_cfg)
 
 
+@pytest.mark.slow   # a train-state checkpoint saved and restored on 8 devices: ~35 s on 2 busy cores
 def test_checkpoint_round_trip_with_experts_split(tmp_path):
   """qwen3_moe_sparse through a step-0 checkpoint on a (4, 2) mesh with the 'expert' rules
   (each device one expert of every MoE layer) and back out: the same tensors bit for bit,
