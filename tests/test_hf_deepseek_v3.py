@@ -80,7 +80,7 @@ def test_each_feature_of_the_fixture_changes_its_logits(feature):
   assert worst > 1e-2, (feature, worst)
 
 
-def _imported_from(cfg):
+def _imported_from(cfg, source=os.path.join(FIXTURES, ARCH)):
   from shardax.sharding import make_mesh
   from shardax.trainer import state as state_lib
   from shardax.trainer.hf import importer
@@ -88,7 +88,7 @@ def _imported_from(cfg):
   exp = configs.build(cfg)
   setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:1]))
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    return setup, importer.import_params(setup, os.path.join(FIXTURES, ARCH))
+    return setup, importer.import_params(setup, source)
 
 
 def test_greedy_decode_over_the_latent_cache_matches_transformers(model):
@@ -138,10 +138,63 @@ def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
 @pytest.mark.parametrize("changes, message", [
     ({"scoring_func": "softmax"}, "scoring_func='softmax'"),
     ({"num_key_value_heads": 2}, "num_key_value_heads=2"),
-    ({"quantization_config": {"quant_method": "fp8"}}, "quantization_config"),
+    ({"quantization_config": {"quant_method": "bitsandbytes"}}, "quant_method='bitsandbytes'"),
+    ({"quantization_config": {"quant_method": "fp8"}}, "weight_block_size"),
     ({"qk_head_dim": 20}, "qk_head_dim=20"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
   d = _write_config(str(tmp_path), ARCH, **changes)
   with pytest.raises(ConfigError, match=message):
     configs.get(f"hf:{d}")
+
+
+def fp8_checkpoint(src: str, out: str, block=(16, 16)) -> dict:
+  """The fixture as DeepSeek-V3 publishes its weights: every linear projection's weight in
+  float8_e4m3fn beside its per-block inverse scales (amax / 448 per block); returns the
+  dequantized float32 of each quantized tensor (W8 x its block's scale)."""
+  import json
+  import shutil
+  import ml_dtypes
+  r = safetensors.Reader(src)
+  tensors, want = {}, {}
+  for name in r.names():
+    t = r.get(name)
+    tensors[name] = t
+    if not (name.endswith("_proj.weight") or name.endswith("_proj_with_mqa.weight")):
+      continue
+    m, n = t.shape
+    mb, nb = -(-m // block[0]), -(-n // block[1])
+    padded = np.zeros((mb * block[0], nb * block[1]), np.float32)
+    padded[:m, :n] = np.abs(t)
+    amax = padded.reshape(mb, block[0], nb, block[1]).max(axis=(1, 3))
+    scale = np.maximum(amax, 1e-12).astype(np.float32) / 448.0
+    full = np.repeat(np.repeat(scale, block[0], 0), block[1], 1)[:m, :n]
+    w8 = (t / full).astype(ml_dtypes.float8_e4m3fn)
+    tensors[name], tensors[name + "_scale_inv"] = w8, scale
+    want[name] = w8.astype(np.float32) * full
+  os.makedirs(out, exist_ok=True)
+  safetensors.write_model(out, [(k, v.shape, v.dtype) for k, v in tensors.items()], tensors.__getitem__, 1 << 30)
+  cfg = hf_models.read(src)
+  cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                "weight_block_size": list(block)}
+  with open(os.path.join(out, "config.json"), "w") as f:
+    json.dump(cfg, f)
+  shutil.copy(os.path.join(src, "tokenizer.json"), out)
+  return want
+
+
+def test_fp8_block_scaled_checkpoint_imports_dequantized(tmp_path):
+  """Blocks of 16 x 16 (ragged at the 24- and 28-row edges): every quantized tensor comes in as
+  its fp8 values times its block's scale, bit for bit (read back through an export), the rest
+  as stored; the scales themselves are no params (the walk never sees them)."""
+  src = os.path.join(FIXTURES, ARCH)
+  d = str(tmp_path / "fp8")
+  want = fp8_checkpoint(src, d)
+  assert len(want) == 3 * 5 + 3 + 2 * 8 * 3 + 2 * 3   # attention x 3 layers, dense MLP, experts, shared
+  setup, params = _imported_from(configs.get(f"hf:{d}"), d)
+  out = str(tmp_path / "out")
+  exporter.export_params(params, setup.exp.model, ARCH, out, np.float32, 1 << 30)
+  a, b = safetensors.Reader(src), safetensors.Reader(out)
+  assert a.names() == b.names()
+  for name in b.names():
+    np.testing.assert_array_equal(b.get(name), want.get(name, a.get(name)), err_msg=name)

@@ -18,10 +18,14 @@ at DeepSeek-V3's rate (bias_update_rate 1e-3; --set model.moe.bias_update_rate t
 transformers computes no balance loss for it: aux_loss_weight 0 (V3's sequence-wise
 alpha was 1e-4: --set model.moe.aux_loss_weight).
 
+Checkpoints as published store their linear weights in fp8 with per-128x128-block inverse
+scales (`quantization_config`): the import dequantizes them (models/hf/fp8.py); export
+writes the model's dtype and no quantization_config.
+
 Not imported, by name: multi-token prediction layers (`num_nextn_predict_layers` is accepted as
 transformers does, which builds no MTP module: the checkpoint's MTP tensors are then unused
-and refused by the walk), fp8 checkpoints (`quantization_config`), other routers
-(`scoring_func` other than sigmoid, `topk_method` other than noaux_tc).
+and refused by the walk), other routers (`scoring_func` other than sigmoid, `topk_method`
+other than noaux_tc).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from typing import Any
 
 from shardax.configs.mla import MLAConfig
 from shardax.configs.schema import ConfigError
-from shardax.models.hf import common
+from shardax.models.hf import common, fp8
 from shardax.models.hf.llama import BLOCK, TOP
 
 ARCHITECTURES = {"DeepseekV3ForCausalLM": "deepseek_v3"}
@@ -39,7 +43,8 @@ MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
           "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", "rope_theta", "rope_scaling",
           "rope_parameters", "tie_word_embeddings", "attention_bias", "attention_dropout", "hidden_act",
           "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim", "qk_head_dim",
-          "head_dim", "rope_interleave", "num_nextn_predict_layers", "num_mtp_layers", "auto_map", "ep_size"}
+          "head_dim", "rope_interleave", "num_nextn_predict_layers", "num_mtp_layers", "auto_map", "ep_size",
+          "quantization_config"}
 MOE_MAPPED = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "n_shared_experts",
               "first_k_dense_replace", "moe_layer_freq", "n_group", "topk_group", "norm_topk_prob",
               "routed_scaling_factor", "scoring_func", "topk_method", "aux_loss_alpha", "seq_aux",
@@ -95,6 +100,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """TransformerConfig fields for a DeepSeek-V3 config.json (ConfigError naming a key we lack)."""
   arch = common.arch_name(hf, ARCHITECTURES)
   common.check_keys(hf, arch, MAPPED, MOE_MAPPED)
+  fp8.check(hf.get("quantization_config"))   # block-scaled fp8 weights: dequantized on import
   _require(hf.get("hidden_act", "silu") in ("silu", "swish"),
            f"config.json hidden_act={hf.get('hidden_act')!r}: shardax's gated MLP and experts implement 'silu'")
   _require(not hf.get("attention_dropout", 0.0),

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding
 
 from shardax.configs.schema import ConfigError, Experiment
 from shardax.models import hf as hf_models
+from shardax.models.hf import fp8
 from shardax.trainer.hf import safetensors
 
 
@@ -80,7 +81,7 @@ def put_leaf(leaf: hf_models.Leaf, reader: safetensors.Reader, shape, dtype, sha
 def import_params(setup, source: str):
   """The params tree of `setup` (a `ModelSetup`, trainer/model_setup.py, or the training
   setup) filled from the model dir `source`."""
-  reader = safetensors.Reader(source)
+  reader = fp8.dequantizing(safetensors.Reader(source), hf_models.read(source))   # block-scaled fp8 weights
   abstract = setup.abstract_params
   model = setup.exp.model
   plan = hf_models.leaves(abstract, model, hf_models.architecture(hf_models.read(source)))
