@@ -240,3 +240,35 @@ def test_export_refuses_what_qwen3_moe_cannot_express():
   moe = dataclasses.replace(model.moe, num_shared_experts=1)
   with pytest.raises(ConfigError, match="num_shared_experts=1"):
     qwen3_moe.check_exportable(dataclasses.replace(model, moe=moe), "qwen3_moe")
+
+
+# Qwen/Qwen3-235B-A22B's config.json as published (transformers 4.51 spelling: num_experts, rope_theta).
+PUBLISHED_235B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 12288,
+    "max_position_embeddings": 40960, "max_window_layers": 94, "mlp_only_layers": [], "model_type": "qwen3_moe",
+    "moe_intermediate_size": 1536, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 94, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+    "transformers_version": "4.51.0", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936}
+
+
+def test_published_235b_config_is_the_registered_shape(tmp_path):
+  """The published config.json imports as configs/shapes.py QWEN3_235B (what moe.qwen3_235b
+  dry-runs): 235.09B parameters; its export writes the hub's spelling back."""
+  from shardax.configs import shapes
+  d = tmp_path / "m"
+  d.mkdir()
+  (d / "config.json").write_text(json.dumps(PUBLISHED_235B))
+  got, want = configs.build(configs.get(f"hf:{d}")).model, shapes.QWEN3_235B
+  fields = ("num_layers", "d_model", "num_heads", "num_kv_heads", "head_dim", "d_ff", "vocab_size", "rope_theta",
+            "qk_norm", "tied_embedding", "norm_eps", "qkv_bias")
+  assert {f: getattr(got, f) for f in fields} == {f: getattr(want, f) for f in fields}
+  moe = ("num_experts", "top_k", "d_ff", "every", "first_dense_layers", "renormalize", "score",
+         "num_shared_experts", "aux_loss_weight")
+  assert {f: getattr(got.moe, f) for f in moe} == {f: getattr(want.moe, f) for f in moe}
+  assert round(got.param_count() / 1e9, 2) == 235.09
+  out = qwen3_moe.to_hf(got, "qwen3_moe", PUBLISHED_235B)
+  assert (out["num_experts"], out["mlp_only_layers"], out["max_position_embeddings"]) == (128, [], 40960)
