@@ -84,7 +84,7 @@ class MultiHeadLatentAttention(nnx.Module):
                quantization: str = "none", rngs: nnx.Rngs):
     self.mla, self.num_heads = mla, num_heads
     self.rope_theta = rope_theta
-    self.rope_scaling = rope_scaling if rope_scaling is None or isinstance(rope_scaling, Yarn) else tuple(rope_scaling)
+    self.rope_scaling = tuple(rope_scaling) if isinstance(rope_scaling, (tuple, list)) else rope_scaling
     self.options = options or AttentionOptions()
     self.mscale = softmax_mscale(self.rope_scaling)   # softmax scale = mscale / sqrt(p + e)
     self.dtype = dtype
