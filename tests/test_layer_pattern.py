@@ -26,7 +26,7 @@ from shardax.layers.blocks import Block
 from shardax.layers.transformer import STATE_UPDATES, TransformerLM, unit_layer
 from shardax.configs.pipeline import PipelineConfig
 from shardax.sharding import use_rules
-from meshtools import loss_and_grads, setup_for, tiny_lm
+from meshtools import loss_and_grads, packed_batch, setup_for, tiny_lm
 from test_layers import random_state
 
 WINDOW, CHUNK, FLOOR = LayerKind(window=3), LayerKind(chunk=4), 4.0
@@ -239,6 +239,24 @@ def test_sharded_pattern_model_equals_one_device(one_device, preset, ici):
   params, batch, loss1, grads1 = one_device
   (loss8, grads8, _), _ = loss_and_grads(setup_for(tiny_lm(7, 8, ici=ici, preset=preset, extra=PATTERN_SET)),
                                          params, batch)
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads8, grads1)
+
+
+@pytest.mark.parametrize("mode", ["allgather", "ring"])
+def test_context_parallel_pattern_model_equals_one_device(mode):
+  """Windowed, NoPE + temperature and own-base layers (no chunk: refused under context
+  parallelism) on (data 2, context 4) with packed rows: loss and grads equal one device's."""
+  kinds = ["model.layer_pattern=({'window': 3}, {'rope': False, 'temperature_tuning': True}, "
+           "{'rope_theta': 100.0})", "model.temperature_floor_scale=4.0", "data.source='stdlib'",
+           f"model.context_parallel={mode!r}"]
+  one = tiny_lm(4, 8, extra=kinds)
+  cp = tiny_lm(4, 8, ici=(2, 4), axes=("data", "context"), preset="dp_cp", extra=kinds)
+  graphdef, state = random_state(lambda: TransformerLM(one.model, rngs=nnx.Rngs(0)))
+  params = nnx.to_pure_dict(state)
+  batch = packed_batch(np.random.default_rng(8), 8, 16)
+  (loss1, grads1, _), _ = loss_and_grads(setup_for(one, jax.devices()[:1]), params, batch)
+  (loss8, grads8, _), _ = loss_and_grads(setup_for(cp), params, batch)
   np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads8, grads1)
 
