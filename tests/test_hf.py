@@ -204,7 +204,7 @@ def _write_config(d, base="llama", **changes):
     ({"base": "mixtral", "router_jitter_noise": 0.1}, "router_jitter_noise"),
     ({"base": "mixtral", "mlp_bias": True}, "mlp_bias"),
     ({"architectures": ["GPT2LMHeadModel"]}, "exactly one of"),
-    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0}}, "'yarn' is not implemented"),
+    ({"rope_parameters": {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}}, "'longrope' is not implemented"),
     ({"hidden_act": "gelu"}, "hidden_act"),
     ({"use_sliding_window": True}, "sliding-window"),
 ])
