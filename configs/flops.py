@@ -82,11 +82,11 @@ def _moe_swap(cfg) -> int:
 
 
 def param_count(cfg) -> int:
-  """Total parameters of a `TransformerConfig` (every expert and MLA's latent norms counted;
-  biases and q/k norms not)."""
+  """Total parameters of a `TransformerConfig` (every expert, MLA's latent norms and the post
+  norms counted; biases and q/k norms not)."""
   d, n_moe, m = cfg.d_model, cfg.num_moe_layers, cfg.moe
   norm = d * (2 if cfg.norm == "layer" else 1)
-  norms = (1 if cfg.parallel_block else 2) * norm
+  norms = (1 if cfg.parallel_block else 2) * norm + (2 * norm if getattr(cfg, "post_norms", False) else 0)
   mla = getattr(cfg, "mla", None)
   if mla is not None:
     norms += (mla.q_lora_rank or 0) + mla.kv_lora_rank

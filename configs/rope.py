@@ -1,4 +1,4 @@
-"""YaRN RoPE scaling (arXiv 2309.00071) as a config record the attention layers read.
+"""RoPE scaling records the attention layers read: YaRN (arXiv 2309.00071) and linear.
 
 `TransformerConfig.rope_scaling_params` returns a `Yarn` when `model.rope_scaling='yarn'`
 (DeepSeek-V3, gpt-oss, Qwen long-context checkpoints); layers/rope.py computes its
@@ -12,6 +12,14 @@ import dataclasses
 import math
 
 from shardax.configs.errors import require
+
+
+@dataclasses.dataclass(frozen=True)
+class LinearRope:
+  """Linear RoPE scaling (position interpolation, arXiv 2306.15595; transformers' 'linear'
+  rope_type, Gemma 3's global layers): every frequency divided by `factor`, i.e. positions
+  compressed by it."""
+  factor: float
 
 
 def yarn_mscale(scale: float, mscale: float = 1.0) -> float:
