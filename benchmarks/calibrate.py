@@ -130,9 +130,10 @@ def dcn_unread(row: dict, entry: dict) -> bool:
 
 
 def compiled_as(row: dict, entry: dict) -> list[str]:
-  """Notes for a cache compiled under an older mapping of the row's settings: caches from
-  before the kernel/remat mapping (no 'attention' key) were compiled with XLA attention and
-  the remat then mapped (the same as now for every published row: none offloads)."""
+  """Notes for a cache compiled under an older mapping of the row's settings or read by an
+  older reader: caches from before the kernel/remat mapping (no 'attention' key) were
+  compiled with XLA attention and the remat then mapped (the same as now for every published
+  row: none offloads); caches from before perf/hbm.py price on-chip traffic at the HBM rate."""
   exp = _build(row, None)
   notes = []
   was = entry.get("attention", "xla")
@@ -140,6 +141,9 @@ def compiled_as(row: dict, entry: dict) -> list[str]:
     notes.append(f"cached compile: {was} attention, predates the {exp.model.attention} mapping")
   if entry.get("remat", exp.model.remat) != exp.model.remat:
     notes.append(f"cached compile: remat {entry['remat']}, predates the {exp.model.remat} mapping")
+  pieces = entry.get("costs", {}).get("pieces", [])
+  if pieces and "onchip_bytes" not in pieces[0]:
+    notes.append("cached compile: on-chip buffers priced as HBM traffic, predates perf/hbm.py")
   return notes
 
 

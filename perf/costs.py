@@ -31,7 +31,7 @@ import functools
 import jax
 
 from shardax.sharding import report
-from shardax.perf import hlo, ops
+from shardax.perf import hbm, hlo, ops
 
 _KEYS = ("flops", "transcendentals", "bytes accessed")
 
@@ -60,6 +60,13 @@ class Piece:
   ops: tuple = ()                  # (kind, dtype, FLOPs): library calls XLA counts as 0, and XLA's own
                                    # 8-bit dots (kind "xla", not in `flops`) (perf/ops.py)
   loops: tuple[str, ...] = ()      # bodies of the loops around it, outermost first
+  onchip_bytes: float = 0.0        # of bytes_accessed, what never crosses HBM (perf/hbm.py); 0 in
+                                   # costs cached before it was read
+
+  @property
+  def hbm_bytes(self) -> float:
+    """Bytes one execution moves through HBM: XLA's bytes accessed less on-chip traffic."""
+    return self.bytes_accessed - self.onchip_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,8 +198,9 @@ def of_hlo_text(hlo_text: str) -> Costs:
     calls = tuple(ops.custom_call_ops(mod.records, insts))
     # 8-bit dots: XLA counted their FLOPs; the piece keeps them apart, at their own rate.
     dots8 = tuple(ops.eight_bit_dots(mod.records, insts))
+    onchip = min(own["bytes accessed"], hbm.onchip_bytes(mod.records, inside))
     pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
-                        own["transcendentals"], trips, calls + dots8, around))
+                        own["transcendentals"], trips, calls + dots8, around, onchip))
     for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:
@@ -271,7 +279,8 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
     if in_layer_loop(p):
       pieces.append(dataclasses.replace(p, executions=round(p.executions * deep / shallow)))
     elif not p.trips:  # outside every loop: per-parameter traffic scales, it still runs once
-      pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale))
+      pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale,
+                                        onchip_bytes=p.onchip_bytes * outside_scale))
     else:
       pieces.append(p)
   by_name = {p.computation: p for p in costs.pieces}

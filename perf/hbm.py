@@ -1,0 +1,139 @@
+"""What of XLA's bytes accessed never crosses HBM: on-chip buffers and the second count of
+async copies.
+
+XLA's cost analysis (costs.py) counts every operand an instruction reads and every result
+it writes as memory traffic, wherever the buffer lives. The TPU compiler's memory-space
+assignment keeps some buffers in the chip's small fast memory, XLA's alternate memory space
+1 (`S(1)` in a layout: on-chip SRAM, not HBM), and moves them in and out with asynchronous
+copies (`copy-start` / `copy-done`). In HBM bytes:
+
+  an access to an S(1) buffer     none: the operand is read from, or the result written
+                                  to, on-chip memory;
+  an async copy of N bytes        N for each end in HBM: a prefetch (HBM -> S(1)) reads N,
+                                  an eviction (S(1) -> HBM) writes N. XLA counts the pair
+                                  as 4N (the start reads N and writes the (destination,
+                                  source) pair, the done reads the pair and writes N).
+
+`onchip_bytes` is the part of XLA's count that is not HBM traffic: for each instruction
+run in sequence (not inside a fusion or a reduction, whose bytes XLA does not count),
+XLA's own per-operand and result bytes (its cost analysis of that instruction alone) of
+the S(1) operands and results, and for each async copy XLA's count less the HBM ends.
+The step model prices `Piece.bytes_accessed - Piece.onchip_bytes` at the HBM bandwidth.
+Only TPU programs are read this way (tiled layouts, `T(..)`): other backends use memory
+spaces for other things (a GPU's S(1) is collective memory, still HBM).
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Iterable
+
+import jax
+
+from shardax.perf import hlo
+
+ON_CHIP = 1            # XLA's alternate memory space: TPU on-chip memory
+HBM = (0, 2)           # default and pinned-default memory spaces (host memory is 5)
+_LEAF = re.compile(r"\b[a-z][a-z0-9]*\[[0-9,]*\](\{[^{}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
+_SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+
+
+def spaces(shape_text: str) -> list[int]:
+  """The memory space of each array leaf of a shape as written (0 where the layout names none)."""
+  out = []
+  for m in _LEAF.finditer(shape_text):
+    space = _SPACE.search(m.group(1) or "")
+    out.append(int(space.group(1)) if space else 0)
+  return out
+
+
+def is_tpu(mod: hlo.Module) -> bool:
+  """A TPU program: its layouts carry tiles (`T(8,128)`)."""
+  return any(":T(" in i.shape for i in mod)
+
+
+def _reachable(mod: hlo.Module, roots: Iterable[str]) -> set[str]:
+  seen, stack = set(), list(roots)
+  while stack:
+    c = stack.pop()
+    if c in seen or c not in mod.computations:
+      continue
+    seen.add(c)
+    stack.extend(x for i in mod.computations[c].instructions for x in i.called)
+  return seen
+
+
+def _alone(mod: hlo.Module, inst: hlo.Instruction, then: hlo.Instruction | None = None) -> str:
+  """`inst` (and `then`, its async done, as root) as a module of its own: its operands as
+  parameters, its callees beside it."""
+  params, seen = [], {}
+  for name in inst.operands:
+    if name not in seen:
+      seen[name] = mod.instructions[name].shape
+      params.append(f"  %{name} = {seen[name]} parameter({len(params)})")
+  callees = _reachable(mod, inst.called)
+  blocks = ["\n".join(mod.computations[c].lines).replace("ENTRY ", "", 1)
+            for c in mod.computations if c in callees]
+  body = [inst.line.strip().removeprefix("ROOT ").strip()] + ([then.line.strip().removeprefix("ROOT ").strip()]
+                                                              if then else [])
+  signature = ", ".join(f"{name}: {shape}" for name, shape in seen.items())
+  entry = (f"ENTRY %alone ({signature}) -> {(then or inst).shape} {{\n" + "\n".join(params) + "\n"
+           + "\n".join(("  ROOT " if k == len(body) - 1 else "  ") + line for k, line in enumerate(body)) + "\n}")
+  return hlo.logical_layouts("\n\n".join(["HloModule alone", mod.prefix, *blocks, entry]))
+
+
+@functools.lru_cache(maxsize=4096)
+def _xla_bytes(text: str) -> dict[str, float]:
+  from jax._src.lib import xla_client
+  from jaxlib import _hlo
+  try:
+    client = jax.devices("cpu")[0].client
+  except RuntimeError:
+    client = jax.devices()[0].client
+  cost = xla_client._xla.hlo_module_cost_analysis(client, _hlo.hlo_module_from_text(text))
+  return {k: float(v) for k, v in cost.items() if k.startswith("bytes accessed")}
+
+
+def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
+  """Bytes XLA counts for `inst` that do not cross HBM (module docstring); an async copy is
+  priced at its start, with its done."""
+  if inst.opcode in _SKIP or inst.opcode == "copy-done" or any(o not in mod.instructions for o in inst.operands):
+    return 0.0
+  operand_spaces = [spaces(mod.instructions[o].shape) for o in inst.operands]
+  result_spaces = spaces(inst.shape)
+  if inst.opcode == "copy-start":   # result (destination, source, context); the done writes the destination
+    done = mod.instructions.get(mod.async_done.get(inst.name, ""))
+    if done is None or not result_spaces:
+      return 0.0
+    moved = inst.results[0].nbytes
+    ends = (operand_spaces[0][:1] or [0]) + result_spaces[:1]   # source read, destination written
+    return max(0.0, _xla_bytes(_alone(mod, inst, done)).get("bytes accessed", 0.0)
+               - moved * sum(e in HBM for e in ends))
+  if ON_CHIP not in result_spaces and not any(ON_CHIP in s for s in operand_spaces):
+    return 0.0
+  try:
+    counted = _xla_bytes(_alone(mod, inst))
+  except Exception:   # not parsable alone: every byte of its on-chip operands and results
+    counted = {f"bytes accessed{k}{{}}": float(mod.instructions[o].result_bytes) for k, o in enumerate(inst.operands)}
+    counted["bytes accessedout{}"] = float(inst.result_bytes)
+  out = 0.0
+  for k, s in enumerate(operand_spaces):
+    if s and all(x == ON_CHIP for x in s):
+      out += counted.get(f"bytes accessed{k}{{}}", 0.0)
+  if result_spaces and inst.results:
+    share = sum(a.nbytes for a, s in zip(inst.results, result_spaces) if s == ON_CHIP) / max(1, inst.result_bytes)
+    out += share * counted.get("bytes accessedout{}", 0.0)
+  return out
+
+
+def onchip_bytes(mod: hlo.Module, computations: Iterable[str]) -> float:
+  """What XLA's cost analysis counts as bytes accessed in `computations` (a piece: the entry
+  or a loop body and what it calls) that never crosses HBM; 0 for a program not for a TPU."""
+  if not is_tpu(mod):
+    return 0.0
+  inner = {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called}
+  inner = _reachable(mod, inner)
+  return sum(_instruction_onchip(mod, i) for c in computations if c not in inner and c in mod.computations
+             for i in mod.computations[c].instructions)
