@@ -106,6 +106,16 @@ class MoEConfig:
                     (DeepSeek-V3's dispatch). The expert outputs and the rows' gradient come
                     back in the activations' dtype (its combine). The experts compute on the
                     dequantized rows (layers/moe_dispatch.py `_fp8_sent`).
+  router_bias:      a bias on the router logits, learned (gpt-oss's router.bias); False: none.
+  expert_bias:      biases in every expert's FFN: on its gate and up outputs [E, d_ff] and its
+                    down output [E, embed] (gpt-oss); the down bias is part of the expert's
+                    output, so it is weighted by the gate. False: none. Not with
+                    expert_overflow='drop' (a dropped copy would still get its down bias).
+  swiglu_limit:     gpt-oss's clamped SwiGLU in the experts (layers/glu.py): gate clamped above
+                    at this, up to [-limit, limit], hidden = (up + 1) * gate * sigmoid(
+                    swiglu_alpha * gate); None: act(gate) * up with model.activation. Not with
+                    shared experts (a dense gated MLP).
+  swiglu_alpha:     the sigmoid's gain of that SwiGLU (gpt-oss: 1.702).
   warn_dropped_fraction: the share of token copies dropped (capacity, or expert_overflow=
                     'drop') over one logging window above which training warns, once per
                     run, naming the worst layers and the field that changes it. Every window's
@@ -141,6 +151,10 @@ class MoEConfig:
   grouped_matmul: str = "auto"
   dispatch_chunks: int = 1
   fp8_dispatch: bool = False
+  router_bias: bool = False
+  expert_bias: bool = False
+  swiglu_limit: float | None = None
+  swiglu_alpha: float = 1.702
   warn_dropped_fraction: float = 0.01
 
   def __post_init__(self):
@@ -200,6 +214,14 @@ class MoEConfig:
     _require(not self.fp8_dispatch or self.dispatch == "dropless",
              f"model.moe.fp8_dispatch=True is for model.moe.dispatch='dropless' (got {self.dispatch!r}): "
              f"set dispatch='dropless', or fp8_dispatch=False")
+    _require(not (self.expert_bias and self.expert_overflow == "drop"),
+             "model.moe.expert_bias=True with model.moe.expert_overflow='drop': a copy dropped past the "
+             "buffer would still get its expert's down bias; use expert_overflow='error'")
+    _require(self.swiglu_limit is None or self.swiglu_limit > 0,
+             f"model.moe.swiglu_limit={self.swiglu_limit} must be > 0 (or None: no clamped SwiGLU)")
+    _require(self.swiglu_limit is None or self.num_shared_experts == 0,
+             f"model.moe.swiglu_limit={self.swiglu_limit} with num_shared_experts={self.num_shared_experts}: "
+             f"the shared experts are a dense gated MLP without the clamp; use one or the other")
     if self.dispatch == "capacity":
       gshard = self.top_k == 2 and self.score == "softmax" and self.renormalize and self.gate_scale == 1.0
       _require(gshard and self.bias_update_rate == 0,

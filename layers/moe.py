@@ -25,6 +25,10 @@ c capacity slots per expert and group, m embed, h expert hidden, k experts per t
   (`jax.lax.ragged_dot`) over the tokens sorted by expert; under expert parallelism the
   tokens travel by (ragged) all-to-all inside `shard_map`.
 
+Options of gpt-oss's experts (configs/moe.py): a router bias, expert biases (gate/up [e, h]
+added before the activation, inside every dispatch path; down [e, m] added per chosen copy,
+weighted by its gate: `down_bias`), and the clamped SwiGLU (layers/glu.py).
+
 Shared experts (DeepSeek): one gated FFN of width num_shared_experts x d_ff that every
 token goes through, added to the routed output.
 """
@@ -38,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from shardax.layers import glu as glu_lib
 from shardax.layers import moe_dispatch, routers
 from shardax.layers import quantization as quant
 from shardax.layers.linear import DenseGeneral
@@ -68,11 +73,12 @@ class MoEFeedForward(nnx.Module):
   def __init__(self, d_model: int, cfg, *, activation: str = "silu",
                dtype=jnp.float32, param_dtype=jnp.float32, quantization: str = "none", rngs: nnx.Rngs):
     self.cfg = cfg
-    self.act = activation_fn(activation)
+    self.act = activation_fn(activation) if cfg.swiglu_limit is None else glu_lib.ClampedSwiGLU(
+        cfg.swiglu_alpha, cfg.swiglu_limit)
     self.dtype = dtype
     self.quantization = quantization   # the experts' and shared experts' matmuls (not the router's)
     e, h = cfg.num_experts, cfg.d_ff
-    self.router = DenseGeneral(d_model, e, in_axes=("embed",), out_axes=(None,),
+    self.router = DenseGeneral(d_model, e, in_axes=("embed",), out_axes=(None,), use_bias=cfg.router_bias,
                                dtype=jnp.float32, param_dtype=param_dtype, rngs=rngs)
     self.wi_gate = nnx.Param(_expert_init(rngs.params(), (e, d_model, h), param_dtype),
                              logical_axes=("expert", "embed", "mlp"))
@@ -80,6 +86,9 @@ class MoEFeedForward(nnx.Module):
                            logical_axes=("expert", "embed", "mlp"))
     self.wo = nnx.Param(_expert_init(rngs.params(), (e, h, d_model), param_dtype),
                         logical_axes=("expert", "mlp", "embed"))
+    bias = lambda shape, axes: nnx.Param(jnp.zeros(shape, param_dtype), logical_axes=axes) if cfg.expert_bias else None
+    self.wi_gate_bias, self.wi_up_bias = bias((e, h), ("expert", "mlp")), bias((e, h), ("expert", "mlp"))
+    self.wo_bias = bias((e, d_model), ("expert", "embed"))
     # float32 whatever param_dtype: steps of bias_update_rate (1e-3) must not round away.
     self.balance_bias = routers.BalanceBias(jnp.zeros((e,), jnp.float32), logical_axes=(None,)
                                             ) if cfg.bias_update_rate else None
@@ -119,7 +128,9 @@ class MoEFeedForward(nnx.Module):
     bias = None if self.balance_bias is None else self.balance_bias[...]
     r = routers.route(logits, top_k=cfg.top_k, score=cfg.score, renormalize=cfg.renormalize,
                       gate_scale=cfg.gate_scale, bias=bias, n_group=cfg.n_group, topk_group=cfg.topk_group)
-    weights = tuple(w[...].astype(dt) for w in (self.wi_gate, self.wi_up, self.wo))
+    params = (self.wi_gate, self.wi_up, self.wo) + (
+        () if self.wi_gate_bias is None else (self.wi_gate_bias, self.wi_up_bias))
+    weights = tuple(w[...].astype(dt) for w in params)
     gates = r.gates
     if cfg.gate_input:   # Llama 4: FFN(gate * x) of the one chosen expert, summed unweighted
       x, gates = x * r.gates.astype(x.dtype), jnp.ones_like(r.gates)
@@ -128,6 +139,8 @@ class MoEFeedForward(nnx.Module):
                                         impl=cfg.grouped_matmul, quantization=self.quantization,
                                         overflow=cfg.expert_overflow, chunks=cfg.dispatch_chunks,
                                         fp8_dispatch=cfg.fp8_dispatch)
+    if self.wo_bias is not None:
+      y = y + self.down_bias(r.index, gates)
     stats = {"aux_loss": r.aux_loss, "z_loss": r.z_loss, **r.metrics,
              "routed_copies_count": jnp.float32(r.index.size)}
     if cfg.expert_overflow == "drop":   # counted (the loop sums and reports them), not raised on
@@ -161,9 +174,16 @@ class MoEFeedForward(nnx.Module):
     # independent of the other pieces (the FFN works row by row), so they can overlap.
     y = sum(self._slots(xg, dispatch[..., j * c // n:(j + 1) * c // n],
                         combine[..., j * c // n:(j + 1) * c // n]) for j in range(n))
+    if self.wo_bias is not None:   # each kept copy's down bias, by its gate (dropped: 0)
+      y = y + jnp.einsum("gsec,em->gsm", combine, self.wo_bias[...].astype(dt))
     y = shard(y, ("batch", None, "embed"))
     stats = {"aux_loss": gating.aux_loss, "z_loss": gating.z_loss, **gating.metrics}
     return y.reshape(x.shape), stats
+
+  def down_bias(self, index: jax.Array, gates: jax.Array) -> jax.Array:
+    """[b, l, m]: sum_j gates[.., j] * wo_bias[index[.., j]], the chosen experts' down biases."""
+    rows = self.wo_bias[...].astype(self.dtype)[index]                      # [b, l, k, m]
+    return jnp.einsum("blkm,blk->blm", rows, gates.astype(self.dtype))
 
   def _slots(self, xg: jax.Array, dispatch: jax.Array, combine: jax.Array) -> jax.Array:
     """The experts' output [g, s, m] for the capacity slots `dispatch`/`combine` [g, s, e, c']."""
@@ -172,7 +192,10 @@ class MoEFeedForward(nnx.Module):
     ein = functools.partial(quant.einsum, self.quantization)
     gate = ein("egcm,emh->egch", expert_in, self.wi_gate[...].astype(dt))
     up = ein("egcm,emh->egch", expert_in, self.wi_up[...].astype(dt))
-    hidden = shard(self.act(gate) * up, EGCH)
+    if self.wi_gate_bias is not None:
+      gate = gate + self.wi_gate_bias[...].astype(dt)[:, None, None, :]
+      up = up + self.wi_up_bias[...].astype(dt)[:, None, None, :]
+    hidden = shard(glu_lib.gated(self.act)(gate, up), EGCH)
     expert_out = shard(ein("egch,ehm->egcm", hidden, self.wo[...].astype(dt)), EGCM)
     expert_out = shard(jnp.swapaxes(expert_out, 0, 1), GECM)            # [g, e, c, m]
     return shard(jnp.einsum("gecm,gsec->gsm", expert_out, combine), ("batch", None, "embed"))

@@ -60,6 +60,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import PartitionSpec as P
 
+from shardax.layers import glu as glu_lib
 from shardax.layers import quantization as quant
 from shardax.pipeline import in_stage_body
 from shardax.sharding import rules as rules_lib
@@ -88,19 +89,36 @@ def _count(ids: jax.Array, n: int) -> jax.Array:
 
 
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable,
-                impl: str = "ragged_dot", quantization: str = "none") -> jax.Array:
+                impl: str = "ragged_dot", quantization: str = "none", bias: tuple | None = None) -> jax.Array:
   """The gated FFN of each expert on its contiguous rows of xs [R, m] (group g: the sizes[g]
   rows after the groups before it); rows past sum(sizes) belong to no expert and come out 0.
-  `quantization`: the three matmuls in 8 bits (layers/quantization.py)."""
+  `act`: a unary activation (act(gate) * up) or a layers/glu.py ClampedSwiGLU. `bias`: (b_gate,
+  b_up) [E, h], each expert's gate/up biases added to its rows before the activation (gpt-oss),
+  or None. `quantization`: the three matmuls in 8 bits (layers/quantization.py)."""
   if impl == "tiled":
-    return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act, quantization=quantization)
+    return tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act, quantization=quantization, bias=bias)
   if impl == "megablox":
-    return megablox_ffn(xs, sizes, w_gate, w_up, wo, act)
+    return megablox_ffn(xs, sizes, w_gate, w_up, wo, act, bias=bias)
   rd = lambda a, w, name=EXPERT_MATMUL: checkpoint_name(quant.ragged_dot(quantization, a, w, sizes), name)
-  return rd((act(rd(xs, w_gate)) * rd(xs, w_up)).astype(xs.dtype), wo, EXPERT_DOWN)
+  b_gate, b_up = _row_bias(bias, sizes, xs.shape[0], xs.dtype)
+  hidden = glu_lib.gated(act)(_plus(rd(xs, w_gate), b_gate), _plus(rd(xs, w_up), b_up))
+  return rd(hidden.astype(xs.dtype), wo, EXPERT_DOWN)
 
 
-def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) -> jax.Array:
+def _row_bias(bias: tuple | None, sizes: jax.Array, rows: int, dtype) -> tuple:
+  """(b_gate, b_up) of each of `rows` rows sorted by expert ([rows, h]), or (None, None)."""
+  if bias is None:
+    return None, None
+  e = glu_lib.row_experts(sizes, rows)
+  return tuple(b[e].astype(dtype) for b in bias)
+
+
+def _plus(x: jax.Array, bias: jax.Array | None) -> jax.Array:
+  """x + bias, or x itself without one (no added zeros: the unbiased FFN stays bit for bit)."""
+  return x if bias is None else x + bias
+
+
+def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128, bias: tuple | None = None) -> jax.Array:
   """`grouped_ffn` with megablox's Pallas kernels (MaxText's sparse matmul): gmm forward and
   for the input gradient, tgmm for the weight gradient. Both visit only the row tiles that
   hold a group's rows (a dynamic grid), where XLA's TPU lowering of ragged_dot's weight
@@ -124,12 +142,13 @@ def megablox_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128) ->
       tiling=(tile, min(tile * 4, a.shape[1]), min(tile * 4, w.shape[2])), interpret=interpret)),
       name)
   x = keep(jnp.pad(xs, ((0, rows - r), (0, 0))))
-  hidden = keep((act(mm(x, w_gate)) * mm(x, w_up)).astype(xs.dtype))
+  b_gate, b_up = _row_bias(bias, sizes, rows, xs.dtype)
+  hidden = keep(glu_lib.gated(act)(_plus(mm(x, w_gate), b_gate), _plus(mm(x, w_up), b_up)).astype(xs.dtype))
   return mm(hidden, wo, EXPERT_DOWN)[:r]
 
 
 def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 128,
-                      quantization: str = "none") -> jax.Array:
+                      quantization: str = "none", bias: tuple | None = None) -> jax.Array:
   """`grouped_ffn` as batched matmuls over row tiles that each belong to one expert.
 
   XLA:CPU runs ragged_dot as one dense matmul per group over all rows (E times the work,
@@ -149,19 +168,22 @@ def tiled_grouped_ffn(xs, sizes, w_gate, w_up, wo, act: Callable, tile: int = 12
   tiles = jnp.zeros((n * tile, m), xs.dtype).at[dst].set(xs, mode="drop").reshape(n, tile, m)
   expert = jnp.minimum(jnp.searchsorted(pends, jnp.arange(n) * tile, side="right"), e - 1)
   ein = lambda spec, a, w, name=EXPERT_MATMUL: checkpoint_name(quant.einsum(quantization, spec, a, w), name)
-  hidden = act(ein("ntm,nmh->nth", tiles, w_gate[expert])) * ein("ntm,nmh->nth", tiles, w_up[expert])
+  b_gate, b_up = (None, None) if bias is None else (b[expert][:, None, :].astype(xs.dtype) for b in bias)
+  hidden = glu_lib.gated(act)(_plus(ein("ntm,nmh->nth", tiles, w_gate[expert]), b_gate),
+                              _plus(ein("ntm,nmh->nth", tiles, w_up[expert]), b_up))
   out = ein("nth,nhm->ntm", hidden.astype(xs.dtype), wo[expert], EXPERT_DOWN).reshape(n * tile, -1)
   return jnp.where(valid[:, None], out[jnp.minimum(dst, n * tile - 1)], 0)
 
 
 def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple,
                    act: Callable, impl: str = "ragged_dot", quantization: str = "none") -> jax.Array:
-  """y [T, m] = sum_j gates[t, j] * FFN_{index[t, j]}(x[t]) for x [T, m], index/gates [T, k]."""
+  """y [T, m] = sum_j gates[t, j] * FFN_{index[t, j]}(x[t]) for x [T, m], index/gates [T, k];
+  `weights`: (w_gate, w_up, wo), or with the gate/up biases (..., b_gate, b_up)."""
   t, k = index.shape
   e = weights[0].shape[0]
   flat = index.reshape(-1)
   order = jnp.argsort(flat, stable=True)
-  out = grouped_ffn(x[order // k], _count(flat, e), *weights, act, impl, quantization)
+  out = grouped_ffn(x[order // k], _count(flat, e), *weights[:3], act, impl, quantization, weights[3:] or None)
   out = jnp.zeros_like(out).at[order].set(out)                       # back to (token, choice)
   return jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
 
@@ -296,7 +318,7 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   recv = _fp8_send(rows, to_experts) if fp8_dispatch else to_experts(rows)
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
   order2 = jnp.argsort(ids, stable=True)
-  out = grouped_ffn(recv[order2], _count(ids, local), *weights, act, impl, quantization)
+  out = grouped_ffn(recv[order2], _count(ids, local), *weights[:3], act, impl, quantization, weights[3:] or None)
   out = jnp.zeros_like(out).at[order2].set(out)
   out = checkpoint_name(_return_fp8_gradient(out, send, back, route) if fp8_dispatch else back(out, route),
                         EXPERT_RETURNED)
@@ -354,7 +376,8 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
              quantization: str = "none", overflow: str = "error", chunks: int = 1,
              fp8_dispatch: bool = False) -> tuple[jax.Array, jax.Array]:
   """(y [b, l, m], overflow count): the dropless MoE FFN of x [b, l, m] routed by index/gates
-  [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules.
+  [b, l, k]; weights (w_gate [E, m, h], w_up [E, m, h], wo [E, h, m]) sharded by the rules,
+  optionally followed by the gate/up biases (b_gate, b_up [E, h], split like the weights' e and h).
   `overflow`: 'error' poisons y when copies did not fit (below), 'drop' leaves them out (their
   rows never travel: 0 from the experts). `chunks`: each device's tokens in that many pieces,
   each exchanged and multiplied on its own (the exchange of one can run under another's
@@ -381,8 +404,9 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
   mode = resolve_exchange(exchange)
   tokens, w_in, w_out = P(batch or None, length or None, None), \
       P(expert or None, embed or None, mlp or None), P(expert or None, mlp or None, embed or None)
+  b_in = P(expert or None, mlp or None)
 
-  def body(x, index, gates, w_gate, w_up, wo):
+  def body(x, index, gates, w_gate, w_up, wo, *bias):
     if embed:
       # FSDP: the weights enter split over the embed axes and are gathered here, as a dense
       # layer's are; the transpose of this gather is a reduce-scatter of their gradients.
@@ -401,7 +425,7 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
       if t % chunks:
         raise ValueError(f"model.moe.dispatch_chunks={chunks} must divide each device's {t} tokens")
       pieces = [dropless_expert_parallel(*(a[j * t // chunks:(j + 1) * t // chunks] for a in args),
-                                         (w_gate, w_up, wo), act, axes=expert,
+                                         (w_gate, w_up, wo, *bias), act, axes=expert,
                                          n=math.prod(mesh.shape[a] for a in expert), num_experts=e,
                                          buffer=buffer, exchange=mode, impl=impl, quantization=quantization,
                                          fp8_dispatch=fp8_dispatch)
@@ -409,12 +433,12 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
       y = jnp.concatenate([p[0] for p in pieces]) if chunks > 1 else pieces[0][0]
       overflow = jax.lax.psum(sum(p[1] for p in pieces), token_axes)
     else:
-      y, overflow = dropless_local(*args, (w_gate, w_up, wo), act, impl, quantization), jnp.zeros((), jnp.int32)
+      y, overflow = dropless_local(*args, (w_gate, w_up, wo, *bias), act, impl, quantization), jnp.zeros((), jnp.int32)
     if mlp:
       y = jax.lax.psum(y, mlp)
     return y.reshape(bl, ll, m), overflow
 
-  y, count = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out),
+  y, count = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out) + (b_in,) * len(weights[3:]),
                            out_specs=(tokens, P()), check_vma=False)(x, index, gates, *weights)
   if overflow == "error":
     # Never a silent drop: the output (so the loss and the step) becomes NaN, which keeps the
