@@ -147,9 +147,11 @@ def rope_keys(t) -> dict[str, Any]:
   if t.rope_scaling == "yarn":
     params = {"rope_type": "yarn", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
               "original_max_position_embeddings": t.rope_original_max_len, "beta_fast": t.rope_beta_fast,
-              "beta_slow": t.rope_beta_slow, "truncate": t.rope_truncate}
+              "beta_slow": t.rope_beta_slow}
     params.update({k: v for k, v in (("mscale", t.rope_mscale), ("mscale_all_dim", t.rope_mscale_all_dim),
                                      ("attention_factor", t.rope_attention_factor)) if v})
+    if not t.rope_truncate:   # transformers' default is true
+      params["truncate"] = False
   out = {"rope_parameters": params, "rope_theta": t.rope_theta}
   if t.rope_scaling in ("llama3", "yarn"):
     out["rope_scaling"] = params
@@ -158,8 +160,10 @@ def rope_keys(t) -> dict[str, Any]:
 
 # A table: our param path (block-relative in `block`) -> (Hugging Face name, input dims of a
 # kernel: the number of leading dims of our per-tensor shape that are the weight's input;
-# 0: the same layout; None: not a kernel, only reshaped).
-Table = dict[tuple[str, ...], tuple[str, "int | None"]]
+# 0: the same layout; None: not a kernel, only reshaped[, part]). `part` (i, n, interleaved):
+# the leaf is the i-th of n equal parts of the tensor's last dim, a block of columns (Llama 4's
+# fused gate_up_proj: gate then up) or, interleaved, the columns i, i + n, i + 2n, ...
+Table = dict[tuple[str, ...], tuple]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,6 +192,7 @@ class Leaf:
   stack: tuple[int, ...]
   one_shape: tuple[int, ...]
   in_dims: int | None
+  part: tuple[int, int, bool] | None = None   # (i, n, interleaved): see `Table`
 
   @property
   def stacked(self) -> bool:
@@ -198,26 +203,52 @@ class Leaf:
     return tuple(int(j) for j in np.unravel_index(i, self.stack))
 
   @property
-  def hf_shape(self) -> tuple[int, ...]:
+  def part_shape(self) -> tuple[int, ...]:
+    """The shape of our part of the Hugging Face tensor (all of it without `part`)."""
     if self.in_dims == 0:
       return self.one_shape
     if self.in_dims is None:
       return (math.prod(self.one_shape),)
     return (math.prod(self.one_shape[self.in_dims:]), math.prod(self.one_shape[:self.in_dims]))
 
+  @property
+  def hf_shape(self) -> tuple[int, ...]:
+    shape = self.part_shape
+    return shape if self.part is None else shape[:-1] + (shape[-1] * self.part[1],)
+
+  def cut(self, t: np.ndarray) -> np.ndarray:
+    """Our part of a Hugging Face tensor (`part`; the tensor itself without one)."""
+    if self.part is None:
+      return t
+    i, n, interleaved = self.part
+    w = t.shape[-1] // n
+    return t[..., i::n] if interleaved else t[..., i * w:(i + 1) * w]
+
   def to_ours(self, t: np.ndarray) -> np.ndarray:
-    """One Hugging Face tensor -> our layout of it."""
+    """One Hugging Face tensor -> our layout of it (of our part of it)."""
     if tuple(t.shape) != self.hf_shape:
       raise ConfigError(f"{self.hf_names[0]}: shape {tuple(t.shape)} in the checkpoint, but the config "
                         f"makes {self.hf_shape} (for {'/'.join(self.path)} {self.one_shape})")
+    t = self.cut(t)
     return (t if not self.in_dims else t.T).reshape(self.one_shape)
 
   def to_hf(self, a: np.ndarray) -> np.ndarray:
-    """Our layout of one tensor -> the Hugging Face tensor (contiguous)."""
+    """Our layout of one tensor -> the Hugging Face tensor (contiguous; with `part`, our part
+    of it: `join` puts the parts together)."""
     if not self.in_dims:
-      return np.ascontiguousarray(a.reshape(self.hf_shape))
+      return np.ascontiguousarray(a.reshape(self.part_shape))
     rows = math.prod(self.one_shape[:self.in_dims])
     return np.ascontiguousarray(a.reshape(rows, -1).T)
+
+
+def join(parts: list[tuple["Leaf", np.ndarray]]) -> np.ndarray:
+  """The Hugging Face tensor of its parts [(leaf, leaf.to_hf(...))] (one: that tensor)."""
+  if len(parts) == 1 and parts[0][0].part is None:
+    return parts[0][1]
+  parts = sorted(parts, key=lambda p: p[0].part[0])
+  if parts[0][0].part[2]:   # interleaved columns
+    return np.ascontiguousarray(np.stack([a for _, a in parts], axis=-1).reshape(parts[0][0].hf_shape))
+  return np.ascontiguousarray(np.concatenate([a for _, a in parts], axis=-1))
 
 
 def _names(path) -> tuple[str, ...]:
@@ -276,7 +307,7 @@ def leaves(params_abstract, model_cfg, names: WeightNames) -> list[tuple[tuple, 
     if full[0] == "layers":
       layers, key = block_layers(full, shape[0] if shape else 0, t)
       scanned = t.scan_layers and full[1] != "tail"
-      hf, in_dims = _lookup(names.block, key, full)
+      hf, in_dims, *part = _lookup(names.block, key, full)
       stack = (shape[0],) if scanned else ()
       prefix = LAYER_PREFIX
       if "{e}" in hf:   # one tensor per (layer, expert)
@@ -284,10 +315,10 @@ def leaves(params_abstract, model_cfg, names: WeightNames) -> list[tuple[tuple, 
         hf_names = tuple(prefix.format(i=i) + hf.format(e=e) for i in layers for e in range(stack[-1]))
       else:
         hf_names = tuple(prefix.format(i=i) + hf for i in layers)
-      out.append((path, Leaf(full, hf_names, stack, shape[len(stack):], in_dims)))
+      out.append((path, Leaf(full, hf_names, stack, shape[len(stack):], in_dims, *part)))
     else:
-      hf, in_dims = _lookup(names.top, full, full)
-      out.append((path, Leaf(full, (hf,), (), shape, in_dims)))
+      hf, in_dims, *part = _lookup(names.top, full, full)
+      out.append((path, Leaf(full, (hf,), (), shape, in_dims, *part)))
   return out
 
 

@@ -25,6 +25,7 @@ from absl import logging
 
 from shardax.configs.schema import ConfigError, Experiment
 from shardax.models import hf as hf_models
+from shardax.models.hf import common
 from shardax.trainer.hf import importer, safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -45,17 +46,16 @@ def export_params(params, model_cfg, arch: str, out_dir: str, dtype, max_shard_b
   the tensor names of architecture `arch` (a short name, models/hf `architecture`)."""
   plan = hf_models.leaves(params, model_cfg, arch)
   arrays = jax.tree_util.tree_leaves(params)
-  where: dict[str, tuple[hf_models.Leaf, object, tuple[int, ...]]] = {}
+  where: dict[str, list[tuple[hf_models.Leaf, object, tuple[int, ...]]]] = {}
   for (_, leaf), arr in zip(plan, arrays):
-    for i, name in enumerate(leaf.hf_names):
-      where[name] = (leaf, arr, leaf.index(i) if leaf.stacked else ())
+    for i, name in enumerate(leaf.hf_names):   # a fused tensor: one entry per leaf it holds a part of
+      where.setdefault(name, []).append((leaf, arr, leaf.index(i) if leaf.stacked else ()))
   dtype = np.dtype(dtype)
-  specs = [(n, where[n][0].hf_shape, dtype) for n in sorted(where, key=_order)]
+  specs = [(n, where[n][0][0].hf_shape, dtype) for n in sorted(where, key=_order)]
 
   def tensor(name: str) -> np.ndarray:
-    leaf, arr, i = where[name]
-    one = np.asarray(arr[i] if i else arr)
-    return leaf.to_hf(one).astype(dtype, copy=False)
+    parts = [(leaf, leaf.to_hf(np.asarray(arr[i] if i else arr))) for leaf, arr, i in where[name]]
+    return common.join(parts).astype(dtype, copy=False)
 
   os.makedirs(out_dir, exist_ok=True)
   return safetensors.write_model(out_dir, specs, tensor, max_shard_bytes)
