@@ -81,7 +81,7 @@ def test_capacity_gating_picks_both_experts_within_the_chosen_groups():
 def tiny_grouped(preset, ici, axes, *more):
   cfg = configs.get("moe.tiny")
   configs.apply_overrides(cfg, [
-      "model.d_model=32", "model.num_heads=4", "model.d_ff=64", "model.num_layers=2",
+      "model.d_model=32", "model.num_heads=4", "model.d_ff=64", "model.num_layers=1",
       "model.max_len=16", "model.moe.d_ff=32", "data.seq_len=16", "train.global_batch=8",
       "model.moe.every=1", "model.moe.num_experts=16", "model.moe.n_group=4", "model.moe.topk_group=2",
       "data.source='synthetic'", f"sharding.preset={preset!r}", f"mesh.ici={ici!r}", f"mesh.axes={axes!r}",
