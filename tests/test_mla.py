@@ -162,6 +162,21 @@ def test_lm_with_mla_sharded_equals_one_device(reference, ici, axes, preset, ext
   assert "kv_up" in str(jax.tree_util.tree_structure(grads))
 
 
+def test_pipelined_and_rematerialized_lm_with_mla_equals_one_device(reference):
+  """2 stages x 2 microbatches on (stage 2, data 4), each stage's layer recomputed ('full')."""
+  from shardax import pipeline
+  params, batch, ref_loss, ref_grads = reference
+  setup = setup_for(tiny_lm(2, 8, stages=2, micro=2, ici=(2, 4), axes=("stage", "data"), preset="pp_dp",
+                            extra=MLA_LM + ["model.remat='full'"]))
+  params = dict(params, layers=pipeline.stage_params(params["layers"], 2, 1))
+  (loss, grads, _), _ = loss_and_grads(setup, params, batch)
+  grads = jax.device_get(grads)
+  grads["layers"] = pipeline.unstage_params(grads["layers"], 1)
+  np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6)
+
+
 def test_lm_decode_caches_the_latent_and_equals_the_full_forward(reference):
   """Through the stack (scanned blocks, Block picking MLA): prefill then steps, the logits
   of a full forward; the cache is [layers, b, S, kv_lora_rank] + [layers, b, S, rope dims]."""
