@@ -33,12 +33,17 @@ class AttentionOptions:
   chunk: chunked local attention (query i sees keys j <= i with j // chunk == i // chunk:
     Llama 4's `attention_chunk_size`); None = off. Not together with `window`.
   softcap: logits -> softcap * tanh(logits / softcap); None = off.
+  sinks: the layer has attention sinks (gpt-oss: a learned logit per query head in the softmax's
+    denominator; the values are the layer's `sinks` param, passed beside q/k/v). The splash kernel
+    and jax.nn.dot_product_attention take none: 'auto' then resolves to 'xla', and 'flash' /
+    'fused' are refused by name.
   flash_block_q / flash_block_kv: the kernel's tile sizes; interpret: run Pallas in
   interpret mode (tests on a CPU)."""
   implementation: str = "xla"
   window: int | None = None
   softcap: float | None = None
   chunk: int | None = None
+  sinks: bool = False
   flash_block_q: int = 512
   flash_block_kv: int = 512
   interpret: bool = False
@@ -61,6 +66,8 @@ class LayerKind:
       RoPE layers); None = off. Not with `window`.
     rope: rotate q and k (RoPE); False = NoPE (Llama 4's every 4th layer).
     rope_theta: this kind's RoPE base (Gemma 3: 10k local, 1M global); None = the model's.
+    rope_scaled: this kind's RoPE applies model.rope_scaling; False = plain RoPE (Gemma 3's
+      local layers, whose global layers alone are linearly scaled).
     temperature_tuning: scale q by log(floor((pos + 1) / floor_scale) + 1) * scale + 1
       (Llama 4's NoPE layers, arXiv 2501.19399; the two constants are model fields).
   On the command line a kind is a dict: --set model.layer_pattern='({"window": 512}, {})'."""
@@ -69,6 +76,7 @@ class LayerKind:
   rope: bool = True
   rope_theta: float | None = None
   temperature_tuning: bool = False
+  rope_scaled: bool = True
 
   def __post_init__(self):
     where = f"model.layer_pattern kind {self}"

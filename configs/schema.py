@@ -32,6 +32,8 @@ REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_pr
 ATTENTION_CHOICES = attention_lib.IMPLEMENTATIONS
 # model.quantization: the projections' dots in 8 bits, forward and backward (layers/quantization.py).
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "fp8_delayed")
+# model.norm (layers/norm.py): RMSNorm, RMSNorm scaled by (1 + w) (Gemma), LayerNorm.
+NORMS = ("rms", "rms_plus_one", "layer")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,7 +47,7 @@ class TransformerConfig:
   head_dim: int | None = None         # None = d_model // num_heads
   d_ff: int = 1024
   max_len: int = 256
-  norm: str = "rms"                   # "rms" | "layer"
+  norm: str = "rms"                   # "rms" | "rms_plus_one" (scale 1 + w: Gemma) | "layer"
   tied_embedding: bool = True
   rope_theta: float = 10_000.0
   activation: str = "silu"            # gate activation of the gated MLP
@@ -67,6 +69,9 @@ class TransformerConfig:
   # Long context (layers/flash.py, layers/attention.py AttentionOptions).
   attention_window: int | None = None   # sliding-window attention: keys within this many tokens; None = all
   attention_softcap: float | None = None  # logits -> cap * tanh(logits / cap) (Gemma 2: 50); None = off
+  # gpt-oss: a learned logit per query head in every softmax's denominator (param attn/sinks);
+  # attention 'xla' ('auto' picks it), the decode cache and context parallelism; no kernel takes one.
+  attention_sinks: bool = False
   flash_block_q: int = 512            # splash kernel tile sizes (TPU; 'flash' / 'auto')
   flash_block_kv: int = 512
   # Attention when the rules split `length` over a mesh axis (layers/context_parallel.py):
@@ -79,8 +84,15 @@ class TransformerConfig:
   out_bias: bool = False              # bias on the attention output projection (Llama's attention_bias)
   mlp_bias: bool = False              # biases on the MLP projections (Llama's mlp_bias)
   qk_norm: bool = False               # RMSNorm over the head dim of q and k before RoPE (Qwen3)
-  rope_scaling: str = "none"          # "none" | "llama3" (Llama 3.1's frequency-dependent scaling) | "yarn"
-  rope_scaling_factor: float = 8.0    # llama3: wavelengths beyond the original length are stretched by this
+  post_norms: bool = False            # also a norm on each branch's output before the residual add (Gemma 2/3)
+  query_pre_attn_scalar: float | None = None  # softmax scale = this^-1/2 (Gemma); None = head_dim^-1/2
+  final_logit_softcap: float | None = None    # logits -> cap * tanh(logits / cap) (Gemma 2: 30); None = off
+  # Llama 4 (transformers' use_qk_norm): q and k of each layer that rotates them divided by their
+  # RMS over the head dim (eps norm_eps, no weight), after RoPE; NoPE layers are left alone.
+  qk_l2_norm: bool = False
+  rope_interleave: bool = False       # RoPE rotates adjacent pairs (0, 1), (2, 3), ... (Llama 4), not (i, i + d/2)
+  rope_scaling: str = "none"          # "none" | "llama3" (Llama 3.1's frequency-dependent scaling) | "yarn" | "linear"
+  rope_scaling_factor: float = 8.0    # llama3: wavelengths beyond the original length are stretched by this; linear: every one
   rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_len / low are scaled in full ...
   rope_high_freq_factor: float = 4.0  # ... below original_len / high not at all; smooth in between
   rope_original_max_len: int = 8192   # llama3, yarn: the context length the model was pretrained at
@@ -114,7 +126,8 @@ class TransformerConfig:
     _require(kv >= 1 and self.num_heads % kv == 0,
              f"model.num_kv_heads={kv} must divide model.num_heads={self.num_heads} "
              f"(grouped-query attention shares each kv head across num_heads/num_kv_heads heads)")
-    _require(self.norm in ("rms", "layer"), f"model.norm={self.norm!r}: use 'rms' or 'layer'")
+    _require(self.norm in NORMS, f"model.norm={self.norm!r}: use one of {NORMS}")
+    self._check_gemma_options()
     _require(self.dtype in ("float32", "bfloat16"), f"model.dtype={self.dtype!r}: use 'float32' or 'bfloat16'")
     _require(self.param_dtype in ("float32", "bfloat16"),
              f"model.param_dtype={self.param_dtype!r}: use 'float32' or 'bfloat16'")
@@ -125,6 +138,11 @@ class TransformerConfig:
              f"model.attention_window={self.attention_window} must be >= 1 (or None: no window)")
     _require(self.attention_softcap is None or self.attention_softcap > 0,
              f"model.attention_softcap={self.attention_softcap} must be > 0 (or None: off)")
+    _require(not self.attention_sinks or (self.attention in ("xla", "auto") and self.mla is None),
+             f"model.attention_sinks=True with model.attention={self.attention!r}"
+             f"{' and model.mla' if self.mla is not None else ''}: the splash kernel, "
+             f"jax.nn.dot_product_attention and multi-head latent attention take no sink logit; use "
+             f"model.attention='xla' or 'auto' (which picks 'xla' with sinks) and no mla")
     _require(self.attention_softcap is None or self.attention != "fused",
              "model.attention='fused' (jax.nn.dot_product_attention) has no logit soft-cap; "
              "use model.attention='xla', 'flash' or 'auto', or model.attention_softcap=None")
@@ -139,10 +157,13 @@ class TransformerConfig:
     _require(self.context_parallel in ("allgather", "ring"),
              f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")
     _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
-    _require(self.rope_scaling in ("none", "llama3", "yarn"),
-             f"model.rope_scaling={self.rope_scaling!r}: use 'none', 'llama3' or 'yarn'")
+    _require(self.rope_scaling in ("none", "llama3", "yarn", "linear"),
+             f"model.rope_scaling={self.rope_scaling!r}: use 'none', 'llama3', 'yarn' or 'linear'")
     rope_lib.check_yarn(self)
     mla_lib.check_model(self)
+    _require(self.mla is None or not (self.qk_l2_norm or self.rope_interleave),
+             f"model.qk_l2_norm={self.qk_l2_norm} / model.rope_interleave={self.rope_interleave} with "
+             f"model.mla: multi-head latent attention has its own (model.mla.rope_interleave); set both False")
     _require(self.rope_scaling != "llama3" or (self.rope_scaling_factor >= 1 and
              self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_original_max_len >= 1),
              f"model.rope_scaling='llama3' needs rope_scaling_factor >= 1, rope_high_freq_factor > "
@@ -184,13 +205,36 @@ class TransformerConfig:
                f"{what} is not divisible by pipeline stages x circular_repeats = "
                f"{p.stages} x {p.circular_repeats} = {per}")
 
+  def _check_gemma_options(self) -> None:
+    """Gemma's options: positive caps and scalar, and refusals by name where a path lacks them."""
+    _require(self.final_logit_softcap is None or self.final_logit_softcap > 0,
+             f"model.final_logit_softcap={self.final_logit_softcap} must be > 0 (or None: off)")
+    _require(self.query_pre_attn_scalar is None or self.query_pre_attn_scalar > 0,
+             f"model.query_pre_attn_scalar={self.query_pre_attn_scalar} must be > 0 (or None: head_dim)")
+    _require(self.rope_scaling != "linear" or self.rope_scaling_factor > 0,
+             f"model.rope_scaling='linear' needs rope_scaling_factor > 0 (got {self.rope_scaling_factor})")
+    _require(not (self.post_norms and self.parallel_block),
+             "model.post_norms=True with model.parallel_block=True: a parallel block adds both branches "
+             "of one norm; set one of them False")
+    if self.mla is not None:
+      for field, value, gemma in (("query_pre_attn_scalar", self.query_pre_attn_scalar, True),
+                                  ("norm", self.norm, self.norm == "rms_plus_one")):
+        _require(value is None or not gemma,
+                 f"model.{field}={value!r} with model.mla: multi-head latent attention has its own "
+                 f"softmax scale and plain RMSNorm latent norms; unset model.{field} or model.mla")
+
+  @property
+  def softmax_scale(self) -> float | None:
+    """The attention logits' scale when it is not head_dim^-1/2 (query_pre_attn_scalar^-1/2)."""
+    return None if self.query_pre_attn_scalar is None else float(self.query_pre_attn_scalar) ** -0.5
+
   def attention_options(self, kind: attention_lib.LayerKind | None = None):
     """The attention options these fields describe (with `kind`: that layer kind's mask): a
     configs/attention.py record (the schema does not import layers/; the attention layer
     reads the record's fields)."""
     window = self.attention_window if kind is None else kind.window
     return attention_lib.AttentionOptions(self.attention, window=window, softcap=self.attention_softcap,
-                                          chunk=None if kind is None else kind.chunk,
+                                          chunk=None if kind is None else kind.chunk, sinks=self.attention_sinks,
                                           flash_block_q=self.flash_block_q, flash_block_kv=self.flash_block_kv)
 
   def layer_kind(self, layer: int) -> attention_lib.LayerKind | None:
@@ -287,13 +331,15 @@ class TransformerConfig:
     return self.head_dim or self.d_model // self.num_heads
 
   @property
-  def rope_scaling_params(self) -> tuple[float, float, float, int] | rope_lib.Yarn | None:
+  def rope_scaling_params(self) -> tuple[float, float, float, int] | rope_lib.Yarn | rope_lib.LinearRope | None:
     """(factor, low_freq_factor, high_freq_factor, original_max_len) for llama3 scaling, the
-    `Yarn` record for yarn, else None."""
+    `Yarn` record for yarn, `LinearRope` for linear, else None."""
     if self.rope_scaling == "none":
       return None
     if self.rope_scaling == "yarn":
       return rope_lib.yarn_of(self)
+    if self.rope_scaling == "linear":
+      return rope_lib.LinearRope(self.rope_scaling_factor)
     return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
             self.rope_original_max_len)
 

@@ -25,6 +25,11 @@ Per layer (`TransformerConfig.layer_pattern`, configs/attention.py LayerKind) a 
 also skip RoPE (NoPE) or use its own base, and scale q by Llama 4's temperature
 log(floor((pos + 1) / floor_scale) + 1) * scale + 1 (`query_temperature`).
 
+Attention sinks (gpt-oss, `AttentionOptions.sinks`, param `sinks` [heads]): each query head's
+softmax has one more logit, its sink, in the denominator and no value (attention_scores.py
+`masked_output`): on the XLA path, the decode cache and context parallelism; the splash kernel
+and jax.nn.dot_product_attention have none ('auto' picks 'xla'; 'flash' / 'fused' are refused).
+
 Positions only rotate q and k (RoPE); the causal mask is by sequence index, so a
 shifted `positions` (e.g. a decode offset) changes nothing but the rotation.
 
@@ -56,7 +61,7 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa: F401  (re-exported)
-from shardax.configs.rope import Yarn
+from shardax.configs.rope import LinearRope, Yarn
 from shardax.layers import context_parallel, flash, rope
 from shardax.layers.attention_choice import resolve  # noqa: F401  (re-exported)
 from shardax.layers.attention_scores import grouped_logits, masked_output
@@ -84,10 +89,15 @@ def llama3_inv_freq(inv_freq: np.ndarray, scaling: tuple[float, float, float, in
   return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def rope_inv_freq(d: int, theta: float, scaling: tuple[float, float, float, int] | Yarn | None) -> jax.Array:
-  """float32[d/2] rotation frequencies theta^(-2i/d), llama3- or YaRN-scaled when `scaling` is given."""
+def rope_inv_freq(d: int, theta: float,
+                  scaling: tuple[float, float, float, int] | Yarn | LinearRope | None) -> jax.Array:
+  """float32[d/2] rotation frequencies theta^(-2i/d), llama3-, YaRN- or linearly scaled when
+  `scaling` is given (linear: 1 / theta^(2i/d) / factor, transformers' float32 arithmetic)."""
   if isinstance(scaling, Yarn):
     return jnp.asarray(rope.yarn_inv_freq(d, theta, scaling))
+  if isinstance(scaling, LinearRope):
+    base = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
+    return jnp.asarray((base / np.float32(scaling.factor)).astype(np.float32))
   if scaling is None:
     return theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
   base = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
@@ -132,6 +142,20 @@ def query_temperature(positions: jax.Array, floor_scale: float, scale: float) ->
   return t[..., None, None]
 
 
+def interleaved_pairs(x: jax.Array) -> jax.Array:
+  """x[..., d] with the even dims first, then the odd ones: rotate-half RoPE of the result
+  rotates the pairs (0, 1), (2, 3), ... of x (Llama 4's complex-number RoPE, DeepSeek's
+  interleave). Applied to q and k alike it leaves their dot products as the model defines them."""
+  return jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+
+
+def unit_rms(x: jax.Array, eps: float) -> jax.Array:
+  """x / sqrt(mean(x^2) + eps) over the last dim, in float32, cast back (Llama 4's weightless
+  q/k norm)."""
+  x32 = x.astype(jnp.float32)
+  return (x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)).astype(x.dtype)
+
+
 def chunked(attend_fn, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None,
             chunk: int) -> jax.Array:
   """Chunked causal attention: query i sees key j iff j <= i and j // chunk == i // chunk.
@@ -161,7 +185,7 @@ def chunked(attend_fn, q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: ja
 
 def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                   segment_ids: jax.Array | None = None, *, window: int | None = None,
-                  softcap: float | None = None) -> jax.Array:
+                  softcap: float | None = None, sinks: jax.Array | None = None) -> jax.Array:
   """Causal GQA by einsums: q[b,l,n,d], k/v[b,s,k,d] -> [b,l,n,d]; within segments if given;
   within a sliding `window` (key j visible to query i iff i - window < j <= i) and with
   logits soft-capped (cap * tanh(logits / cap), after the 1/sqrt(d) scale) when set."""
@@ -172,7 +196,7 @@ def xla_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     mask = mask & ~jnp.tril(jnp.ones((l, k.shape[1]), dtype=bool), -window)[None]
   if segment_ids is not None:
     mask = mask & segment_mask(segment_ids)
-  return masked_output(logits, mask[:, None, None], v)
+  return masked_output(logits, mask[:, None, None], v, sinks)
 
 
 def fused_attention(q: jax.Array, k: jax.Array, v: jax.Array,
@@ -209,16 +233,21 @@ def _fused_impl(q: jax.Array) -> str | None:
 
 
 def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-                   *, options: AttentionOptions = AttentionOptions()) -> jax.Array:
+                   *, options: AttentionOptions = AttentionOptions(), sinks: jax.Array | None = None) -> jax.Array:
   """Causal GQA on one device's (or one global, GSPMD-partitioned) q[b,l,n,d], k/v[b,s,k,d].
 
   The one dispatch of every attention path; the flash path here is the per-device kernel
-  (no shard_map: callers that hold local blocks, e.g. context parallelism, call this)."""
+  (no shard_map: callers that hold local blocks, e.g. context parallelism, call this).
+  `sinks` [n]: attention sinks (attention_scores.masked_output), on the 'xla' path only."""
   if options.chunk is not None:
     unchunked = dataclasses.replace(options, chunk=None)
-    return chunked(lambda q, k, v, s: attention_core(q, k, v, s, options=unchunked),
+    return chunked(lambda q, k, v, s: attention_core(q, k, v, s, options=unchunked, sinks=sinks),
                    q, k, v, segment_ids, options.chunk)
   impl = resolve(options, q.shape[1], k.shape[1])
+  if sinks is not None and impl != "xla":
+    raise ValueError(f"attention sinks (model.attention_sinks) with model.attention={impl!r}: the "
+                     f"{'splash kernel' if impl == 'flash' else 'jax.nn.dot_product_attention'} has no "
+                     f"sink logit; use model.attention='xla' or 'auto' (which picks 'xla' with sinks)")
   if impl == "flash":
     return flash.splash_local(q, k, v, segment_ids, window=options.window, softcap=options.softcap,
                               block_q=options.flash_block_q, block_kv=options.flash_block_kv,
@@ -228,17 +257,19 @@ def attention_core(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Ar
       raise ValueError("model.attention='fused' has no logit soft-cap (jax.nn.dot_product_attention); "
                        "use model.attention='xla' or 'flash', or model.attention_softcap=None")
     return fused_attention(q, k, v, segment_ids, window=options.window)
-  return xla_attention(q, k, v, segment_ids, window=options.window, softcap=options.softcap)
+  return xla_attention(q, k, v, segment_ids, window=options.window, softcap=options.softcap, sinks=sinks)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array | None = None,
-           *, options: AttentionOptions = AttentionOptions()) -> jax.Array:
+           *, options: AttentionOptions = AttentionOptions(), sinks: jax.Array | None = None) -> jax.Array:
   """`attention_core` on global arrays: the flash kernel runs per device under shard_map
   (layers/flash.py `sharded`); the other paths are left to the SPMD partitioner."""
   if options.chunk is not None:
     unchunked = dataclasses.replace(options, chunk=None)
-    return chunked(lambda q, k, v, s: attend(q, k, v, s, options=unchunked),
+    return chunked(lambda q, k, v, s: attend(q, k, v, s, options=unchunked, sinks=sinks),
                    q, k, v, segment_ids, options.chunk)
+  if sinks is not None:
+    return attention_core(q, k, v, segment_ids, options=options, sinks=sinks)
   if resolve(options, q.shape[1], k.shape[1]) == "flash":
     local = functools.partial(attention_core, options=dataclasses.replace(options, implementation="flash"))
     return flash.sharded(lambda q, k, v, s: local(q, k, v, s), q, k, v, segment_ids)
@@ -254,15 +285,28 @@ class Attention(nnx.Module):
                out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
                rope_scaling: tuple[float, float, float, int] | None = None, rngs: nnx.Rngs,
                options: AttentionOptions | None = None, quantization: str = "none",
-               rope: bool = True, temperature: tuple[float, float] | None = None):
+               rope: bool = True, temperature: tuple[float, float] | None = None,
+               softmax_scale: float | None = None, norm_plus_one: bool = False,
+               rope_interleave: bool = False, qk_l2_norm: bool = False):
     """`rope=False`: q and k are not rotated (NoPE). `temperature`: (floor_scale, scale) of
-    `query_temperature`, which then multiplies q; None = off."""
+    `query_temperature`, which then multiplies q; None = off. `softmax_scale`: the logits'
+    scale (Gemma: query_pre_attn_scalar^-1/2); None = head_dim^-1/2. Every path scales by
+    head_dim^-1/2, so q is multiplied by softmax_scale * sqrt(head_dim) once, before any path
+    (kernels, context parallelism, the decode cache) sees it. `norm_plus_one`: the q/k norms
+    scale by (1 + w) (RMSNorm `plus_one`). `rope_interleave`: RoPE rotates adjacent pairs
+    (0, 1), (2, 3), ... (`interleaved_pairs`). `qk_l2_norm`: on a layer that rotates, q and k
+    are divided by their RMS over the head dim after RoPE (`unit_rms`, eps `norm_eps`)."""
     if num_heads % num_kv_heads:
       raise ValueError(f"num_kv_heads={num_kv_heads} must divide num_heads={num_heads}")
     self.rope_theta = rope_theta
     self.rope = rope
+    self.rope_interleave = rope_interleave
+    self.l2_eps = norm_eps if qk_l2_norm and rope else None
     self.temperature = None if temperature is None else tuple(temperature)
-    self.rope_scaling = rope_scaling if rope_scaling is None or isinstance(rope_scaling, Yarn) else tuple(rope_scaling)
+    self.query_factor = None if softmax_scale is None else float(softmax_scale * math.sqrt(head_dim))
+    if self.query_factor == 1.0:
+      self.query_factor = None
+    self.rope_scaling = rope_scaling if not isinstance(rope_scaling, (tuple, list)) else tuple(rope_scaling)
     self.options = options or AttentionOptions(implementation)  # validates the name
     self.implementation = self.options.implementation
     kw = dict(dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)
@@ -275,9 +319,13 @@ class Attention(nnx.Module):
     self.out = DenseGeneral((num_heads, head_dim), d_model, in_axes=("heads", "kv"),
                             out_axes=("embed",), use_bias=out_bias, **kw)
     # Qwen3: RMSNorm over each head's d dims of q and k (one scale shared by all heads).
-    norm = lambda: RMSNorm(head_dim, eps=norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="kv")
+    norm = lambda: RMSNorm(head_dim, eps=norm_eps, dtype=dtype, param_dtype=param_dtype, axis_name="kv",
+                           plus_one=norm_plus_one)
     self.q_norm = norm() if qk_norm else None
     self.k_norm = norm() if qk_norm else None
+    # gpt-oss's attention sinks: one logit per query head in the softmax's denominator (0 at init).
+    self.sinks = nnx.Param(jnp.zeros((num_heads,), param_dtype), logical_axes=("heads",)
+                           ) if self.options.sinks else None
 
   def _rotated(self, proj: DenseGeneral, norm: RMSNorm | None, x: jax.Array,
                positions: jax.Array) -> jax.Array:
@@ -287,13 +335,19 @@ class Attention(nnx.Module):
       y = norm(y)
     if not self.rope:
       return y
-    return apply_rope(y, positions, self.rope_theta, self.rope_scaling)
+    if self.rope_interleave:
+      y = interleaved_pairs(y)
+    y = apply_rope(y, positions, self.rope_theta, self.rope_scaling)
+    return y if self.l2_eps is None else unit_rms(y, self.l2_eps)
 
   def _query(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    """q [b, l, heads, kv]: rotated, then scaled by its temperature when the layer tunes it."""
+    """q [b, l, heads, kv]: rotated, then scaled by its temperature when the layer tunes it and
+    by `query_factor` when the softmax scale is not head_dim^-1/2."""
     q = self._rotated(self.query, self.q_norm, x, positions)
     if self.temperature is not None:
       q = (q * query_temperature(positions, *self.temperature)).astype(q.dtype)
+    if self.query_factor is not None:
+      q = (q.astype(jnp.float32) * jnp.float32(self.query_factor)).astype(q.dtype)
     return shard(q, ("batch", "length", "heads", "kv"))
 
   def __call__(self, x: jax.Array, positions: jax.Array | None = None,
@@ -310,11 +364,15 @@ class Attention(nnx.Module):
         raise ValueError(f"chunked attention (model.layer_pattern kind with chunk={self.options.chunk}) "
                          f"with context parallelism (the rules split 'length'): not supported; shard "
                          f"'length' on no mesh axis, or use a window instead of a chunk")
-      o = context_parallel.attention(q, k, v, segment_ids, split, options=self.options)
+      o = context_parallel.attention(q, k, v, segment_ids, split, options=self.options, sinks=self._sinks())
     else:
-      o = attend(q, k, v, segment_ids, options=self.options)
+      o = attend(q, k, v, segment_ids, options=self.options, sinks=self._sinks())
     o = shard(o, ("batch", "length", "heads", "kv"))
     return checkpoint_name(self.out(o), "out_proj")  # names: the offload remat policies (transformer.py)
+
+  def _sinks(self) -> jax.Array | None:
+    """The sink logits [heads] (float32), or None without sinks."""
+    return None if self.sinks is None else self.sinks[...].astype(jnp.float32)
 
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """(out, cache after writing this block's k/v): a prefill (x[b, l > 1], positions
@@ -327,10 +385,10 @@ class Attention(nnx.Module):
     if x.shape[1] > 1:  # prefill: the block's own keys are all it may see (causal from 0)
       k = shard(k, ("batch", "length", "kv_heads", "kv"))
       v = shard(v, ("batch", "length", "kv_heads", "kv"))
-      o = attend(q, k, v, options=self.options)
+      o = attend(q, k, v, options=self.options, sinks=self._sinks())
     else:
       o = cached_attention(q, cache["k"], cache["v"], positions, window=self.options.window,
-                           softcap=self.options.softcap, chunk=self.options.chunk)
+                           softcap=self.options.softcap, chunk=self.options.chunk, sinks=self._sinks())
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o), cache
 
@@ -372,7 +430,7 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                      window: int | None = None, softcap: float | None = None,
-                     chunk: int | None = None) -> jax.Array:
+                     chunk: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
   """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position
   (and j > position - window with a sliding window, j // chunk == position // chunk with
   chunked attention), logits soft-capped as in training."""
@@ -383,7 +441,7 @@ def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Ar
     visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
   if chunk is not None:
     visible = visible & (slots[None, None, :] // chunk == positions[:, :, None] // chunk)
-  return masked_output(logits, visible[:, None, None], v)   # visible [b,1,1,l,S]
+  return masked_output(logits, visible[:, None, None], v, sinks)   # visible [b,1,1,l,S]
 
 
 def default_positions(batch: int, length: int) -> jax.Array:

@@ -13,6 +13,8 @@ def resolve(options: AttentionOptions, q_len: int, kv_len: int) -> str:
   """The implementation `options` asks for here ('auto' decided by target_platform)."""
   if options.implementation != "auto":
     return options.implementation
+  if options.sinks:   # no kernel takes a sink logit (configs/attention.py AttentionOptions)
+    return "xla"
   platform = target_platform()
   if platform == "tpu" and flash.supports(q_len, kv_len):
     return "flash"

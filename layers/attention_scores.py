@@ -30,12 +30,21 @@ def grouped_logits(q: jax.Array, k: jax.Array, softcap: float | None = None) -> 
   return logits
 
 
-def masked_output(logits: jax.Array, visible: jax.Array, v: jax.Array) -> jax.Array:
+def masked_output(logits: jax.Array, visible: jax.Array, v: jax.Array,
+                  sinks: jax.Array | None = None) -> jax.Array:
   """out[b, l, n, dv]: the softmax of `logits`[b, kv, g, l, s] over the keys `visible`
   (broadcast against the logits) applied to v[b, s, kv, dv]. A row that sees no key gets the
-  mean of v (uniform weights), never NaN; every causal row sees at least itself."""
+  mean of v (uniform weights), never NaN; every causal row sees at least itself.
+  `sinks` [n] (gpt-oss's attention sinks): query head h's softmax has exp(sinks[h]) more in its
+  denominator, a key of no value: p_ij = exp(l_ij) / (sum_j' exp(l_ij') + exp(sinks[h]))."""
   b, kv, g, l, _ = logits.shape
   logits = jnp.where(visible, logits, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  if sinks is None:
+    probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  else:
+    sink = sinks.astype(jnp.float32).reshape(1, kv, g, 1, 1)
+    top = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=-1, keepdims=True), sink))
+    e = jnp.exp(logits - top)
+    probs = (e / (jnp.sum(e, axis=-1, keepdims=True) + jnp.exp(sink - top))).astype(v.dtype)
   out = jnp.einsum("bkgqs,bskd->bqkgd", probs, v)
   return out.reshape(b, l, kv * g, v.shape[-1])

@@ -100,7 +100,9 @@ REMAT_POLICIES = {
 
 class Block(nnx.Module):
   """x + attn(norm(x)), then x + ffn(norm(x)); ffn = the dense MLP, or the MoE FFN (`moe=True`,
-  attribute `moe`). A parallel block (GPT-J/PaLM) adds both branches of one norm."""
+  attribute `moe`). A parallel block (GPT-J/PaLM) adds both branches of one norm.
+  `cfg.post_norms` (Gemma 2/3) normalizes each branch's output too before it is added:
+  x + post_norm(attn(norm(x))), params `attn_post_norm` and `mlp_post_norm`."""
 
   def __init__(self, cfg: TransformerConfig, *, moe: bool = False, kind: LayerKind | None = None,
                rngs: nnx.Rngs):
@@ -115,11 +117,14 @@ class Block(nnx.Module):
       self.attn = Attention(cfg.d_model, cfg.num_heads, cfg.kv_heads, cfg.dim_per_head,
                             implementation=cfg.attention,
                             dtype=dt, param_dtype=pdt, qkv_bias=cfg.qkv_bias, out_bias=cfg.out_bias,
-                            qk_norm=cfg.qk_norm, norm_eps=eps, rope_scaling=cfg.rope_scaling_params,
-                            rngs=rngs, options=cfg.attention_options(kind), quantization=cfg.quantization,
-                            **kind_options(cfg, kind))
+                            qk_norm=cfg.qk_norm, norm_eps=eps, norm_plus_one=cfg.norm == "rms_plus_one",
+                            softmax_scale=cfg.softmax_scale, rngs=rngs, options=cfg.attention_options(kind),
+                            quantization=cfg.quantization, rope_interleave=cfg.rope_interleave,
+                            qk_l2_norm=cfg.qk_l2_norm, **kind_options(cfg, kind))
     self.mlp_norm = None if cfg.parallel_block else make_norm(cfg.norm, cfg.d_model, dtype=dt,
                                                               param_dtype=pdt, eps=eps)
+    post = lambda: make_norm(cfg.norm, cfg.d_model, dtype=dt, param_dtype=pdt, eps=eps) if cfg.post_norms else None
+    self.attn_post_norm, self.mlp_post_norm = post(), post()   # parallel blocks refuse post_norms (schema)
     if moe:
       self.moe = MoEFeedForward(cfg.d_model, cfg.moe, activation=cfg.activation, dtype=dt,
                                 param_dtype=pdt, quantization=cfg.quantization, rngs=rngs)
@@ -142,9 +147,10 @@ class Block(nnx.Module):
       h = self.attn_norm(x)
       y, stats = self.ffn(h, key, deterministic)
       return shard(x + self.attn(h, positions, segment_ids) + y, RESIDUAL), stats
-    x = shard(x + self.attn(self.attn_norm(x), positions, segment_ids), RESIDUAL)
+    y = _post(self.attn_post_norm, self.attn(self.attn_norm(x), positions, segment_ids))
+    x = shard(x + y, RESIDUAL)
     y, stats = self.ffn(self.mlp_norm(x), key, deterministic)
-    return shard(x + y, RESIDUAL), stats
+    return shard(x + _post(self.mlp_post_norm, y), RESIDUAL), stats
 
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict
              ) -> tuple[jax.Array, dict, jax.Array]:
@@ -161,9 +167,9 @@ class Block(nnx.Module):
     if self.mlp_norm is None:  # parallel block: both branches read the same norm
       f, dropped = self._decode_ffn(h)
       return shard(x + y + f, RESIDUAL), cache, dropped
-    x = shard(x + y, RESIDUAL)
+    x = shard(x + _post(self.attn_post_norm, y), RESIDUAL)
     f, dropped = self._decode_ffn(self.mlp_norm(x))
-    return shard(x + f, RESIDUAL), cache, dropped
+    return shard(x + _post(self.mlp_post_norm, f), RESIDUAL), cache, dropped
 
   def _decode_ffn(self, h: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(ffn(h) with deterministic routing, the copies it dropped: `copies_without_output`)."""
@@ -171,14 +177,20 @@ class Block(nnx.Module):
     return y, copies_without_output(stats)
 
 
+def _post(norm, y: jax.Array) -> jax.Array:
+  """A branch's output through its post-norm (`cfg.post_norms`), or as it is."""
+  return y if norm is None else norm(y)
+
+
 def kind_options(cfg: TransformerConfig, kind: LayerKind | None) -> dict:
-  """The Attention arguments a layer kind sets besides its mask: its RoPE base, RoPE on/off
-  and the query temperature (for None: the model's uniform RoPE base)."""
+  """The Attention arguments a layer kind sets besides its mask: its RoPE base and scaling,
+  RoPE on/off and the query temperature (for None: the model's uniform RoPE)."""
   if kind is None:
-    return {"rope_theta": cfg.rope_theta}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling_params}
   temperature = (cfg.temperature_floor_scale, cfg.temperature_scale) if kind.temperature_tuning else None
   theta = cfg.rope_theta if kind.rope_theta is None else kind.rope_theta
-  return {"rope_theta": theta, "rope": kind.rope, "temperature": temperature}
+  scaling = cfg.rope_scaling_params if kind.rope_scaled else None
+  return {"rope_theta": theta, "rope_scaling": scaling, "rope": kind.rope, "temperature": temperature}
 
 
 def copies_without_output(stats: dict) -> jax.Array:

@@ -47,6 +47,11 @@ statistics): (q, k, v, q index, k index, q/k segment ids) -> (out, m, l), with t
 window and soft-cap of the layer's AttentionOptions. When attention resolves to the
 flash kernel (a TPU, or model.attention='flash'), 'allgather' runs the splash kernel on
 each device's query rows against the gathered K/V instead (`_flash_allgather`).
+
+Attention sinks (gpt-oss: a logit per query head in the softmax's denominator) enter once, at
+the end: `finish` merges them into the running statistics as one more key block of value 0
+(max s_h, sum 1), whichever mode and however many blocks came before. The splash kernel takes
+no sink, so 'flash' with sinks is refused by name ('auto' keeps the einsum blocks).
 """
 
 from __future__ import annotations
@@ -223,8 +228,13 @@ def merge(state, block):
   return acc0 * a0[..., None] + acc1 * a1[..., None], m, l0 * a0 + l1 * a1
 
 
-def finish(state, dtype) -> jax.Array:
-  """(acc, m, l) -> out[b,l,n,d]: normalize (every query sees at least itself)."""
+def finish(state, dtype, sinks: jax.Array | None = None) -> jax.Array:
+  """(acc, m, l) -> out[b,l,n,d]: normalize (every query sees at least itself); `sinks` [n]
+  (this device's heads) merged first as a block of value 0 whose one logit is the sink."""
+  if sinks is not None:
+    acc, m, l = state
+    sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(1, m.shape[1], m.shape[2], 1), m.shape)
+    state = merge(state, (jnp.zeros_like(acc), sink, jnp.ones_like(l)))
   acc, _, l = state
   out = acc / jnp.maximum(l, 1e-30)[..., None]                       # [b,kv,g,l,d]
   b, kvh, g, lq, d = out.shape
@@ -243,7 +253,7 @@ def _cat_rows(a, b):
 # ----------------------------------------------------------------------------------------
 # The two modes, per device (inside shard_map).
 
-def _allgather_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=block_attention):
+def _allgather_local(q, k, v, seg, sinks=None, *, split: Split, balanced: bool, block_attention=block_attention):
   i = jax.lax.axis_index(split.axis_name)
   lq, c = q.shape[1], split.size
   q_idx = local_index(i, lq, c, balanced)
@@ -252,7 +262,7 @@ def _allgather_local(q, k, v, seg, *, split: Split, balanced: bool, block_attent
   seg_all = None if seg is None else gather(seg)
   k_idx = jnp.concatenate([local_index(j, lq, c, balanced) for j in range(c)])
   if not balanced:
-    return finish(block_attention(q, k_all, v_all, q_idx, k_idx, seg, seg_all), q.dtype)
+    return finish(block_attention(q, k_all, v_all, q_idx, k_idx, seg, seg_all), q.dtype, sinks)
   # Chunk i (the first local half) sees only keys before (i+1) n <= S/2: the first half
   # of every device's block, i.e. the chunks 0..C-1. Chunk 2C-1-i needs all keys.
   n = lq // 2
@@ -263,10 +273,10 @@ def _allgather_local(q, k, v, seg, *, split: Split, balanced: bool, block_attent
                        None if seg is None else first(seg_all))
   hi = block_attention(q[:, n:], k_all, v_all, q_idx[n:], k_idx,
                        None if seg is None else seg[:, n:], seg_all)
-  return jnp.concatenate([finish(lo, q.dtype), finish(hi, q.dtype)], axis=1)
+  return jnp.concatenate([finish(lo, q.dtype, sinks), finish(hi, q.dtype, sinks)], axis=1)
 
 
-def _ring_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=block_attention):
+def _ring_local(q, k, v, seg, sinks=None, *, split: Split, balanced: bool, block_attention=block_attention):
   i = jax.lax.axis_index(split.axis_name)
   lq, c = q.shape[1], split.size
   n = lq // 2
@@ -315,7 +325,7 @@ def _ring_local(q, k, v, seg, *, split: Split, balanced: bool, block_attention=b
       state = _remat(lambda st, kv, k_idx, j=j: jax.lax.cond(j < i, branches[0], branches[1], st, kv, k_idx))(
           state, kv, k_idx)
     kv = nxt
-  return finish(state, q.dtype)
+  return finish(state, q.dtype, sinks)
 
 
 def _remat(step):
@@ -331,7 +341,7 @@ _LOCAL = {"allgather": _allgather_local, "ring": _ring_local}
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array,
               segment_ids: jax.Array | None = None, split: Split | None = None,
-              options=None) -> jax.Array:
+              options=None, sinks: jax.Array | None = None) -> jax.Array:
   """Causal GQA with the sequence split over the `length` mesh axes: q[b,l,n,d],
   k/v[b,l,kv,d] (global shapes) -> [b,l,n,d], equal to the single-device attention.
 
@@ -343,7 +353,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   does not take), so 'auto' keeps its einsum blocks and an explicit 'flash' is refused.
   The shard_map is manual over every mesh axis, each operand split as the rules split
   its logical dims (batch over data, heads over model, ...), so each device computes on
-  its own rows and heads only. (Manual over the `length` axes alone, the partitioner
+  its own rows and heads only. `sinks` [n]: attention sinks, split like q's heads (`finish`). (Manual over the `length` axes alone, the partitioner
   gathered the batch into the body on the CPU backend: every device then did the whole
   batch's attention.)"""
   split = split or length_split()
@@ -357,16 +367,21 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   softcap = getattr(options, "softcap", None)
   specs = _specs(split)
   if _uses_flash(options, mode, q.shape[1] // split.size, q.shape[1]):
+    if sinks is not None:
+      raise ContextParallelError("model.attention='flash' with attention sinks (model.attention_sinks): "
+                                 "the splash kernel has no sink logit; use model.attention='auto' or 'xla'")
     return _flash_allgather(q, k, v, segment_ids, split, balanced, options, specs)
   q_spec, kv_spec, seg_spec = specs
   local = functools.partial(_LOCAL[mode], split=split, balanced=balanced, block_attention=functools.partial(
       block_attention, window=window, softcap=softcap))
   if segment_ids is None:
-    body = lambda q, k, v: local(q, k, v, None)
+    body = lambda q, k, v, *s: local(q, k, v, None, *s)
     args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
   else:
     body = local
     args, in_specs = (q, k, v, segment_ids.astype(jnp.int32)), (q_spec, kv_spec, kv_spec, seg_spec)
+  if sinks is not None:
+    args, in_specs = args + (sinks,), in_specs + (P(q_spec[2]),)
   fn = jax.shard_map(body, in_specs=in_specs, out_specs=q_spec, check_vma=False)
   return fn(*args)
 

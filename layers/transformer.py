@@ -292,9 +292,13 @@ class TransformerLM(nnx.Module):
     return self.logits(x), cache, dropped
 
   def logits(self, x: jax.Array) -> jax.Array:
-    """Final norm and head (or the tied embedding): [b, l, embed] -> float32 [b, l, vocab]."""
+    """Final norm and head (or the tied embedding): [b, l, embed] -> float32 [b, l, vocab],
+    soft-capped to cap * tanh(logits / cap) with `cfg.final_logit_softcap` (Gemma 2)."""
     x = self.final_norm(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
+    cap = self.cfg.final_logit_softcap
+    if cap is not None:
+      logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
     return shard(logits, ("batch", "length", "vocab"))
 
   def _losses(self, batch: dict, deterministic: bool) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
