@@ -199,6 +199,23 @@ def test_lm_decode_caches_the_latent_and_equals_the_full_forward(reference):
   np.testing.assert_allclose(np.concatenate(outs, 1), np.asarray(full), rtol=1e-4, atol=1e-4)
 
 
+def test_sharded_2d_decode_equals_one_device(reference):
+  """Greedy decode of prompts of different lengths on (2, 4) with the 2d rules (rows of the
+  latent cache over data, heads over model) gives one device's tokens."""
+  from shardax.sharding import make_mesh
+  from shardax.trainer import decode
+  params = jax.tree.map(lambda a: a * 2.0, reference[0])   # sharp attention: tokens depend on context
+  prompts = [np.arange(1, n + 1, dtype=np.int32) * 7 % 255 + 1 for n in (3, 9, 1, 6)]
+  ids = []
+  for ici, preset in (((1, 1), "dp"), ((2, 4), "2d")):
+    exp = tiny_lm(2, 8, ici=ici, preset=preset, extra=MLA_LM)
+    setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:int(np.prod(ici))]))
+    gen = decode.Generator(exp.model, jax.device_put(params, setup.shardings["params"]), setup.mesh, setup.rules)
+    ids.append(gen.run(prompts, decode.Sampling(max_new_tokens=6)).ids)
+  np.testing.assert_array_equal(ids[1], ids[0])
+  assert len({tuple(r) for r in np.asarray(ids[0]).tolist()}) > 1
+
+
 @pytest.mark.parametrize("override,field", [
     ("model.num_kv_heads=2", "model.num_kv_heads"),
     ("model.head_dim=16", "model.head_dim"),
