@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from shardax.configs.attention import LayerKind
 from shardax.configs.moe import MoEConfig
 from shardax.configs.schema import TransformerConfig
 
@@ -88,14 +89,22 @@ DEEPSEEK_V3 = TransformerConfig(
     moe=MoEConfig(num_experts=256, d_ff=2048, every=1, first_dense_layers=3, top_k=8, num_shared_experts=1,
                   score="sigmoid", gate_scale=2.5, bias_update_rate=1e-3, aux_loss_weight=1e-4,
                   dispatch="dropless"))
-# Llama 4 Maverick (meta-llama config.json): 48 layers alternating dense (d_ff 16384) and MoE (128
-# experts of 8192, sigmoid top-1, 1 shared expert), 40 heads of 128 with 8 KV heads; 400B
-# parameters, 17B active. Not its chunked attention, RoPE-free layers nor early-fusion vision.
+# Llama 4 Maverick (meta-llama config.json text_config, transformers' Llama4TextConfig): 48 layers
+# alternating dense (d_ff 16384) and MoE (128 experts of 8192, the top-1 logit's sigmoid scaling the
+# expert's input, 1 shared expert); 40 heads of 128 with 8 KV heads; every 4th layer NoPE with
+# attention temperature tuning (floor 8192, scale 0.1), the others RoPE of adjacent pairs (theta
+# 5e5) in 8192-token chunks; no q/k norm (transformers: the 128E model has none), RMSNorm eps
+# 1e-5, untied; 400B parameters, 17B active. Not its early-fusion vision. The stack's unit is
+# lcm(4-layer pattern, moe.every 2) = 4 layers. Balance loss 1e-3 (config.json's
+# router_aux_loss_coef; transformers' text model adds none).
+_CHUNKED, _NOPE = LayerKind(chunk=8192), LayerKind(rope=False, temperature_tuning=True)
 MAVERICK = TransformerConfig(
     num_layers=48, d_model=5120, num_heads=40, num_kv_heads=8, head_dim=128, d_ff=16384,
-    vocab_size=202048, tied_embedding=False,
+    vocab_size=202048, tied_embedding=False, rope_theta=5e5, norm_eps=1e-5, scale_embedding=False,
+    rope_interleave=True, layer_pattern=(_CHUNKED, _CHUNKED, _CHUNKED, _NOPE),
+    temperature_floor_scale=8192.0, temperature_scale=0.1,
     moe=MoEConfig(num_experts=128, d_ff=8192, every=2, top_k=1, num_shared_experts=1, score="sigmoid",
-                  aux_loss_weight=1e-3, dispatch="dropless"))
+                  renormalize=False, gate_input=True, aux_loss_weight=1e-3, dispatch="dropless"))
 # Qwen3-235B-A22B (Qwen config.json): 94 layers, every FFN an MoE of 128 experts of 1536, softmax
 # top-8 renormalized (norm_topk_prob), no shared expert; 64 q heads and 4 KV heads of 128 with q/k
 # RMSNorm, RoPE theta 1e6, vocab 151936, untied; balance loss 1e-3 x k (transformers' coefficient

@@ -31,6 +31,8 @@ SKIPPED = {
     "moe.mixtral_8x7b": "pod-sized (v5p:4x4x8, 46.7B params): built and compiled by dry runs only",
     "moe.deepseek_v3": "pod-sized (v5p:8x8x16, 675B params): built and compiled by dry runs only",
     "moe.qwen3_235b": "pod-sized (v5p:4x4x8, 235B params): built and compiled by dry runs only",
+    "moe.llama4_maverick": "pod-sized (v5p:4x4x8, 400B params): built and compiled by dry runs only",
+    "moe.gpt_oss_120b": "pod-sized (gpt-oss-120b): built and compiled by dry runs only",
     "moe.maverick_4slices": "pod-sized (4 x v5p:4x4x8, 400B params): built and compiled by dry runs only",
     "moe.maverick_4slices_data": "pod-sized (4 x v5p:4x4x8, 400B params): built and compiled by dry runs only",
     "moe.maverick_4slices_1m": "pod-sized (4 x v5p:4x4x4, 400B params): built and compiled by dry runs only",
