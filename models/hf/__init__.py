@@ -5,6 +5,10 @@
   llama.py   Llama, Mistral, Qwen2, Qwen3, Mixtral
   qwen3_moe.py  Qwen3-MoE
   deepseek_v3.py  DeepSeek-V3 (multi-head latent attention, group-limited sigmoid routing)
+  llama4.py  Llama 4 text (chunked RoPE and NoPE layers, top-1 sigmoid MoE with a shared expert)
+  gpt_oss.py  gpt-oss (attention sinks, sliding/full layer types, biased router and experts, clamped SwiGLU;
+             mxfp4.py: its MXFP4 expert weights dequantized on import)
+  gemma.py   Gemma 2 and Gemma 3 text (local/global layer types, (1 + w) pre and post norms, soft-caps)
 
 A family module provides:
   ARCHITECTURES                    {config.json class: short arch name}, e.g. {"LlamaForCausalLM": "llama"}
@@ -25,10 +29,10 @@ from types import ModuleType
 from typing import Any
 
 from shardax.configs.schema import ConfigError
-from shardax.models.hf import common, deepseek_v3, llama, qwen3_moe
+from shardax.models.hf import common, deepseek_v3, gemma, gpt_oss, llama, llama4, qwen3_moe
 from shardax.models.hf.common import Leaf, check_names, read  # noqa: F401  (the adapters' shared API)
 
-FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, deepseek_v3)
+FAMILIES: tuple[ModuleType, ...] = (llama, qwen3_moe, deepseek_v3, llama4, gpt_oss, gemma)
 INTERFACE = ("ARCHITECTURES", "model_fields", "moe_fields", "to_hf", "check_exportable", "weight_names")
 
 

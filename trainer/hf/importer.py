@@ -25,7 +25,7 @@ from jax.sharding import NamedSharding
 
 from shardax.configs.schema import ConfigError, Experiment
 from shardax.models import hf as hf_models
-from shardax.models.hf import fp8
+from shardax.models.hf import fp8, mxfp4
 from shardax.trainer.hf import safetensors
 
 
@@ -81,7 +81,9 @@ def put_leaf(leaf: hf_models.Leaf, reader: safetensors.Reader, shape, dtype, sha
 def import_params(setup, source: str):
   """The params tree of `setup` (a `ModelSetup`, trainer/model_setup.py, or the training
   setup) filled from the model dir `source`."""
-  reader = fp8.dequantizing(safetensors.Reader(source), hf_models.read(source))   # block-scaled fp8 weights
+  hf = hf_models.read(source)   # quantized weights dequantized: MXFP4 experts (gpt-oss), block-scaled fp8
+  quantized = mxfp4 if mxfp4.is_mxfp4(hf) else fp8
+  reader = quantized.dequantizing(safetensors.Reader(source), hf)
   abstract = setup.abstract_params
   model = setup.exp.model
   plan = hf_models.leaves(abstract, model, hf_models.architecture(hf_models.read(source)))
