@@ -242,6 +242,34 @@ def changes(before: dict, after: dict, rtol: float) -> list[tuple[str, str, obje
   return rows
 
 
+def _cell(rec: dict | None, key: str, unit: str) -> str:
+  if rec is None:
+    return "not run"
+  f = rec.get("figures")
+  if f is None:
+    return "failed"
+  v = f.get(key)
+  if v is None:
+    return "does not fit" if f.get("fits") is False else "-"
+  return {"s": f"{v:.4g} s", "%": f"{100 * v:.1f}%", "GiB": f"{v / 2**30:.2f} GiB"}[unit]
+
+
+def summary(before: dict, after: dict) -> str:
+  """One row per experiment: predicted step, MFU and per-chip peak, before and after."""
+  rows = ["| experiment | topology | step before | step after | MFU before | MFU after | "
+          "peak before | peak after |", "|---|---|---|---|---|---|---|---|"]
+  recs = {**before["records"], **after["records"]}
+  for name in sorted(recs, key=lambda n: (recs[n].get("chips", 0), n)):
+    b, a = before["records"].get(name), after["records"].get(name)
+    topo = recs[name].get("topology", "")
+    if recs[name].get("dcn"):
+      topo = f"{math.prod(recs[name]['dcn'])} x {topo}"
+    cells = [_cell(r, k, u) for k, u in (("predicted.step_seconds", "s"), ("predicted.mfu", "%"),
+                                         ("memory.total", "GiB")) for r in (b, a)]
+    rows.append(f"| {name} | {topo} | " + " | ".join(cells) + " |")
+  return "\n".join(rows)
+
+
 def compare(args) -> None:
   with open(args.before) as f:
     before = json.load(f)
@@ -253,9 +281,10 @@ def compare(args) -> None:
   print(f"before: {before.get('commit')} ({before.get('package')}); after: {after.get('commit')} "
         f"({after.get('package')}); compile effort {before.get('compile_effort')} / "
         f"{after.get('compile_effort')}, shallow {before.get('shallow')} / {after.get('shallow')}\n")
+  print(summary(before, after) + "\n\nFigures that moved:\n")
   print("| experiment | figure | before | after | change |\n|---|---|---|---|---|")
   for name, key, vb, va, rel in rows:
-    change = "" if rel is None else ("new" if math.isinf(rel) else f"{rel:+.3%}")
+    change = "" if rel is None else ("new" if math.isinf(rel) else f"{100 * rel:+.3g}%")
     print(f"| {name} | {key} | {_fmt(vb)} | {_fmt(va)} | {change} |")
   print(f"\nunchanged (every figure within rtol {args.rtol:g}): {', '.join(same) or 'none'}")
 
