@@ -73,6 +73,15 @@ def test_logits_match_transformers_with_the_experts_split():
     np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
 
 
+def test_unscanned_stack_matches_transformers_too():
+  """scan_layers=False: layers/blocks/{u}/blocks/{j} (a unit of the sliding and the full layer)."""
+  setup, params = imported(ARCH, (1, 1), "model.scan_layers=False")
+  assert params["layers"]["blocks"][1]["blocks"][0]["attn"]["sinks"].shape == (4,)
+  ref = reference(ARCH)
+  for j, g in enumerate(logits_of(setup, params, ref)):
+    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+
+
 def _without(params, names, value):
   """params with every leaf whose path ends in one of `names` set to `value`."""
   def set_leaf(path, a):
