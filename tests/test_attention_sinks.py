@@ -175,3 +175,38 @@ def test_sinks_change_the_loss(reference_run):
       lambda p, a: np.full_like(a, -1e30) if jax.tree_util.keystr(p).endswith("['sinks']") else a, params)
   (loss, _, _), _ = loss_and_grads(setup, off, batch)
   assert abs(float(loss) - ref_loss) > 1e-3
+
+
+@pytest.mark.slow   # ~40-100 s on 2 shared cores: a pipelined compile
+def test_tiny_gpt_oss_pipelined_equals_accumulation_on_one_device():
+  """4 layers (2 units of a sliding and a full layer) through 2 pipeline stages x 4 microbatches
+  with the experts split 4 ways (pp_expert) equal one device accumulating 4 microbatches: the
+  sinks and expert biases ride in the stage-stacked params (per-layer balance loss: a pooled one
+  is per step, not per microbatch)."""
+  from shardax import pipeline
+  extra = ["model.num_layers=4", "model.moe.aux_loss_pooling='per_layer'", "train.global_batch=16"]
+
+  def build(ici, axes, preset, stages, accum):
+    cfg = configs.get("moe.tiny")
+    configs.apply_overrides(cfg, GPT_OSS_TINY + extra + [
+        f"mesh.ici={ici!r}", f"mesh.axes={axes!r}", f"sharding.preset={preset!r}",
+        f"model.pipeline.stages={stages}", f"model.pipeline.microbatches={4 if stages > 1 else 1}",
+        f"train.microbatches={accum}"])
+    return configs.build(cfg)
+  ref = setup_for(build((1,), ("data",), "dp", 1, 4), jax.devices()[:1])
+  rng = np.random.default_rng(0)
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, a: rng.normal(size=a.shape).astype(a.dtype)
+      if jax.tree_util.keystr(p).endswith(("['sinks']", "_bias']", "['bias']")) else a,
+      jax.device_get(state_lib.init_fn(ref)(jax.random.key(0))["params"]))
+  tokens = rng.integers(1, 256, size=(16, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  (loss, grads, _), _ = loss_and_grads(ref, params, batch)
+  setup = setup_for(build((2, 4), ("stage", "data"), "pp_expert", 2, 1))
+  staged = dict(params, layers=dict(params["layers"], blocks=pipeline.stage_params(params["layers"]["blocks"], 2, 1)))
+  (p_loss, p_grads, _), _ = loss_and_grads(setup, staged, batch)
+  p_grads = jax.device_get(p_grads)
+  p_grads["layers"]["blocks"] = pipeline.unstage_params(p_grads["layers"]["blocks"], 1)
+  np.testing.assert_allclose(float(p_loss), float(loss), rtol=1e-5)
+  for (path, g), r in zip(jax.tree.leaves_with_path(p_grads), jax.tree.leaves(grads)):
+    np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=jax.tree_util.keystr(path))
