@@ -1,26 +1,34 @@
-"""What of XLA's bytes accessed never crosses HBM: on-chip buffers and the second count of
-async copies.
+"""What of XLA's bytes accessed never crosses HBM: on-chip buffers, the second count of async
+copies, and the in-flight buffers of async collective fusions.
 
 XLA's cost analysis (costs.py) counts every operand an instruction reads and every result
-it writes as memory traffic, wherever the buffer lives. The TPU compiler's memory-space
-assignment keeps some buffers in the chip's small fast memory, XLA's alternate memory space
-1 (`S(1)` in a layout: on-chip SRAM, not HBM), and moves them in and out with asynchronous
-copies (`copy-start` / `copy-done`). In HBM bytes:
+it writes as memory traffic, wherever the buffer lives and whether or not the instruction
+touches it. In HBM bytes, from the chip's side:
 
-  an access to an S(1) buffer     none: the operand is read from, or the result written
-                                  to, on-chip memory;
+  an access to an S(1) buffer     none. The TPU compiler's memory-space assignment keeps
+                                  some buffers in XLA's alternate memory space 1 (`S(1)` in
+                                  a layout): on-chip SRAM, not HBM.
   an async copy of N bytes        N for each end in HBM: a prefetch (HBM -> S(1)) reads N,
                                   an eviction (S(1) -> HBM) writes N. XLA counts the pair
                                   as 4N (the start reads N and writes the (destination,
                                   source) pair, the done reads the pair and writes N).
+  an async collective fusion      its source read once (the start's operands) and its
+                                  result written once (the done's result). The TPU compiler
+                                  splits an overlapped collective into a start fusion,
+                                  compute fusions that carry the in-flight buffer in place
+                                  (output_to_operand_aliasing) and a done fusion; XLA counts
+                                  the whole buffer at the start, read and written again at
+                                  every carrying fusion and read at the done: a 940 MB
+                                  expert weight all-gather of a Mixtral layer on v6e was
+                                  counted ~8 times.
 
 `onchip_bytes` is the part of XLA's count that is not HBM traffic: for each instruction
 run in sequence (not inside a fusion or a reduction, whose bytes XLA does not count),
-XLA's own per-operand and result bytes (its cost analysis of that instruction alone) of
-the S(1) operands and results, and for each async copy XLA's count less the HBM ends.
-The step model prices `Piece.bytes_accessed - Piece.onchip_bytes` at the HBM bandwidth.
-Only TPU programs are read this way (tiled layouts, `T(..)`): other backends use memory
-spaces for other things (a GPU's S(1) is collective memory, still HBM).
+XLA's own per-operand and per-output bytes (its cost analysis of that instruction alone)
+of the operands and outputs above. The step model prices `Piece.hbm_bytes` (bytes
+accessed less these) at the HBM bandwidth. Only TPU programs are read this way (tiled
+layouts, `T(..)`): other backends use memory spaces for other things (a GPU's S(1) is
+collective memory, still HBM).
 """
 
 from __future__ import annotations
@@ -38,6 +46,8 @@ HBM = (0, 2)           # default and pinned-default memory spaces (host memory i
 _LEAF = re.compile(r"\b[a-z][a-z0-9]*\[[0-9,]*\](\{[^{}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
 _SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+_ASYNC_FUSION = "async_collective_fusion_config"
+_ALIAS = re.compile(r"\{([0-9]*)[0-9,]*\}\s*:\s*\(\s*([0-9]+)")
 
 
 def spaces(shape_text: str) -> list[int]:
@@ -96,6 +106,25 @@ def _xla_bytes(text: str) -> dict[str, float]:
   return {k: float(v) for k, v in cost.items() if k.startswith("bytes accessed")}
 
 
+def _chain_role(mod: hlo.Module, inst: hlo.Instruction) -> str:
+  """'start', 'done' or 'carry' for a fusion of the TPU compiler's async collective fusion (a
+  start fusion, compute fusions that carry the in-flight buffer in place, a done fusion; each
+  repeats the collective with an `async_collective_fusion_config`: sharding/report.py), else ''."""
+  if inst.opcode != "fusion":
+    return ""
+  inner = [i for c in _reachable(mod, inst.called) for i in mod.computations[c].instructions]
+  if not any(_ASYNC_FUSION in i.attr("backend_config") for i in inner):
+    return ""
+  targets = " ".join(i.attr("custom_call_target") for i in inner if i.opcode == "custom-call")
+  return "start" if "AsyncCollectiveStart" in targets else "done" if "AsyncCollectiveDone" in targets else "carry"
+
+
+def _aliased(inst: hlo.Instruction) -> tuple[set[int], set[int]]:
+  """(operand indices, top-level output indices) that `output_to_operand_aliasing` pairs."""
+  pairs = _ALIAS.findall(inst.attr("output_to_operand_aliasing"))
+  return {int(k) for _, k in pairs}, {int(o) for o, _ in pairs if o}
+
+
 def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
   """Bytes XLA counts for `inst` that do not cross HBM (module docstring); an async copy is
   priced at its start, with its done."""
@@ -111,21 +140,28 @@ def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
     ends = (operand_spaces[0][:1] or [0]) + result_spaces[:1]   # source read, destination written
     return max(0.0, _xla_bytes(_alone(mod, inst, done)).get("bytes accessed", 0.0)
                - moved * sum(e in HBM for e in ends))
-  if ON_CHIP not in result_spaces and not any(ON_CHIP in s for s in operand_spaces):
+  role = _chain_role(mod, inst)
+  operands = {k for k, s in enumerate(operand_spaces) if s and all(x == ON_CHIP for x in s)}
+  outputs = {j for j, s in enumerate(result_spaces) if s == ON_CHIP}
+  if role == "start":     # allocates the destination; the collective writes it once, at the done
+    outputs |= set(range(len(result_spaces)))
+  elif role == "done":    # waits: the landed result is its one write, the in-flight buffer no read
+    operands |= set(range(len(inst.operands)))
+  elif role == "carry":   # the in-flight buffers pass through in place
+    alias_in, alias_out = _aliased(inst)
+    operands, outputs = operands | alias_in, outputs | alias_out
+  if not operands and not outputs:
     return 0.0
   try:
     counted = _xla_bytes(_alone(mod, inst))
-  except Exception:   # not parsable alone: every byte of its on-chip operands and results
+  except Exception:   # not parsable alone: every byte of those operands and results
     counted = {f"bytes accessed{k}{{}}": float(mod.instructions[o].result_bytes) for k, o in enumerate(inst.operands)}
+    counted.update({f"bytes accessedout{{{j}}}": float(a.nbytes) for j, a in enumerate(inst.results)})
     counted["bytes accessedout{}"] = float(inst.result_bytes)
-  out = 0.0
-  for k, s in enumerate(operand_spaces):
-    if s and all(x == ON_CHIP for x in s):
-      out += counted.get(f"bytes accessed{k}{{}}", 0.0)
-  if result_spaces and inst.results:
-    share = sum(a.nbytes for a, s in zip(inst.results, result_spaces) if s == ON_CHIP) / max(1, inst.result_bytes)
-    out += share * counted.get("bytes accessedout{}", 0.0)
-  return out
+  out = sum(counted.get(f"bytes accessed{k}{{}}", 0.0) for k in operands)
+  if not inst.is_tuple:
+    return out + (counted.get("bytes accessedout{}", 0.0) if outputs else 0.0)
+  return out + sum(counted.get(f"bytes accessedout{{{j}}}", 0.0) for j in outputs)
 
 
 def onchip_bytes(mod: hlo.Module, computations: Iterable[str]) -> float:
