@@ -1,0 +1,171 @@
+"""Gemma 3 (text) and Gemma 2 from Hugging Face, checked against transformers' recorded outputs.
+
+Fixtures (tests/fixtures/make_hf_fixtures.py, transformers 5.23): `gemma3` (8 layers of a
+(sliding, sliding, full) pattern: 2 units and a tail of 2; window 6; local RoPE base 1e4
+unscaled, global 1e6 with linear scaling x8; q/k norms; query_pre_attn_scalar 24 with head_dim
+16; tied) and `gemma2` (4 layers alternating sliding and full; final-logit and attention
+soft-caps 8 and 5; query_pre_attn_scalar 32; untied), each with logits, greedy tokens after a
+short prompt and after three prompts longer than the window, and a training loss.
+"""
+
+import copy
+import dataclasses
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
+
+from shardax import configs  # noqa: E402
+from shardax.configs.attention import LayerKind  # noqa: E402
+from shardax.configs.schema import ConfigError  # noqa: E402
+from shardax.models import hf as hf_models  # noqa: E402
+from shardax.models.hf import gemma  # noqa: E402
+from shardax.sharding import use_rules  # noqa: E402
+from shardax.trainer import decode  # noqa: E402
+from shardax.trainer.hf import exporter, safetensors  # noqa: E402
+
+ARCHS = ("gemma3", "gemma2")
+HF_ARCH = {"gemma3": "gemma3_text", "gemma2": "gemma2"}
+LOCAL3 = LayerKind(window=6, rope_theta=10000.0, rope_scaled=False)
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def arch_model(request):
+  setup, params = imported(request.param)
+  return request.param, setup, params
+
+
+def test_config_maps_onto_the_lm():
+  """layer_types -> a pattern of 3 kinds with a tail of 2; the local RoPE base unscaled, the
+  global one linearly scaled; Gemma's norms, scales and caps."""
+  t = experiment("gemma3").model
+  assert t.layer_pattern == (LOCAL3, LOCAL3, LayerKind()) and t.num_tail_layers == 2
+  assert (t.rope_theta, t.rope_scaling, t.rope_scaling_factor) == (1e6, "linear", 8.0)
+  assert (t.norm, t.post_norms, t.qk_norm, t.activation, t.scale_embedding, t.tied_embedding) == \
+      ("rms_plus_one", True, True, "gelu", True, True)
+  assert (t.query_pre_attn_scalar, t.head_dim, t.attention_softcap, t.final_logit_softcap) == (24.0, 16, None, None)
+  t = experiment("gemma2").model
+  assert t.layer_pattern == (LayerKind(window=6), LayerKind()) and t.rope_scaling == "none"
+  assert (t.qk_norm, t.attention_softcap, t.final_logit_softcap, t.tied_embedding) == (False, 5.0, 8.0, False)
+
+
+def test_logits_match_transformers(arch_model):
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  got = logits_of(setup, params, ref)
+  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
+  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")
+  for j, g in enumerate(got):
+    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"{arch} sequence {j}")
+
+
+def test_greedy_decode_matches_transformers(arch_model):
+  """A short prompt, then three prompts longer than the window in one batch (cached decode
+  past the window on the local layers)."""
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
+  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
+  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
+  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
+  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
+  for j in range(3):
+    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"{arch} prompt {j}"
+
+
+def test_training_loss_matches_transformers(arch_model):
+  """loss_and_metrics on transformers' training batch (labels = the tokens: the last position
+  has no target) equals transformers' loss."""
+  arch, setup, params = arch_model
+  ref = reference(arch)
+  tokens = ref["train_tokens"]
+  mask = np.ones(tokens.shape, np.float32)
+  mask[:, -1] = 0
+  batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
+           "loss_mask": jnp.asarray(mask)}
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    loss, _ = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, batch)
+  assert float(loss) == pytest.approx(float(ref["train_loss"]), abs=1e-5)
+
+
+def test_sharded_import_matches_transformers():
+  """gemma3 imported onto a (2, 4) mesh with the 2d rules (kv heads whole): the same logits."""
+  from shardax.sharding import rules as rules_lib
+  rules = tuple(r for r in rules_lib.PRESETS["2d"] if r[0] != "kv_heads")
+  setup, params = imported("gemma3", (2, 4), f"sharding.rules={rules!r}")
+  ref = reference("gemma3")
+  for j, got in enumerate(logits_of(setup, params, ref, rows=4)):
+    np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+
+
+def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):
+  """The imported params written back: the source's tensors bit for bit (w of every norm, not
+  1 + w; the tied head left out) and a config.json with every key of the source's."""
+  arch, setup, params = arch_model
+  src = os.path.join(FIXTURES, arch)
+  exporter.export_params(params, setup.exp.model, HF_ARCH[arch], str(tmp_path), np.float32, 1 << 30)
+  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
+  tied = setup.exp.model.tied_embedding
+  assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
+  for name in b.names():
+    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  src_cfg = hf_models.read(src)
+  gemma.check_exportable(setup.exp.model, HF_ARCH[arch])
+  out = gemma.to_hf(setup.exp.model, HF_ARCH[arch], src_cfg)
+  assert {k: out.get(k) for k in src_cfg} == src_cfg
+  assert gemma.model_fields(out) == gemma.model_fields(src_cfg)
+
+
+def hub_gemma3(**changes):
+  """The fixture's config.json as the hub spells Gemma 3's (rope_theta, rope_local_base_freq,
+  rope_scaling, sliding_window_pattern; no layer_types)."""
+  cfg = copy.deepcopy(hf_models.read(os.path.join(FIXTURES, "gemma3")))
+  for key in ("rope_parameters", "layer_types", "_sliding_window_pattern"):
+    cfg.pop(key)
+  cfg.update(rope_theta=1e6, rope_local_base_freq=1e4, rope_scaling={"factor": 8.0, "rope_type": "linear"},
+             sliding_window_pattern=3, num_hidden_layers=6, cache_implementation="hybrid")
+  cfg.update(changes)
+  return cfg
+
+
+def test_hub_spelling_imports_as_the_same_model():
+  """Gemma 3's hub keys give the fields transformers 5's spelling gives (6 layers: no tail)."""
+  src = dict(hf_models.read(os.path.join(FIXTURES, "gemma3")), num_hidden_layers=6)
+  src["layer_types"] = src["layer_types"][:6]
+  assert gemma.model_fields(hub_gemma3()) == gemma.model_fields(src)
+  fields = gemma.model_fields(hub_gemma3(rope_scaling=None, num_hidden_layers=26, sliding_window_pattern=6))
+  assert fields["rope_scaling"] == "none" and fields["layer_pattern"][0].rope_scaled
+  assert len(fields["layer_pattern"]) == 6 and fields["num_layers"] == 26   # 4 units and a tail of 2
+
+
+@pytest.mark.parametrize("changes, message", [
+    ({"some_new_gemma_key": 1}, "some_new_gemma_key"),
+    ({"layer_types": ["full_attention"] + ["sliding_attention"] * 7}, "not a repeating pattern"),
+    ({"hidden_activation": "gelu"}, "hidden_activation='gelu'"),
+    ({"use_bidirectional_attention": True}, "use_bidirectional_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "yarn", "factor": 2.0},
+                          "full_attention": {"rope_type": "default"}}}, "rope for sliding_attention"),
+    ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
+                          "full_attention": {"rope_type": "linear", "factor": 8.0}}}, "linear factors"),
+])
+def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
+  d = _write_config(str(tmp_path / "m"), "gemma3", **changes)
+  with pytest.raises(ConfigError, match=message):
+    configs.get(f"hf:{d}")
+
+
+def test_export_refuses_what_gemma_cannot_express():
+  model = experiment("gemma3").model
+  with pytest.raises(ConfigError, match="post_norms=False"):
+    gemma.check_exportable(dataclasses.replace(model, post_norms=False), "gemma3_text")
+  with pytest.raises(ConfigError, match="sliding layer kinds that differ"):
+    gemma.check_exportable(dataclasses.replace(model, layer_pattern=(LOCAL3, LayerKind(window=3), LayerKind())),
+                           "gemma3_text")
+  with pytest.raises(ConfigError, match="Gemma 2 has one RoPE"):
+    gemma.check_exportable(dataclasses.replace(model, qk_norm=False), "gemma2")
