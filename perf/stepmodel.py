@@ -21,7 +21,8 @@ Assumptions
      work is counted as FLOPs at the matmul rate: it is a few percent of a Transformer's
      FLOPs, and its memory traffic is in the next term.
   2. Memory. A piece's bytes accessed (logical, from XLA) that cross HBM (perf/hbm.py: not
-     the TPU's on-chip buffers, an async copy once per HBM end) at the HBM bandwidth. Within
+     the TPU's on-chip buffers, an async copy once per HBM end, an async collective's buffer
+     once; a TPU program standing in for a GPU keeps XLA's count) at the HBM bandwidth. Within
      a piece, compute and memory traffic overlap (fused matmuls stream their operands),
      so a piece costs max(compute, memory), not the sum.
   3. Collectives. Each collective's time comes from its bytes, its replica group and
@@ -335,7 +336,9 @@ def _own_seconds(p: costs_lib.Piece, chip: hardware.Chip, use: float = 1.0) -> t
   """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2); `use`: the
   share of the MXU its dots fill (perf/mxu.py)."""
   compute = ops.seconds("xla", "bf16", p.flops / use, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
-  return compute, p.hbm_bytes / chip.hbm_bandwidth
+  # a TPU program timed as a GPU (a stand-in) keeps XLA's count: the GPU has no such on-chip buffers
+  nbytes = p.hbm_bytes if ops.family(chip) == "tpu" else p.bytes_accessed
+  return compute, nbytes / chip.hbm_bandwidth
 
 
 def _own_times(costs: costs_lib.Costs, chip: hardware.Chip, mxu: dict | None) -> list[tuple[float, float, float]]:

@@ -55,6 +55,9 @@ def test_hbm_traffic_counts_a_prefetch_once_and_nothing_read_from_on_chip_memory
   chip = hardware.lookup("TPU v6 lite")
   pr = stepmodel.from_costs(c, _one_chip(), _Exp, chip)
   assert pr.breakdown["memory_seconds"] == pytest.approx(20 * mib / chip.hbm_bandwidth, rel=1e-3)
+  h100 = hardware.lookup("NVIDIA H100 80GB HBM3")   # timed as a GPU (a stand-in): no on-chip buffers there
+  stand_in = stepmodel.from_costs(c, _one_chip(), _Exp, h100)
+  assert stand_in.breakdown["memory_seconds"] == pytest.approx(52 * mib / h100.hbm_bandwidth, rel=1e-3)
 
 
 def test_memory_spaces_are_read_per_leaf_and_only_a_tpu_program_has_on_chip_buffers():
