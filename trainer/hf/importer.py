@@ -2,18 +2,29 @@
 
 The params are laid out for the experiment's mesh first (abstract: shapes and shardings
 from the rules, trainer/model_setup.py). Then each param leaf is filled from the checkpoint's
-tensors: for every distinct shard this host holds, a buffer of the shard's shape; each
-Hugging Face tensor (one layer, or one layer's expert, of a stacked leaf) is read once, relaid out, and its part
-copied into the buffers that cover it, then dropped. The buffers go to their devices and
-become the sharded array. So the host holds its own shards plus about one tensor (and its
-relaid view) at a time, never the whole model. The optimizer (trainer/state.py, built on
-the same model setup) then initializes its state on the devices (jitted, born sharded) and
-the train state is saved as step 0.
+tensors: for every distinct shard this process holds, a buffer of the shard's shape; each
+Hugging Face tensor (one layer, or one layer's expert, of a stacked leaf) is read, relaid out,
+and its part copied into the buffers that cover it, then dropped. The buffers go to their
+devices and become the sharded array. So the host holds its own shards plus about one tensor
+(and its relaid view) at a time, never the whole model.
+
+Each process reads only what its devices hold. A tensor none of whose parts this process
+holds (a layer or expert of a stacked leaf split over a mesh axis whose devices are elsewhere)
+is not read at all. Where the held blocks are a range of the dim of our layout that is the
+Hugging Face tensor's first dim (the expert dim of a fused expert tensor, vocab rows of the
+embedding, the out dim of a projection split over `mlp` or `heads`), only the rows covering
+them are read (one read of their bytes). Otherwise (the split falls on the weight's input
+columns, or the reader transforms tensors, e.g. dequantizes them) the whole tensor is read.
+The params are the same, bit for bit, whatever each process reads.
+
+The optimizer (trainer/state.py, built on the same model setup) then initializes its state
+on the devices (jitted, born sharded) and the train state is saved as step 0.
 """
 
 from __future__ import annotations
 
 import gc
+import math
 import os
 import sys
 import time
@@ -45,26 +56,58 @@ def _distinct_shards(sharding: NamedSharding, shape: tuple[int, ...]):
   return groups
 
 
+def row_dim(leaf: hf_models.Leaf) -> tuple[int, int] | None:
+  """(d, per): the dim d of our per-tensor layout whose index ranges are row ranges of the
+  Hugging Face tensor's first dim (`per` rows for each index of d, the later dims of d's group
+  whole), or None where no dim of ours is (a flat tensor cut into parts)."""
+  shape = leaf.one_shape
+  if not shape:
+    return None
+  if not leaf.in_dims:   # the same layout (0), or flat (None: the HF tensor's rows are elements)
+    if leaf.part is not None and (leaf.in_dims is None or len(shape) == 1):
+      return None
+    return 0, (math.prod(shape[1:]) if leaf.in_dims is None else 1)
+  k = leaf.in_dims       # weight [out, in]: ours [in dims..., out dims...]; rows are out
+  return (k, math.prod(shape[k + 1:])) if k < len(shape) else None
+
+
+def _rows_to_ours(leaf: hf_models.Leaf, t: np.ndarray, d: int, span: int) -> np.ndarray:
+  """Rows of a Hugging Face tensor (`span` indices of our dim `d`) -> our layout of them."""
+  t = leaf.cut(t)
+  shape = leaf.one_shape[:d] + (span,) + leaf.one_shape[d + 1:]
+  return (t if not leaf.in_dims else t.T).reshape(shape)
+
+
+def read_part(leaf: hf_models.Leaf, reader, name: str, blocks: list[tuple]):
+  """(t, d, lo): our layout of the part of tensor `name` that covers `blocks` (per-tensor
+  bounds): its rows covering them where `row_dim` allows and the reader reads rows (t then
+  starts at index lo of our dim d), else the whole tensor (d None)."""
+  rd = row_dim(leaf)
+  if rd is not None and getattr(reader, "reads_rows", False):
+    d, per = rd
+    lo, hi = min(b[d][0] for b in blocks), max(b[d][1] for b in blocks)
+    if (lo, hi) != (0, leaf.one_shape[d]) and tuple(reader.shape(name)) == leaf.hf_shape:
+      return _rows_to_ours(leaf, reader.get(name, rows=(lo * per, hi * per)), d, hi - lo), d, lo
+  return leaf.to_ours(reader.get(name)), None, 0
+
+
 def put_leaf(leaf: hf_models.Leaf, reader: safetensors.Reader, shape, dtype, sharding) -> jax.Array:
-  """One param as a sharded jax.Array, streamed from the checkpoint's tensors."""
+  """One param as a sharded jax.Array, streamed from the checkpoint's tensors: each tensor
+  this process holds a part of read (its rows, or whole) and copied into the shards it covers."""
   dtype = np.dtype(dtype)
   groups = _distinct_shards(sharding, tuple(shape))
   bufs = {k: np.empty(tuple(b - a for a, b in bounds), dtype) for k, (bounds, _) in groups.items()}
-  def part(t, bounds):
-    return t[tuple(slice(a, b) for a, b in bounds)]
-  if leaf.stacked:
-    n = len(leaf.stack)
-    for i, name in enumerate(leaf.hf_names):
-      at = leaf.index(i)   # (layer,), (layer, expert) or (expert,)
-      t = leaf.to_ours(reader.get(name))
-      for k, (bounds, _) in groups.items():
-        if all(a <= j < b for j, (a, b) in zip(at, bounds[:n])):
-          bufs[k][tuple(j - a for j, (a, _) in zip(at, bounds[:n]))] = part(t, bounds[n:])
-      del t
-  else:
-    t = leaf.to_ours(reader.get(leaf.hf_names[0]))
-    for k, (bounds, _) in groups.items():
-      bufs[k][...] = part(t, bounds)
+  n = len(leaf.stack)
+  for i, name in enumerate(leaf.hf_names):
+    at = leaf.index(i) if n else ()   # (layer,), (layer, expert) or (expert,); () unstacked
+    held = [bounds for bounds, _ in groups.values()
+            if all(a <= j < b for j, (a, b) in zip(at, bounds[:n]))]
+    if not held:
+      continue   # no device of this process holds a part of this tensor
+    t, d, lo = read_part(leaf, reader, name, [bounds[n:] for bounds in held])
+    for bounds in held:
+      block = tuple(slice(a - lo, b - lo) if j == d else slice(a, b) for j, (a, b) in enumerate(bounds[n:]))
+      bufs[bounds][tuple(j - a for j, (a, _) in zip(at, bounds[:n]))] = t[block]
     del t
   # A copy (never an alias of the numpy buffer, which a CPU device may otherwise keep as
   # the param), waited for; the runtime hands the buffer back from its transfer thread through
@@ -78,12 +121,13 @@ def put_leaf(leaf: hf_models.Leaf, reader: safetensors.Reader, shape, dtype, sha
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
-def import_params(setup, source: str):
+def import_params(setup, source: str, files: safetensors.Reader | None = None):
   """The params tree of `setup` (a `ModelSetup`, trainer/model_setup.py, or the training
-  setup) filled from the model dir `source`."""
+  setup) filled from the model dir `source` (read through `files`, a Reader of it, when
+  given: its `bytes_read` then says what this process read)."""
   hf = hf_models.read(source)   # quantized weights dequantized: MXFP4 experts (gpt-oss), block-scaled fp8
   quantized = mxfp4 if mxfp4.is_mxfp4(hf) else fp8
-  reader = quantized.dequantizing(safetensors.Reader(source), hf)
+  reader = quantized.dequantizing(safetensors.Reader(source) if files is None else files, hf)
   abstract = setup.abstract_params
   model = setup.exp.model
   plan = hf_models.leaves(abstract, model, hf_models.architecture(hf_models.read(source)))
@@ -113,7 +157,8 @@ def run(exp: Experiment, job_dir: str) -> dict:
                         f"import into a fresh --job_dir")
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), use_rules(model.rules, exp.sharding.allow_uneven):
-      params = import_params(model, source)
+      files = safetensors.Reader(source)
+      params = import_params(model, source, files)
       jax.block_until_ready(params)
       seconds = time.perf_counter() - t0
       opt_state = jax.jit(setup.tx.init, out_shardings=setup.shardings["opt_state"])(params)
@@ -125,7 +170,9 @@ def run(exp: Experiment, job_dir: str) -> dict:
     checkpointer.close()
   nbytes = sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in jax.tree.leaves(params))
   line = (f"imported {source}: {state_lib.count_params(model):,} params, {nbytes / 1e6:.1f} MB in "
-          f"{seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {job_dir}/checkpoints step 0")
+          f"{seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {job_dir}/checkpoints step 0; "
+          f"process {jax.process_index()} of {jax.process_count()} read {files.bytes_read:,} of the "
+          f"checkpoint's {files.nbytes:,} bytes")
   logging.info(line)
   print(line, file=sys.stderr, flush=True)
-  return {"bytes": nbytes, "seconds": seconds}
+  return {"bytes": nbytes, "seconds": seconds, "bytes_read": files.bytes_read, "checkpoint_bytes": files.nbytes}

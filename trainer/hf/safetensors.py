@@ -7,6 +7,8 @@ the tensors being converted (a memory map would leave touched pages in the proce
 resident set until unmapped); writing streams each tensor's bytes after a header computed
 up front from the shapes. bfloat16 comes from ml_dtypes (numpy has none). Sharded models
 have `model.safetensors.index.json` ({"weight_map": {name: file}}), as transformers writes.
+A tensor's rows (a range of its first dim) are one contiguous byte range, so a process that
+holds only some rows of a tensor reads only those (`Reader.get(name, rows=(a, b))`).
 """
 
 from __future__ import annotations
@@ -46,7 +48,13 @@ def read_header(path: str) -> tuple[dict, int]:
 
 
 class Reader:
-  """All tensors of a model directory (one file or an indexed set), read on demand."""
+  """All tensors of a model directory (one file or an indexed set), read on demand.
+
+  `bytes_read` counts the tensor bytes this reader has read (what a process of a sharded
+  import costs its storage), `nbytes` is the sum over all tensors. `reads_rows`: `get` takes
+  `rows` (readers that wrap this one and transform tensors, e.g. dequantizing ones, may not)."""
+
+  reads_rows = True
 
   def __init__(self, model_dir: str):
     self.dir = os.path.expanduser(model_dir)
@@ -65,6 +73,8 @@ class Reader:
       header, start = read_header(path)
       for key, entry in header.items():
         self.entries[key] = (path, entry, start)
+    self.bytes_read = 0
+    self.nbytes = sum(e["data_offsets"][1] - e["data_offsets"][0] for _, e, _ in self.entries.values())
 
   def names(self) -> list[str]:
     return sorted(self.entries)
@@ -77,14 +87,22 @@ class Reader:
       raise SafetensorsError(f"tensor {name!r} is not in the safetensors files of {self.dir}")
     return self.entries[name]
 
-  def get(self, name: str) -> np.ndarray:
-    """The tensor as a numpy array of its stored dtype (one read, no memory map)."""
+  def get(self, name: str, rows: tuple[int, int] | None = None) -> np.ndarray:
+    """The tensor as a numpy array of its stored dtype (one read, no memory map); with
+    `rows=(a, b)`, only rows a..b-1 of its first dim (one read of their bytes)."""
     path, entry, start = self._entry(name)
     dtype = np.dtype(DTYPES[entry["dtype"]])
     begin, end = entry["data_offsets"]
-    out = np.empty(tuple(entry["shape"]), dtype)
-    if out.nbytes != end - begin:
-      raise SafetensorsError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {out.shape} {dtype}")
+    shape = tuple(entry["shape"])
+    if int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != end - begin:
+      raise SafetensorsError(f"{path}: tensor {name!r} has {end - begin} bytes for shape {shape} {dtype}")
+    if rows is not None:
+      a, b = rows
+      if not shape or not 0 <= a <= b <= shape[0]:
+        raise SafetensorsError(f"tensor {name!r} of shape {shape}: rows={rows} is not a range of its first dim")
+      row_bytes = int(np.prod(shape[1:], dtype=np.int64)) * dtype.itemsize
+      begin, shape = begin + a * row_bytes, (b - a,) + shape[1:]
+    out = np.empty(shape, dtype)
     with open(path, "rb", buffering=0) as f:
       f.seek(start + begin)
       view = memoryview(out.reshape(-1).view(np.uint8))
@@ -94,6 +112,7 @@ class Reader:
         if not n:
           raise SafetensorsError(f"{path}: truncated in tensor {name!r}")
         got += n
+    self.bytes_read += out.nbytes
     return out
 
 
