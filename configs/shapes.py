@@ -114,3 +114,14 @@ QWEN3_235B = TransformerConfig(
     vocab_size=151936, rope_theta=1e6, qk_norm=True, tied_embedding=False,
     moe=MoEConfig(num_experts=128, d_ff=1536, every=1, top_k=8, renormalize=True, aux_loss_weight=8e-3,
                   dispatch="dropless"))
+
+# Gemma-3-27B (text) as published (google/gemma-3-27b-pt text_config): 62 layers of 5 local
+# (1024-token window, RoPE base 1e4) then 1 global (base 1e6, linear scaling x8) layers, so 10
+# units of 6 and a tail of 2; GQA 32/16 heads of 128 with (1 + w) q/k norms, softmax scale
+# 168^-1/2 (query_pre_attn_scalar), pre and post norms, GELU-tanh, embedding x sqrt(5376), tied.
+GEMMA3_27B = TransformerConfig(
+    num_layers=62, d_model=5376, num_heads=32, num_kv_heads=16, head_dim=128, d_ff=21504,
+    vocab_size=262208, max_len=131072, norm="rms_plus_one", norm_eps=1e-6, post_norms=True, qk_norm=True,
+    query_pre_attn_scalar=168.0, activation="gelu", scale_embedding=True, tied_embedding=True,
+    rope_theta=1e6, rope_scaling="linear", rope_scaling_factor=8.0,
+    layer_pattern=(LayerKind(window=1024, rope_theta=1e4, rope_scaled=False),) * 5 + (LayerKind(),))

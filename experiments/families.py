@@ -1,13 +1,15 @@
 """Pod experiments of the published model families shardax imports from Hugging Face
 (models/hf/), at their published shapes (configs/shapes.py): dry-run targets
 (`--mode=dry_run [--shallow]`) on a real TPU topology, on the MoE pod recipe
-(experiments/recipes.py pod_moe).
+(experiments/recipes.py pod_moe) or, for a dense model, FSDP (recipes.on_pod).
 """
+
+import dataclasses
 
 from shardax.configs import register, shapes
 from shardax.configs.attention import LayerKind
 from shardax.configs.moe import MoEConfig
-from shardax.configs.schema import TransformerConfig
+from shardax.configs.schema import ShardingConfig, TransformerConfig
 from shardax.experiments import recipes
 from shardax.sharding import MeshConfig, libtpu_flags
 
@@ -82,3 +84,18 @@ def gpt_oss_120b():
       GPT_OSS_120B, global_batch=256, step=dict(attention="auto"), moe=moe, rules=EMBED_OVER_DATA,
       mesh=MeshConfig(topology="v5p:4x4x8", ici=(16, 8), axes=("data", "expert"),
                       libtpu_flags=libtpu_flags.ASYNC_ALL_TO_ALL))
+
+
+@register("lm.gemma3_27b", "Gemma-3-27B (text) as published (62 layers: 5 local of 1024 tokens + 1 global, "
+          "27.0B params); TPU v5p-64 (32 chips) FSDP at 2 x 8192 tokens a chip; a dry-run target")
+def gemma3_27b():
+  """configs/shapes.py GEMMA3_27B on v5p:2x4x4 at 64 x 8192 tokens a step, every weight and the
+  batch FSDP-split over the 32 chips; bf16 compute, the splash kernel (sliding window on the
+  local layers), remat 'full', the loss in chunks of 1024 positions (no [16384, 262208] f32
+  logits a chip at once), Adafactor. The stack scans 10 units of 6 layers; the last 2 local
+  layers run after them (the pattern's tail)."""
+  model = dataclasses.replace(shapes.GEMMA3_27B, dtype="bfloat16", scan_layers=True, attention="auto",
+                              remat="full", loss_chunk=1024)
+  return recipes.on_pod(model, seq_len=8192, global_batch=64,
+                        mesh=MeshConfig(topology="v5p:2x4x4", ici=(32, 1), axes=("data", "model")),
+                        sharding=ShardingConfig(preset="fsdp"))

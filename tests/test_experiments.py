@@ -40,6 +40,7 @@ SKIPPED = {
     "lm.llama3_8b_8k": "pod-sized (v6e:2x4, Llama-3.1-8B at 8k): built and compiled by dry runs only",
     "lm.mistral_7b_8k": "pod-sized (v6e:2x4, Mistral-7B at 8k): built and compiled by dry runs only",
     "lm.llama3_70b_8k": "pod-sized (v6e:16x16, Llama-3.1-70B at 8k): built and compiled by dry runs only",
+    "lm.gemma3_27b": "pod-sized (v5p:2x4x4, Gemma-3-27B at 8k): built and compiled by dry runs only",
     "lm.llama3_8b_32k": "pod-sized (v6e:8x8, Llama-3.1-8B at 32k, context parallel): built and compiled by dry runs only",
 }
 FAST = ("lm.tiny_pipelined",)

@@ -169,3 +169,26 @@ def test_export_refuses_what_gemma_cannot_express():
                            "gemma3_text")
   with pytest.raises(ConfigError, match="Gemma 2 has one RoPE"):
     gemma.check_exportable(dataclasses.replace(model, qk_norm=False), "gemma2")
+
+
+def test_published_gemma3_27b_config_imports_as_the_pod_shape():
+  """Gemma-3-27B's text config as the hub spells it (rope_theta / rope_local_base_freq /
+  rope_scaling, sliding_window_pattern 6 over 62 layers) builds configs/shapes.py GEMMA3_27B,
+  the shape of the pod experiment lm.gemma3_27b: 10 units of 6 layers and a tail of 2."""
+  from shardax.configs import shapes
+  from shardax.configs.schema import TransformerConfig
+  hub = {"architectures": ["Gemma3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+         "attn_logit_softcapping": None, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+         "final_logit_softcapping": None, "head_dim": 128, "hidden_activation": "gelu_pytorch_tanh",
+         "hidden_size": 5376, "initializer_range": 0.02, "intermediate_size": 21504,
+         "max_position_embeddings": 131072, "model_type": "gemma3_text", "num_attention_heads": 32,
+         "num_hidden_layers": 62, "num_key_value_heads": 16, "pad_token_id": 0, "query_pre_attn_scalar": 168,
+         "rms_norm_eps": 1e-06, "rope_local_base_freq": 10000.0, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+         "rope_theta": 1000000.0, "sliding_window": 1024, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+         "use_cache": True, "vocab_size": 262208}
+  model = TransformerConfig(**gemma.model_fields(hub))
+  assert model == shapes.GEMMA3_27B
+  assert (model.num_stack_units, model.num_tail_layers) == (10, 2)
+  assert round(model.param_count() / 1e9, 2) == 27.01
+  out = gemma.to_hf(model, "gemma3_text", hub)
+  assert {k: out.get(k) for k in hub} == hub
