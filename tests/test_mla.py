@@ -24,7 +24,7 @@ from shardax.layers import rope
 from shardax.layers.attention import AttentionOptions, rope_inv_freq
 from shardax.layers.mla import MultiHeadLatentAttention, mla_cache_spec
 from shardax.trainer import state as state_lib
-from meshtools import loss_and_grads, setup_for, tiny_lm
+from meshtools import loss_and_grads, packed_batch, setup_for, tiny_lm
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "mla")
 SMALL = MLAConfig(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
@@ -115,6 +115,18 @@ def test_cached_decode_over_the_latent_equals_the_full_forward(q_lora_rank, scal
   assert {k: v.shape for k, v in cache.items()} == {"latent": (2, 16, 16), "k_rope": (2, 16, 4)}
 
 
+def test_packed_documents_attend_only_within_themselves():
+  """A row holding two documents (segment ids 1, 2; positions restarting at 0) gives each
+  document's output of it run alone."""
+  attn = layer(rope_scaling=FIXTURE_YARN)
+  x = jax.random.normal(jax.random.key(3), (1, 10, D_MODEL))
+  seg = jnp.asarray([[1] * 4 + [2] * 6], jnp.int32)
+  pos = jnp.asarray([list(range(4)) + list(range(6))], jnp.int32)
+  packed = jax.jit(lambda x: attn(x, pos, seg))(x)
+  alone = [jax.jit(lambda x: attn(x))(x[:, :4]), jax.jit(lambda x: attn(x))(x[:, 4:])]
+  np.testing.assert_allclose(np.asarray(packed), np.concatenate(alone, 1), rtol=1e-5, atol=1e-5)
+
+
 def test_attention_paths_agree_with_a_narrower_v():
   """v_head_dim 6 < q/k's 12: 'fused' pads v, the splash kernel (interpret mode) takes it."""
   x = jax.random.normal(jax.random.key(2), (1, 128, D_MODEL))
@@ -132,12 +144,17 @@ MLA_LM = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=12", "model.mla.qk
           "model.rope_mscale_all_dim=0.5"]
 
 
+PACKED = ["data.source='stdlib'"]   # batches carry segment ids, positions and a loss mask
+
+
 @pytest.fixture(scope="module")
 def reference():
-  exp = tiny_lm(2, 8, ici=(1, 1), extra=MLA_LM)
+  """Params, a packed batch (3 documents a row: segment ids and positions restart) and loss
+  and grads on one device."""
+  exp = tiny_lm(2, 8, ici=(1, 1), extra=MLA_LM + PACKED)
   setup = setup_for(exp, jax.devices()[:1])
   params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
-  batch = {k: v for k, v in _batch().items()}
+  batch = packed_batch(np.random.default_rng(0), 8, 16)
   (loss, grads, _), _ = loss_and_grads(setup, params, batch)
   return params, batch, float(loss), jax.device_get(grads)
 
@@ -154,7 +171,7 @@ def _batch():
 ], ids=["fsdp", "2d", "ring_cp"])
 def test_lm_with_mla_sharded_equals_one_device(reference, ici, axes, preset, extra):
   params, batch, ref_loss, ref_grads = reference
-  setup = setup_for(tiny_lm(2, 8, ici=ici, axes=axes, preset=preset, extra=MLA_LM + extra))
+  setup = setup_for(tiny_lm(2, 8, ici=ici, axes=axes, preset=preset, extra=MLA_LM + PACKED + extra))
   (loss, grads, _), _ = loss_and_grads(setup, params, batch)
   np.testing.assert_allclose(float(loss), ref_loss, rtol=1e-5)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
@@ -167,7 +184,7 @@ def test_pipelined_and_rematerialized_lm_with_mla_equals_one_device(reference):
   from shardax import pipeline
   params, batch, ref_loss, ref_grads = reference
   setup = setup_for(tiny_lm(2, 8, stages=2, micro=2, ici=(2, 4), axes=("stage", "data"), preset="pp_dp",
-                            extra=MLA_LM + ["model.remat='full'"]))
+                            extra=MLA_LM + PACKED + ["model.remat='full'"]))
   params = dict(params, layers=pipeline.stage_params(params["layers"], 2, 1))
   (loss, grads, _), _ = loss_and_grads(setup, params, batch)
   grads = jax.device_get(grads)
