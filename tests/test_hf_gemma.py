@@ -153,6 +153,8 @@ def test_hub_spelling_imports_as_the_same_model():
                           "full_attention": {"rope_type": "default"}}}, "rope for sliding_attention"),
     ({"rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0},
                           "full_attention": {"rope_type": "linear", "factor": 8.0}}}, "linear factors"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "keyed by layer type"),
+    ({"sliding_window": None}, "sliding_window=None"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
   d = _write_config(str(tmp_path / "m"), "gemma3", **changes)

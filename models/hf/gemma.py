@@ -85,13 +85,16 @@ def period(types: list[str]) -> int:
 def rope_by_type(hf: dict[str, Any], arch: str) -> dict[str, dict[str, Any]]:
   """{layer type: {'rope_type', 'rope_theta'[, 'factor']}} from either spelling."""
   params = dict(hf.get("rope_parameters") or {})
-  if arch == "gemma2" or not (set(params) & {SLIDING, FULL}):
-    if arch == "gemma2" or params:   # one RoPE for every layer (Gemma 2; a flat rope_parameters)
-      one = common.rope(hf)
-      if set(one) - {"rope_theta"}:
-        raise ConfigError(f"config.json rope scaling {hf.get('rope_parameters') or hf.get('rope_scaling')}: "
-                          f"shardax's Gemma import rotates Gemma 2's layers without scaling")
-      return {t: {"rope_type": "default", "rope_theta": one["rope_theta"]} for t in (SLIDING, FULL)}
+  if arch == "gemma2":   # one RoPE for every layer
+    one = common.rope(hf)
+    if set(one) - {"rope_theta"}:
+      raise ConfigError(f"config.json rope scaling {hf.get('rope_parameters') or hf.get('rope_scaling')}: "
+                        f"shardax's Gemma 2 import rotates every layer without scaling, as Gemma 2 does")
+    return {t: {"rope_type": "default", "rope_theta": one["rope_theta"]} for t in (SLIDING, FULL)}
+  if params and not set(params) <= {SLIDING, FULL}:
+    raise ConfigError(f"config.json rope_parameters={params}: Gemma 3's are keyed by layer type "
+                      f"({SLIDING!r}, {FULL!r})")
+  if not params:   # the hub's spelling
     full = {"rope_type": "default", **dict(hf.get("rope_scaling") or {})}
     full["rope_theta"] = hf.get("rope_theta", DEFAULT_THETA[FULL])
     local = {"rope_type": "default", "rope_theta": hf.get("rope_local_base_freq", DEFAULT_THETA[SLIDING])}
