@@ -47,14 +47,21 @@ def test_config_maps_onto_mla_and_the_group_limited_moe():
   assert m.bias_update_rate > 0 and m.aux_loss_weight == 0
 
 
-def assert_logits_match(setup, params, atol=1e-4):
+def assert_logits_match(setup, params, atol=1e-4, rows=3):
   ref = reference(ARCH)
-  for j, got in enumerate(logits_of(setup, params, ref)):
+  for j, got in enumerate(logits_of(setup, params, ref, rows=rows)):
     np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=atol, rtol=0, err_msg=f"sequence {j}")
 
 
 def test_logits_match_transformers(model):
   assert_logits_match(*model)
+
+
+def test_expert_parallel_import_matches_transformers():
+  """On (4, 2) with the 'expert' rules: the experts split over data, the tokens exchanged."""
+  setup, params = imported(ARCH, (4, 2), "sharding.preset='expert'")
+  assert params["layers"]["blocks"]["moe_block"]["moe"]["wi_gate"].sharding.spec[1] == "data"
+  assert_logits_match(setup, params, rows=4)
 
 
 def test_unscanned_stack_matches_transformers_too():
