@@ -98,6 +98,8 @@ def depth(exp: Experiment) -> Depth | str:
   unit, offset = 1, 0
   if model.moe is not None:
     unit, offset = model.moe.every, model.moe.first_dense_layers
+  if getattr(t, "layer_pattern", ()):   # whole units of lcm(pattern, every); the tail stays as it is
+    unit, offset = t.layers_per_unit, offset + t.num_tail_layers
   if t.pipeline.stages > 1:   # one unit per stage per visit (an MoE unit in a pipelined MoE model)
     unit *= t.pipeline.stages * t.pipeline.circular_repeats
   if t.num_layers <= offset + SHALLOW_UNITS[-1] * unit:

@@ -107,6 +107,22 @@ def test_an_moe_stack_after_dense_layers_extrapolates_its_unit_loop():
   assert ps["step_seconds"] == pytest.approx(pf["step_seconds"], rel=0.05)
 
 
+@pytest.mark.slow
+def test_a_layer_pattern_stack_is_cut_in_whole_units_and_keeps_its_tail():
+  """A 3-kind pattern over 20 layers (6 scanned units and a tail of 2): the shallow copies are
+  3 and 4 whole units plus the tail (11 and 14 layers), whose scan runs 3 and 4 times; cut
+  per layer they would not even build (3 layers < a unit) or run a loop of the wrong count."""
+  pytest.importorskip("libtpu")
+  exp = build("lm.tiny", *SMALL, "model.num_layers=20",
+              "model.layer_pattern=({'window': 8}, {'window': 8}, {'rope_theta': 1e6})")
+  assert ex.depth(exp) == ex.Depth(20, 3, "model.num_layers", offset=2)
+  shallow, full = ex.dry_run(exp, effort=-1.0), ex.dry_run(exp, full=True, effort=-1.0)
+  assert shallow["compile_path"] == "shallow" and shallow["shallow"]["layers"] == [11, 14]
+  ps, pf = shallow["predicted"], full["predicted"]
+  assert ps["hardware_flops_per_device"] == pytest.approx(pf["hardware_flops_per_device"], rel=0.05)
+  assert ps["step_seconds"] == pytest.approx(pf["step_seconds"], rel=0.05)
+
+
 def test_report_says_which_path_was_used(both):
   shallow, _, job = both
   saved = json.loads((job / "dry_run.json").read_text())
