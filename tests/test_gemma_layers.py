@@ -31,7 +31,7 @@ from shardax.layers.blocks import Block
 from shardax.layers.transformer import TransformerLM
 from meshtools import loss_and_grads, setup_for, tiny_lm
 from test_layers import random_state
-from test_layer_pattern import decode_logits, reference_attention
+from test_layer_pattern import decode_logits
 
 LOCAL = LayerKind(window=3, rope_theta=100.0, rope_scaled=False)
 GLOBAL = LayerKind()

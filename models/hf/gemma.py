@@ -72,7 +72,7 @@ def layer_types(hf: dict[str, Any], arch: str) -> list[str]:
 def period(types: list[str]) -> int:
   """The shortest p with types[i] == types[i - p] for every i >= p: the repeating pattern's
   length. A ConfigError naming layer_types when nothing repeats (p would be the whole list)."""
-  n = len(types)
+  n, p = len(types), 1
   for p in range(1, n + 1):
     if all(types[i] == types[i - p] for i in range(p, n)):
       break
@@ -116,7 +116,7 @@ def rope_fields(ropes: dict[str, dict[str, Any]], window: int) -> tuple[dict[str
   """(model RoPE fields, {layer type: its LayerKind}): the global type's base and scaling are
   the model's; the local type's base (when it differs) and no scaling (when only the global
   type scales) are its kind's."""
-  full, local = ropes[FULL], ropes[SLIDING]
+  full = ropes[FULL]
   scaled = {t: r for t, r in ropes.items() if r["rope_type"] == "linear"}
   factors = {r["factor"] for r in scaled.values()}
   if len(factors) > 1:
@@ -128,6 +128,7 @@ def rope_fields(ropes: dict[str, dict[str, Any]], window: int) -> tuple[dict[str
   def kind(t, **mask):
     theta = None if ropes[t]["rope_theta"] == full["rope_theta"] else ropes[t]["rope_theta"]
     return LayerKind(**mask, rope_theta=theta, rope_scaled=t in scaled or not scaled)
+
   return fields, {SLIDING: kind(SLIDING, window=window), FULL: kind(FULL)}
 
 
