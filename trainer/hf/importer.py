@@ -137,6 +137,28 @@ def import_params(setup, source: str, files: safetensors.Reader | None = None):
   return jax.tree_util.tree_unflatten(treedef, out)
 
 
+def held_bytes(abstract) -> int:
+  """The bytes of `abstract`'s arrays (shape, dtype, sharding) on this process's devices: a
+  block replicated on several of them counts once for each (CPU devices keep it in host memory)."""
+  total = 0
+  for a in jax.tree.leaves(abstract):
+    for idx in a.sharding.addressable_devices_indices_map(tuple(a.shape)).values():
+      total += math.prod(len(range(*s.indices(n))) for s, n in zip(idx, a.shape)) * np.dtype(a.dtype).itemsize
+  return total
+
+
+def host_memory() -> dict[str, int]:
+  """{"rss": resident bytes now, "peak": the most resident so far} of this process, from
+  /proc/self/status (Linux); {} where there is none."""
+  try:
+    with open("/proc/self/status") as f:
+      fields = dict(line.split(":", 1) for line in f if ":" in line)
+  except OSError:
+    return {}
+  return {key: int(fields[name].split()[0]) * 1024 for key, name in (("rss", "VmRSS"), ("peak", "VmHWM"))
+          if name in fields}
+
+
 def run(exp: Experiment, job_dir: str) -> dict:
   """--mode=import: the model dir's weights as step 0 of `job_dir`; returns a summary."""
   from shardax.sharding import make_mesh, use_rules
@@ -155,9 +177,13 @@ def run(exp: Experiment, job_dir: str) -> dict:
     if checkpointer.latest_step() is not None:
       raise ConfigError(f"{job_dir}/checkpoints already holds step {checkpointer.latest_step()}; "
                         f"import into a fresh --job_dir")
+    files = safetensors.Reader(source)
+    held, before = held_bytes(model.abstract_params), host_memory()
+    print(f"importing {source} ({files.nbytes / 1e6:,.1f} MB): process {jax.process_index()} of "
+          f"{jax.process_count()} holds {held / 1e6:,.1f} MB of params on {len(mesh.local_devices)} device(s); "
+          f"host RSS {before.get('rss', 0) / 1e6:,.1f} MB", file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     with jax.set_mesh(mesh), use_rules(model.rules, exp.sharding.allow_uneven):
-      files = safetensors.Reader(source)
       params = import_params(model, source, files)
       jax.block_until_ready(params)
       seconds = time.perf_counter() - t0
@@ -172,7 +198,8 @@ def run(exp: Experiment, job_dir: str) -> dict:
   line = (f"imported {source}: {state_lib.count_params(model):,} params, {nbytes / 1e6:.1f} MB in "
           f"{seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {job_dir}/checkpoints step 0; "
           f"process {jax.process_index()} of {jax.process_count()} read {files.bytes_read:,} of the "
-          f"checkpoint's {files.nbytes:,} bytes")
+          f"checkpoint's {files.nbytes:,} bytes; host peak RSS {host_memory().get('peak', 0) / 1e6:,.1f} MB")
   logging.info(line)
   print(line, file=sys.stderr, flush=True)
-  return {"bytes": nbytes, "seconds": seconds, "bytes_read": files.bytes_read, "checkpoint_bytes": files.nbytes}
+  return {"bytes": nbytes, "seconds": seconds, "bytes_read": files.bytes_read, "checkpoint_bytes": files.nbytes,
+          "held_bytes": held, "rss_before": before.get("rss"), "peak_rss": host_memory().get("peak")}
