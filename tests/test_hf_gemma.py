@@ -155,6 +155,7 @@ def test_hub_spelling_imports_as_the_same_model():
                           "full_attention": {"rope_type": "linear", "factor": 8.0}}}, "linear factors"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, "keyed by layer type"),
     ({"sliding_window": None}, "sliding_window=None"),
+    ({"sliding_window_size": 8}, "sliding_window_size=8"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
   d = _write_config(str(tmp_path / "m"), "gemma3", **changes)
@@ -193,4 +194,25 @@ def test_published_gemma3_27b_config_imports_as_the_pod_shape():
   assert (model.num_stack_units, model.num_tail_layers) == (10, 2)
   assert round(model.param_count() / 1e9, 2) == 27.01
   out = gemma.to_hf(model, "gemma3_text", hub)
+  assert {k: out.get(k) for k in hub} == hub
+
+
+def test_gemma2_hub_config_imports():
+  """Gemma-2-9B's config.json as the hub has it (hidden_act beside hidden_activation,
+  sliding_window_size, no layer_types): alternating window-4096 and global layers, 21 units,
+  both soft-caps, no q/k norm."""
+  hub = {"architectures": ["Gemma2ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+         "attn_logit_softcapping": 50.0, "bos_token_id": 2, "cache_implementation": "hybrid", "eos_token_id": 1,
+         "final_logit_softcapping": 30.0, "head_dim": 256, "hidden_act": "gelu_pytorch_tanh",
+         "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 3584, "initializer_range": 0.02,
+         "intermediate_size": 14336, "max_position_embeddings": 8192, "model_type": "gemma2",
+         "num_attention_heads": 16, "num_hidden_layers": 42, "num_key_value_heads": 8, "pad_token_id": 0,
+         "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+         "sliding_window_size": 4096, "torch_dtype": "float32", "use_cache": True, "vocab_size": 256000}
+  fields = gemma.model_fields(hub)
+  assert fields["layer_pattern"] == (LayerKind(window=4096), LayerKind()) and fields["num_layers"] == 42
+  assert (fields["attention_softcap"], fields["final_logit_softcap"], fields["qk_norm"]) == (50.0, 30.0, False)
+  assert (fields["rope_theta"], fields["rope_scaling"]) == (10000.0, "none")
+  from shardax.configs.schema import TransformerConfig
+  out = gemma.to_hf(TransformerConfig(**fields), "gemma2", hub)
   assert {k: out.get(k) for k in hub} == hub

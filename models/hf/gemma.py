@@ -38,13 +38,14 @@ DEFAULT_THETA = {FULL: 1_000_000.0, SLIDING: 10_000.0}  # Gemma 3's rope bases w
 
 # `hidden_act`: Gemma 2's hub configs carry it beside hidden_activation, which alone picks the
 # MLP's activation. `cache_implementation`: which decode cache transformers builds (no math).
+# `sliding_window_size`: Gemma 2's hub configs repeat sliding_window under this name.
 MAPPED = {"vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
           "num_key_value_heads", "head_dim", "hidden_activation", "hidden_act", "max_position_embeddings",
           "rms_norm_eps", "tie_word_embeddings", "rope_parameters", "rope_theta", "rope_scaling",
           "rope_local_base_freq", "attention_bias", "attention_dropout", "query_pre_attn_scalar",
           "sliding_window", "sliding_window_pattern", "_sliding_window_pattern", "layer_types",
           "final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention",
-          "cache_implementation"}
+          "cache_implementation", "sliding_window_size"}
 ACTIVATIONS = ("gelu_pytorch_tanh",)
 
 BLOCK = {k: v for k, v in LLAMA_BLOCK.items() if k[0] != "mlp" or k[-1] != "bias"}
@@ -147,6 +148,9 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
                         f"without dropout); set it to {0.0 if key == 'attention_dropout' else False}")
   types = layer_types(hf, arch)
   window = hf.get("sliding_window")
+  if hf.get("sliding_window_size", window) != window:
+    raise ConfigError(f"config.json sliding_window={window} and sliding_window_size={hf['sliding_window_size']} "
+                      f"disagree; keep one")
   if SLIDING in types and not window:
     raise ConfigError(f"config.json layer_types has {SLIDING!r} layers but sliding_window={window!r}")
   rope, kinds = rope_fields(rope_by_type(hf, arch), int(window or 1))
@@ -214,6 +218,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
               "rope_scaling": {k: v for k, v in ropes[FULL].items() if k != "rope_theta"}
               if ropes[FULL]["rope_type"] != "default" else None}
     out.update({k: v for k, v in legacy.items() if k in source})
+  if "sliding_window_size" in source:
+    out["sliding_window_size"] = window
   for key in ("hidden_act", "use_bidirectional_attention", "sliding_window_pattern", "_sliding_window_pattern"):
     if key in source:   # no math (hidden_act), off (bidirectional), or superseded by layer_types
       out[key] = source[key]
