@@ -95,7 +95,7 @@ def _alone(mod: hlo.Module, inst: hlo.Instruction, then: hlo.Instruction | None 
   return hlo.logical_layouts("\n\n".join(["HloModule alone", mod.prefix, *blocks, entry]))
 
 
-@functools.lru_cache(maxsize=4096)
+@functools.lru_cache(maxsize=64)   # texts carry the source tables: keep few
 def _xla_bytes(text: str) -> dict[str, float]:
   from jax._src.lib import xla_client
   from jaxlib import _hlo
