@@ -77,7 +77,8 @@ def leave_one_out(rows: dict[str, tuple[str, float]]) -> dict[str, dict]:
 def summary(rows: dict[str, tuple[str, float]]) -> dict:
   """What `write` stores: the rows with their leave-one-out checks and, per chip, the rows'
   count, median and worst error factor, the interval from all its rows, and how many rows
-  lay inside the interval of the others ('loo_inside' of 'loo_checked')."""
+  lay inside the interval of the others ('loo_inside' of 'loo_checked'); 'fit_on_rows'
+  names the step model's figures set from these rows: none (module docstring)."""
   checked = leave_one_out(rows)
   fams: dict[str, list[str]] = {}
   for rid, r in checked.items():
