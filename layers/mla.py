@@ -43,7 +43,7 @@ from shardax.configs.mla import MLAConfig
 from shardax.configs.rope import Yarn
 from shardax.layers import context_parallel
 from shardax.layers.attention import (CacheSpec, apply_rope, attend, cached_attention, default_positions,
-                                      write_cache)
+                                      interleaved_pairs, write_cache)
 from shardax.layers.linear import DenseGeneral
 from shardax.layers.norm import RMSNorm
 from shardax.sharding import shard
@@ -110,7 +110,7 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
     if self.mla.rope_interleave:   # pairs (0, 1), (2, 3), ...: rotate-half of evens-then-odds
-      x = jnp.concatenate([x[..., 0::2], x[..., 1::2]], axis=-1)
+      x = interleaved_pairs(x)
     return apply_rope(x, positions, self.rope_theta, self.rope_scaling)
 
   def _queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
