@@ -187,6 +187,7 @@ def run(exp: Experiment, job_dir: str) -> dict:
       params = import_params(model, source, files)
       jax.block_until_ready(params)
       seconds = time.perf_counter() - t0
+      in_place = host_memory()
       opt_state = jax.jit(setup.tx.init, out_shardings=setup.shardings["opt_state"])(params)
       step = jax.device_put(np.zeros((), np.int32), setup.replicated)
       state = {"step": step, "params": params, "opt_state": opt_state}
@@ -198,8 +199,10 @@ def run(exp: Experiment, job_dir: str) -> dict:
   line = (f"imported {source}: {state_lib.count_params(model):,} params, {nbytes / 1e6:.1f} MB in "
           f"{seconds:.2f}s ({nbytes / 1e6 / max(seconds, 1e-9):.0f} MB/s) -> {job_dir}/checkpoints step 0; "
           f"process {jax.process_index()} of {jax.process_count()} read {files.bytes_read:,} of the "
-          f"checkpoint's {files.nbytes:,} bytes; host peak RSS {host_memory().get('peak', 0) / 1e6:,.1f} MB")
+          f"checkpoint's {files.nbytes:,} bytes; host peak RSS {in_place.get('peak', 0) / 1e6:,.1f} MB with the "
+          f"params in place, {host_memory().get('peak', 0) / 1e6:,.1f} MB after the save")
   logging.info(line)
   print(line, file=sys.stderr, flush=True)
   return {"bytes": nbytes, "seconds": seconds, "bytes_read": files.bytes_read, "checkpoint_bytes": files.nbytes,
-          "held_bytes": held, "rss_before": before.get("rss"), "peak_rss": host_memory().get("peak")}
+          "held_bytes": held, "rss_before": before.get("rss"), "peak_rss_params": in_place.get("peak"),
+          "peak_rss": host_memory().get("peak")}
