@@ -251,7 +251,8 @@ def _cell(rec: dict | None, key: str, unit: str) -> str:
   v = f.get(key)
   if v is None:
     return "does not fit" if f.get("fits") is False else "-"
-  return {"s": f"{v:.4g} s", "%": f"{100 * v:.1f}%", "GiB": f"{v / 2**30:.2f} GiB"}[unit]
+  over = " (over HBM)" if unit == "GiB" and f.get("fits") is False else ""
+  return {"s": f"{v:.4g} s", "%": f"{100 * v:.1f}%", "GiB": f"{v / 2**30:.2f} GiB{over}"}[unit]
 
 
 def summary(before: dict, after: dict) -> str:
