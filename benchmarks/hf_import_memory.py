@@ -73,7 +73,8 @@ def write_checkpoint(d: str, layers: int) -> int:
   tensors = specs(layers)
   nbytes = sum(int(np.prod(s)) * 2 for _, s, _ in tensors)
   path = os.path.join(d, "config.json")
-  if os.path.exists(path) and json.load(open(path)) == cfg and os.path.exists(os.path.join(d, safetensors.INDEX)):
+  if os.path.exists(path) and json.load(open(path)) == cfg and any(
+      os.path.exists(os.path.join(d, f)) for f in (safetensors.INDEX, safetensors.SINGLE)):
     return nbytes
   shutil.rmtree(d, ignore_errors=True)
   os.makedirs(d)
