@@ -47,6 +47,9 @@ HBM = (0, 2)           # default and pinned-default memory spaces (host memory i
 _LEAF = re.compile(r"\b[a-z][a-z0-9]*\[[0-9,]*\](\{[^{}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
 _SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
+# Ops that run other computations in sequence: their instructions are read one by one (loop
+# bodies as pieces of their own), so the op itself adds nothing (alone, XLA would price its callees).
+_SEQUENCES = ("while", "call", "conditional")
 _ASYNC_FUSION = "async_collective_fusion_config"
 _ALIAS = re.compile(r"\{([0-9]*)[0-9,]*\}\s*:\s*\(\s*([0-9]+)")
 
@@ -129,7 +132,8 @@ def _aliased(inst: hlo.Instruction) -> tuple[set[int], set[int]]:
 def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
   """Bytes XLA counts for `inst` that do not cross HBM (module docstring); an async copy is
   priced at its start, with its done."""
-  if inst.opcode in _SKIP or inst.opcode == "copy-done" or any(o not in mod.instructions for o in inst.operands):
+  if (inst.opcode in _SKIP or inst.opcode in _SEQUENCES or inst.opcode.startswith("async-")
+      or inst.opcode == "copy-done" or any(o not in mod.instructions for o in inst.operands)):
     return 0.0
   operand_spaces = [spaces(mod.instructions[o].shape) for o in inst.operands]
   result_spaces = spaces(inst.shape)
