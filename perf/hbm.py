@@ -35,7 +35,6 @@ collective memory, still HBM).
 from __future__ import annotations
 
 import functools
-import re
 from typing import Iterable
 
 import jax
@@ -44,23 +43,11 @@ from shardax.perf import hlo
 
 ON_CHIP = 1            # XLA's alternate memory space: TPU on-chip memory
 HBM = (0, 2)           # default and pinned-default memory spaces (host memory is 5)
-_LEAF = re.compile(r"\b[a-z][a-z0-9]*\[[0-9,]*\](\{[^{}]*\})?")
-_SPACE = re.compile(r"S\((\d+)\)")
 _SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
 # Ops that run other computations in sequence: their instructions are read one by one (loop
 # bodies as pieces of their own), so the op itself adds nothing (alone, XLA would price its callees).
 _SEQUENCES = ("while", "call", "conditional")
 _ASYNC_FUSION = "async_collective_fusion_config"
-_ALIAS = re.compile(r"\{([0-9]*)[0-9,]*\}\s*:\s*\(\s*([0-9]+)")
-
-
-def spaces(shape_text: str) -> list[int]:
-  """The memory space of each array leaf of a shape as written (0 where the layout names none)."""
-  out = []
-  for m in _LEAF.finditer(shape_text):
-    space = _SPACE.search(m.group(1) or "")
-    out.append(int(space.group(1)) if space else 0)
-  return out
 
 
 def is_tpu(mod: hlo.Module) -> bool:
@@ -123,20 +110,14 @@ def _chain_role(mod: hlo.Module, inst: hlo.Instruction) -> str:
   return "start" if "AsyncCollectiveStart" in targets else "done" if "AsyncCollectiveDone" in targets else "carry"
 
 
-def _aliased(inst: hlo.Instruction) -> tuple[set[int], set[int]]:
-  """(operand indices, top-level output indices) that `output_to_operand_aliasing` pairs."""
-  pairs = _ALIAS.findall(inst.attr("output_to_operand_aliasing"))
-  return {int(k) for _, k in pairs}, {int(o) for o, _ in pairs if o}
-
-
 def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
   """Bytes XLA counts for `inst` that do not cross HBM (module docstring); an async copy is
   priced at its start, with its done."""
   if (inst.opcode in _SKIP or inst.opcode in _SEQUENCES or inst.opcode.startswith("async-")
       or inst.opcode == "copy-done" or any(o not in mod.instructions for o in inst.operands)):
     return 0.0
-  operand_spaces = [spaces(mod.instructions[o].shape) for o in inst.operands]
-  result_spaces = spaces(inst.shape)
+  operand_spaces = [hlo.memory_spaces(mod.instructions[o].shape) for o in inst.operands]
+  result_spaces = hlo.memory_spaces(inst.shape)
   if inst.opcode == "copy-start":   # result (destination, source, context); the done writes the destination
     done = mod.instructions.get(mod.async_done.get(inst.name, ""))
     if done is None or not result_spaces:
@@ -156,7 +137,7 @@ def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
   elif role == "done":    # waits: the landed result is its one write, the in-flight buffer no read
     operands |= set(range(len(inst.operands)))
   elif role == "carry":   # the in-flight buffers pass through in place
-    alias_in, alias_out = _aliased(inst)
+    alias_in, alias_out = inst.aliasing
     operands, outputs = operands | alias_in, outputs | alias_out
   if not operands and not outputs:
     return 0.0

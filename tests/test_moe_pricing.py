@@ -46,7 +46,7 @@ def test_hbm_traffic_counts_a_prefetch_once_and_nothing_read_from_on_chip_memory
   text = _two_matmuls()
   mod = perf_hlo.parse(text)
   assert [i.opcode for i in mod if i.opcode.startswith("copy-")] == ["copy-start", "copy-done"]
-  assert hbm.spaces(mod.instructions["copy-done"].shape) == [hbm.ON_CHIP]
+  assert perf_hlo.memory_spaces(mod.instructions["copy-done"].shape) == [hbm.ON_CHIP]
   c = costs.of_hlo_text(text)
   mib = 2**20
   (piece,) = c.pieces
@@ -61,7 +61,7 @@ def test_hbm_traffic_counts_a_prefetch_once_and_nothing_read_from_on_chip_memory
 
 
 def test_memory_spaces_are_read_per_leaf_and_only_a_tpu_program_has_on_chip_buffers():
-  assert hbm.spaces("(bf16[8,128]{1,0:T(8,128)(2,1)S(1)}, bf16[8,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)})") == [1, 0, 2]
+  assert perf_hlo.memory_spaces("(bf16[8,128]{1,0:T(8,128)(2,1)S(1)}, bf16[8,128]{1,0:T(8,128)(2,1)}, u32[]{:S(2)})") == [1, 0, 2]
   gpu = perf_hlo.parse("""HloModule m
 
 ENTRY %e (p: f32[1024]) -> f32[1024] {

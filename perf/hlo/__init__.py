@@ -12,8 +12,9 @@ shardax, so `sharding/` may import it.
 """
 
 from shardax.perf.hlo.dtypes import BYTES, nbytes
-from shardax.perf.hlo.module import Array, arrays, Computation, Instruction, logical_layouts, Module, parse
+from shardax.perf.hlo.module import (Array, arrays, Computation, Instruction, logical_layouts, memory_spaces,
+                                     Module, parse)
 from shardax.perf.hlo.loops import trip_counts, While, whiles
 
-__all__ = ["Array", "arrays", "BYTES", "Computation", "Instruction", "logical_layouts", "Module", "nbytes",
+__all__ = ["Array", "arrays", "BYTES", "Computation", "Instruction", "logical_layouts", "memory_spaces", "Module", "nbytes",
            "parse", "trip_counts", "While", "whiles"]

@@ -37,7 +37,10 @@ _OPCODE = re.compile(r"\s*([a-z][\w\-]*)\(")
 _ARRAY = re.compile(r"\b([a-z][a-z0-9]*)\[([0-9,]*)\]")
 _REF = re.compile(r"%?([\w.\-]+)\s*$")
 _PARTITIONS = re.compile(r"num_partitions=(\d+)")
-_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\d+)')   # metadata={op_name="..." stack_frame_id=7}
+_FIELD = re.compile(r'(\w+)=("(?:[^"\\]|\\.)*"|\d+)')
+_LEAF = re.compile(r"\b[a-z][a-z0-9]*\[[0-9,]*\](\{[^{}]*\})?")   # any leaf of a shape, with its layout
+_SPACE = re.compile(r"S\((\d+)\)")                                   # a layout's memory space
+_ALIAS = re.compile(r"\{([0-9]*)[0-9,]*\}\s*:\s*\(\s*([0-9]+)")          # {output index}: (operand, ...)   # metadata={op_name="..." stack_frame_id=7}
 # Attributes that name one called computation, and those that name a list of them.
 CALL_KEYS = ("calls", "to_apply", "body", "condition", "true_computation", "false_computation")
 CALL_LIST_KEYS = ("branch_computations", "called_computations")
@@ -58,6 +61,16 @@ def arrays(shape_text: str) -> tuple[Array, ...]:
   """Every array written in `shape_text` (a shape, or a tuple of them), in order."""
   return tuple(Array(t, tuple(int(d) for d in dims.split(",") if d))
                for t, dims in _ARRAY.findall(shape_text) if t in dtypes.BYTES)
+
+
+def memory_spaces(shape_text: str) -> list[int]:
+  """The memory space of each leaf of a shape as written, tokens included, in order (the
+  `S(n)` of its layout; 0 where the layout names none). TPU: 1 is on-chip memory."""
+  out = []
+  for m in _LEAF.finditer(shape_text):
+    space = _SPACE.search(m.group(1) or "")
+    out.append(int(space.group(1)) if space else 0)
+  return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,6 +151,13 @@ class Instruction:
     except ValueError:
       return {}
     return config if isinstance(config, dict) else {}
+
+  @functools.cached_property
+  def aliasing(self) -> tuple[frozenset[int], frozenset[int]]:
+    """(operand indices, top-level output indices) that `output_to_operand_aliasing` pairs:
+    buffers the instruction updates in place."""
+    pairs = _ALIAS.findall(self.attr("output_to_operand_aliasing"))
+    return frozenset(int(k) for _, k in pairs), frozenset(int(o) for o, _ in pairs if o)
 
   @property
   def replica_groups(self) -> str:
