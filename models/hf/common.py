@@ -82,6 +82,38 @@ def check_keys(hf: dict[str, Any], arch: str, *known: set[str]) -> None:
                       f"a key that changes the math cannot be ignored (remove it only if it does not)")
 
 
+def check_silu_without_dropout(hf: dict[str, Any], what: str = "gated MLP and experts") -> None:
+  """The gate activation and attention dropout every SiLU-gated family shares: silu, no dropout."""
+  act = hf.get("hidden_act", "silu")
+  if act not in ("silu", "swish"):
+    raise ConfigError(f"config.json hidden_act={act!r}: shardax's {what} implement 'silu'")
+  if hf.get("attention_dropout", 0.0):
+    raise ConfigError(f"config.json attention_dropout={hf['attention_dropout']}: dropout is not implemented")
+
+
+def router_mismatches(model, arch: str, family: str, router: dict[str, Any]) -> list[str]:
+  """The model.moe fields that differ from what `family`'s config.json fixes (`router`); an
+  error if the model has no MoE section (`arch` cannot express a dense model)."""
+  m = model.moe
+  if m is None:
+    raise ConfigError(f"cannot export as {arch}: the model is not a mixture of experts")
+  return [f"model.moe.{k}={getattr(m, k)!r} ({family}: {v!r})" for k, v in router.items() if getattr(m, k) != v]
+
+
+def decoder_keys(t, source: dict[str, Any], architecture: str, model_type: str, kv_heads: int) -> dict[str, Any]:
+  """The config.json keys every decoder family writes alike: the source's no-math keys, the
+  architecture, sizes, norm epsilon, tying, silu and no dropout; `max_position_embeddings` is
+  the larger of the model's and the source's (training at a shorter length must not shrink it)."""
+  out = {k: v for k, v in source.items() if k in METADATA}
+  out.update(
+      architectures=[architecture], model_type=model_type, vocab_size=t.vocab_size,
+      hidden_size=t.d_model, intermediate_size=t.d_ff, num_hidden_layers=t.num_layers,
+      num_attention_heads=t.num_heads, num_key_value_heads=kv_heads,
+      max_position_embeddings=max(t.max_len, int(source.get("max_position_embeddings", 0))),
+      rms_norm_eps=t.norm_eps, tie_word_embeddings=t.tied_embedding, hidden_act="silu", attention_dropout=0.0)
+  return out
+
+
 def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
   """TransformerConfig's rope_theta and llama3 or YaRN scaling fields, from `rope_theta` +
   `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5); other scaling types

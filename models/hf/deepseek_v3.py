@@ -101,10 +101,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   arch = common.arch_name(hf, ARCHITECTURES)
   common.check_keys(hf, arch, MAPPED, MOE_MAPPED)
   fp8.check(hf.get("quantization_config"))   # block-scaled fp8 weights: dequantized on import
-  _require(hf.get("hidden_act", "silu") in ("silu", "swish"),
-           f"config.json hidden_act={hf.get('hidden_act')!r}: shardax's gated MLP and experts implement 'silu'")
-  _require(not hf.get("attention_dropout", 0.0),
-           f"config.json attention_dropout={hf.get('attention_dropout')}: dropout is not implemented")
+  common.check_silu_without_dropout(hf)
   heads = int(hf["num_attention_heads"])
   _require(int(hf.get("num_key_value_heads") or heads) == heads,
            f"config.json num_key_value_heads={hf.get('num_key_value_heads')}: multi-head latent attention "
@@ -140,13 +137,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
   unless model.max_len is above it."""
   source = source or {}
   t, m, a = model, model.moe, model.mla
-  out = {k: v for k, v in source.items() if k in common.METADATA}
+  out = common.decoder_keys(t, source, "DeepseekV3ForCausalLM", "deepseek_v3", t.num_heads)
   out.update(
-      architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", vocab_size=t.vocab_size,
-      hidden_size=t.d_model, intermediate_size=t.d_ff, num_hidden_layers=t.num_layers,
-      num_attention_heads=t.num_heads, num_key_value_heads=t.num_heads,
-      max_position_embeddings=max(t.max_len, int(source.get("max_position_embeddings", 0))),
-      rms_norm_eps=t.norm_eps, tie_word_embeddings=t.tied_embedding, hidden_act="silu", attention_dropout=0.0,
       attention_bias=t.qkv_bias, dtype=t.param_dtype, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
       qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
       rope_interleave=a.rope_interleave, n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,

@@ -174,10 +174,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
 
 def check_exportable(model, arch: str) -> None:
   """The options gpt-oss's config.json can express; anything else would export another model."""
+  bad = common.router_mismatches(model, arch, "gpt-oss", ROUTER)
   m = model.moe
-  if m is None:
-    raise ConfigError(f"cannot export as {arch}: the model is not a mixture of experts")
-  bad = [f"model.moe.{k}={getattr(m, k)!r} (gpt-oss: {v!r})" for k, v in ROUTER.items() if getattr(m, k) != v]
   if m.swiglu_limit is None:
     bad.append("model.moe.swiglu_limit=None (gpt-oss's experts clamp)")
   if not model.attention_sinks:

@@ -80,11 +80,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   arch = common.arch_name(hf, ARCHITECTURES)
   defaults = DEFAULTS.get(arch, {})
   common.check_keys(hf, arch, MAPPED, MOE_MAPPED if arch in MOE else set())
-  act = hf.get("hidden_act", "silu")
-  if act not in ("silu", "swish"):
-    raise ConfigError(f"config.json hidden_act={act!r}: shardax's gated MLP implements 'silu'")
-  if hf.get("attention_dropout", 0.0):
-    raise ConfigError(f"config.json attention_dropout={hf['attention_dropout']}: dropout is not implemented")
+  common.check_silu_without_dropout(hf, "gated MLP")
   if hf.get("use_sliding_window"):
     raise ConfigError(f"config.json use_sliding_window=true: Qwen2's window (on the layers from "
                       f"max_window_layers={hf.get('max_window_layers')} on) is not imported; shardax's "
@@ -158,13 +154,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
   cls = {v: k for k, v in ARCHITECTURES.items()}[arch]
   source = source or {}
   t = model
-  out = {k: v for k, v in source.items() if k in common.METADATA}
+  out = common.decoder_keys(t, source, cls, arch, t.kv_heads)
   out.update(
-      architectures=[cls], model_type=arch, vocab_size=t.vocab_size, hidden_size=t.d_model,
-      intermediate_size=t.d_ff, num_hidden_layers=t.num_layers,
-      num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads,
-      max_position_embeddings=max(t.max_len, int(source.get("max_position_embeddings", 0))),
-      rms_norm_eps=t.norm_eps, tie_word_embeddings=t.tied_embedding, hidden_act="silu", attention_dropout=0.0,
       dtype=t.param_dtype, **common.rope_keys(t))
   if t.head_dim is not None:   # else transformers derives it as hidden_size // heads, as we do
     out["head_dim"] = t.head_dim

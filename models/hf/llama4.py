@@ -114,11 +114,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """TransformerConfig fields for a Llama 4 text config.json (ConfigError naming a key we lack)."""
   arch = common.arch_name(hf, ARCHITECTURES)
   common.check_keys(hf, arch, MAPPED, MOE_MAPPED)
-  act = hf.get("hidden_act", "silu")
-  if act not in ("silu", "swish"):
-    raise ConfigError(f"config.json hidden_act={act!r}: shardax's gated MLP and experts implement 'silu'")
-  if hf.get("attention_dropout", 0.0):
-    raise ConfigError(f"config.json attention_dropout={hf['attention_dropout']}: dropout is not implemented")
+  common.check_silu_without_dropout(hf)
   heads = int(hf["num_attention_heads"])
   bias = bool(hf.get("attention_bias", False))
   head_dim = hf.get("head_dim")
@@ -185,10 +181,7 @@ def _number(x: float) -> float | int:
 
 def check_exportable(model, arch: str) -> None:
   """The options Llama 4's config.json can express; anything else would export another model."""
-  m = model.moe
-  if m is None:
-    raise ConfigError(f"cannot export as {arch}: the model is not a mixture of experts")
-  bad = [f"model.moe.{k}={getattr(m, k)!r} (Llama 4: {v!r})" for k, v in ROUTER.items() if getattr(m, k) != v]
+  bad = common.router_mismatches(model, arch, "Llama 4", ROUTER)
   if model.norm != "rms" or model.mlp != "gated" or model.activation != "silu" or model.parallel_block:
     bad.append("norm/mlp/activation/parallel_block other than rms/gated/silu/False")
   if model.scale_embedding or model.mlp_bias or model.qk_norm or model.qkv_bias != model.out_bias:

@@ -89,11 +89,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """TransformerConfig fields for a Qwen3-MoE config.json (ConfigError naming a key we lack)."""
   arch = common.arch_name(hf, ARCHITECTURES)
   common.check_keys(hf, arch, MAPPED, MOE_MAPPED)
-  act = hf.get("hidden_act", "silu")
-  if act not in ("silu", "swish"):
-    raise ConfigError(f"config.json hidden_act={act!r}: shardax's gated MLP and experts implement 'silu'")
-  if hf.get("attention_dropout", 0.0):
-    raise ConfigError(f"config.json attention_dropout={hf['attention_dropout']}: dropout is not implemented")
+  common.check_silu_without_dropout(hf)
   if hf.get("use_sliding_window"):
     raise ConfigError("config.json use_sliding_window=true: Qwen3-MoE's sliding window is not imported; "
                       "set it to false (the published checkpoints do)")
@@ -142,13 +138,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
   when they make the model's layout (else the first dense layers listed)."""
   source = source or {}
   t, m = model, model.moe
-  out = {k: v for k, v in source.items() if k in common.METADATA}
+  out = common.decoder_keys(t, source, "Qwen3MoeForCausalLM", "qwen3_moe", t.kv_heads)
   out.update(
-      architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", vocab_size=t.vocab_size,
-      hidden_size=t.d_model, intermediate_size=t.d_ff, num_hidden_layers=t.num_layers,
-      num_attention_heads=t.num_heads, num_key_value_heads=t.kv_heads,
-      max_position_embeddings=max(t.max_len, int(source.get("max_position_embeddings", 0))),
-      rms_norm_eps=t.norm_eps, tie_word_embeddings=t.tied_embedding, hidden_act="silu", attention_dropout=0.0,
       attention_bias=t.qkv_bias, use_sliding_window=False, sliding_window=None, dtype=t.param_dtype,
       num_experts_per_tok=m.top_k, moe_intermediate_size=m.d_ff, norm_topk_prob=m.renormalize,
       decoder_sparse_step=m.every, router_aux_loss_coef=m.aux_loss_weight / m.top_k,
@@ -164,10 +155,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
 
 def check_exportable(model, arch: str) -> None:
   """The options Qwen3-MoE's config.json can express; anything else would export another model."""
+  bad = common.router_mismatches(model, arch, "Qwen3-MoE", ROUTER)
   m = model.moe
-  if m is None:
-    raise ConfigError(f"cannot export as {arch}: the model is not a mixture of experts")
-  bad = [f"model.moe.{k}={getattr(m, k)!r} (Qwen3-MoE: {v!r})" for k, v in ROUTER.items() if getattr(m, k) != v]
   if m.first_dense_layers % m.every:
     bad.append(f"model.moe.first_dense_layers={m.first_dense_layers} not a multiple of model.moe.every="
                f"{m.every} (transformers puts the MoE layers at (i + 1) % decoder_sparse_step == 0)")
