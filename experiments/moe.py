@@ -69,11 +69,7 @@ def mixtral_8x7b():
   kernels, whose weight gradient visits only filled row tiles; the splash kernel. remat
   'moe_matmuls' spends the HBM left over on each layer's expert matmul outputs and attention
   projections, so the backward recomputes neither."""
-  fsdp = ("data", "fsdp")
-  return recipes.pod_moe(
-      shapes.MIXTRAL_8X7B, global_batch=256, step=dict(attention="flash", remat="moe_matmuls"),
-      moe=dict(dispatch="dropless", grouped_matmul="megablox"), rules=(("batch", fsdp), ("embed", fsdp)),
-      mesh=MeshConfig(topology="v5p:4x4x8", ici=(16, 8), axes=fsdp, libtpu_flags=libtpu_flags.ASYNC_COLLECTIVE_FUSION))
+  return recipes.every_expert_on_every_chip(shapes.MIXTRAL_8X7B, remat="moe_matmuls")
 
 
 @register("moe.deepseek_v3", "DeepSeek-V3-shaped MoE LM (675B params): 61 layers (3 dense), "

@@ -17,7 +17,7 @@ from shardax.configs import experiment
 from shardax.configs.registry import config_of
 from shardax.configs.schema import (CheckpointConfig, DataConfig, OptimizerConfig, ShardingConfig, TrainConfig,
                                     TransformerConfig)
-from shardax.sharding import MeshConfig
+from shardax.sharding import MeshConfig, libtpu_flags
 
 
 def experiment_of(**sections: Any) -> fdl.Config:
@@ -91,3 +91,14 @@ def pod_moe(shape: TransformerConfig, *, mesh: MeshConfig, global_batch: int, st
   return on_pod(model(shape, moe=moe, **{**POD_STEP, **step}), seq_len=seq_len, global_batch=global_batch,
                 mesh=mesh, sharding=ShardingConfig(preset=None, rules=rules),
                 checkpoint=CheckpointConfig(every=1000))
+
+
+def every_expert_on_every_chip(shape: TransformerConfig, remat: str, global_batch: int = 256) -> fdl.Config:
+  """An MoE model on v5p-256 (128 chips) with FSDP over all of them and every expert on every
+  chip (dropless, megablox): nothing exchanged per layer, nothing dropped; the layout that wins
+  for experts small enough to gather (docs/moe.md, "How to choose")."""
+  fsdp = ("data", "fsdp")
+  return pod_moe(
+      shape, global_batch=global_batch, step=dict(attention="flash", remat=remat),
+      moe=dict(dispatch="dropless", grouped_matmul="megablox"), rules=(("batch", fsdp), ("embed", fsdp)),
+      mesh=MeshConfig(topology="v5p:4x4x8", ici=(16, 8), axes=fsdp, libtpu_flags=libtpu_flags.ASYNC_COLLECTIVE_FUSION))
