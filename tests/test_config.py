@@ -36,7 +36,7 @@ def test_overrides_parse_literals():
     (["model.num_kv_heads=3"], "model.num_kv_heads=3 must divide model.num_heads=4"),
     (["data.seq_len=512"], "data.seq_len=512 exceeds model.max_len=128"),
     (["train.microbatches=5"], "train.microbatches=5 must divide train.global_batch=32"),
-    (["model.norm='batch'"], "model.norm='batch': use 'rms' or 'layer'"),
+    (["model.norm='batch'"], "model.norm='batch': use one of \\('rms', 'rms_plus_one', 'layer'\\)"),
     (["mesh.ici=(2, 2, 2)"], "mesh.ici=.* has 3 entries but mesh.axes"),
     (["model.moe.num_experts=8", "model.moe.expert_overflow='drop'"],
      "expert_overflow='drop' is the dropless dispatch's buffer policy"),

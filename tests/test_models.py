@@ -95,7 +95,8 @@ def test_the_hf_architectures_reach_their_family_and_adapter():
   for cls, arch in hf_models.ARCHITECTURES.items():
     spec = models.for_hf_architecture(cls)
     adapter = spec.hf.adapter_for(cls)
-    assert spec.name == "lm" and adapter is hf_models.adapter_for(arch) is hf_models.llama
+    assert spec.name == "lm" and adapter is hf_models.adapter_for(arch)
+    assert adapter in hf_models.FAMILIES and arch in adapter.ARCHITECTURES.values()
     assert adapter.ARCHITECTURES[cls] == arch
   with pytest.raises(ConfigError, match="GPT2LMHeadModel.*LlamaForCausalLM"):
     models.for_hf_architecture("GPT2LMHeadModel")
