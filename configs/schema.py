@@ -20,6 +20,8 @@ from shardax.configs.errors import require as _require
 from shardax.configs import mla as mla_lib
 from shardax.configs import rope as rope_lib
 from shardax.configs.mla import MLAConfig
+from shardax.configs import mtp as mtp_lib
+from shardax.configs.mtp import MTPConfig
 from shardax.configs.moe import MoEConfig
 from shardax.configs.pipeline import PipelineConfig, remat_refusal
 from shardax.configs.tokenizer_spec import BYTE_VOCAB, TokenizerError, check_spec, trained_vocab
@@ -109,6 +111,8 @@ class TransformerConfig:
   moe: MoEConfig | None = None
   # Multi-head latent attention (configs/mla.py, layers/mla.py): None = multi-head/grouped-query.
   mla: MLAConfig | None = None
+  # Multi-token prediction (configs/mtp.py, layers/mtp.py; DeepSeek-V3): None = next-token loss only.
+  mtp: MTPConfig | None = None
   # Per-layer attention kinds (configs/attention.py LayerKind: window or chunk, RoPE on/off and
   # its base, temperature tuning): layer i uses kind i % len; () = every layer alike (the fields
   # above). The stack repeats lcm(len, moe.every) layers; layers past the last whole unit are a tail.
@@ -161,6 +165,7 @@ class TransformerConfig:
              f"model.rope_scaling={self.rope_scaling!r}: use 'none', 'llama3', 'yarn' or 'linear'")
     rope_lib.check_yarn(self)
     mla_lib.check_model(self)
+    mtp_lib.check_model(self)
     _require(self.mla is None or not (self.qk_l2_norm or self.rope_interleave),
              f"model.qk_l2_norm={self.qk_l2_norm} / model.rope_interleave={self.rope_interleave} with "
              f"model.mla: multi-head latent attention has its own (model.mla.rope_interleave); set both False")
