@@ -25,6 +25,7 @@ import fiddle as fdl
 
 from shardax.configs.moe import MoEConfig
 from shardax.configs.mla import MLAConfig
+from shardax.configs.mtp import MTPConfig
 from shardax.configs.schema import ConfigError, Experiment
 
 _REGISTRY: dict[str, tuple[Callable[[], fdl.Config], str]] = {}
@@ -135,7 +136,7 @@ def parse_value(text: str) -> Any:
 # The field whose --set creates an optional section the experiment leaves out (None), for each
 # such section type; any other field of an absent section is refused (`_child`), so no option
 # turns on a section, with every other field at its default, by accident.
-SECTION_SWITCHES: dict[type, str] = {MoEConfig: "num_experts", MLAConfig: "kv_lora_rank"}
+SECTION_SWITCHES: dict[type, str] = {MoEConfig: "num_experts", MLAConfig: "kv_lora_rank", MTPConfig: "depth"}
 
 
 def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
