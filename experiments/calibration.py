@@ -134,6 +134,10 @@ def _factors(n: int) -> list[int]:
 def remat(row: dict) -> str:
   """The shardax `model.remat` for the row's published remat policy (module docstring)."""
   policy = row["training"]["remat_policy"].split(" ")[0]
+  if policy == "custom":   # MaxText's per-tensor policy: what training.remat_offloaded sends to the host
+    names = set(row["training"].get("remat_offloaded") or ())
+    return ("offload_proj" if "decoder_layer_input" in names and names & {"query_proj", "key_proj", "value_proj"}
+            else "offload" if "decoder_layer_input" in names else "full")
   if policy in _REMAT:
     return _REMAT[policy]
   return "offload" if "offload" in policy.lower() else "full"
