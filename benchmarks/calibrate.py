@@ -42,9 +42,28 @@ def _build(row: dict, layers: int | None):
   return configs.build(calibration.from_row(row, layers))
 
 
+_LIBTPU_ARGS: list[str] = []   # LIBTPU_INIT_ARGS as this process's libtpu read it (at the first compile)
+
+
+def _apply_libtpu_flags(row: dict) -> tuple[str, ...]:
+  """Sets the row's `training.libtpu_flags` (the published run's LIBTPU_INIT_ARGS, one flag an
+  entry) before libtpu loads; libtpu reads them once a process, so a row whose flags differ
+  from those the process already compiled with is refused (compile it alone: --rows ID)."""
+  from shardax.sharding import libtpu_flags
+  flags = tuple(row["training"].get("libtpu_flags") or ())
+  args = libtpu_flags.apply(flags)
+  if _LIBTPU_ARGS and _LIBTPU_ARGS[0] != args:
+    raise ValueError(f"row {row['id']}: training.libtpu_flags differ from those libtpu was loaded with in this "
+                     f"process ({_LIBTPU_ARGS[0]!r}); compile the row in its own process (--rows {row['id']})")
+  _LIBTPU_ARGS[:] = [args]
+  return flags
+
+
 def compile_row(row: dict, layers: int, cache: str | None = None) -> dict:
-  """Compile the shallow copy of `row` and cache its loop-aware costs (in `cache`, else CACHE)."""
+  """Compile the shallow copy of `row` (with its `training.libtpu_flags`, if any) and cache its
+  loop-aware costs (in `cache`, else CACHE)."""
   from shardax.perf import dry_run
+  flags = _apply_libtpu_flags(row)
   exp = _build(row, layers)
   mesh, setup = dry_run.prepare(exp)
   start, cpu = time.perf_counter(), time.process_time()
@@ -55,11 +74,11 @@ def compile_row(row: dict, layers: int, cache: str | None = None) -> dict:
     os.makedirs(hlo_dir, exist_ok=True)
     with gzip.open(os.path.join(hlo_dir, f"{row['id']}.txt.gz"), "wt") as f:
       f.write(hlo)
-  return cache_entry(row, layers, hlo, seconds, cache)
+  return cache_entry(row, layers, hlo, seconds, cache, flags)
 
 
 def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] = (0.0, 0.0),
-                cache: str | None = None) -> dict:
+                cache: str | None = None, flags: tuple[str, ...] = ()) -> dict:
   """What the step model needs of a compiled shallow copy (its loop-aware costs, the MXU read of
   its dots, the program summary), written to <cache, else CACHE>/<row id>.json: from a fresh
   compile, or from a program kept by CALIBRATE_HLO_DIR when how programs are read changes."""
@@ -69,6 +88,7 @@ def cache_entry(row: dict, layers: int, hlo: str, seconds: tuple[float, float] =
   entry = {"id": row["id"], "layers": layers, "topology": exp.mesh.topology,
            "compile_seconds": seconds[0], "compile_cpu_seconds": seconds[1],
            "num_params_shallow": _params(exp), "attention": exp.model.attention, "remat": exp.model.remat,
+           "libtpu_flags": list(flags),
            "costs": costs.to_json(cost), "mxu": mxu.by_piece(hlo, cost.owner),
            "program": program.summary(hlo, cost.collectives)}
   cache = cache or CACHE
@@ -187,14 +207,15 @@ def by_family(rows: list[dict], results: dict) -> list[str]:
           for f, v in sorted(families.items())]
 
 
-def evaluate(rows: list[dict], compile: bool = False, layers: int = 3) -> tuple[dict, set, dict]:
+def evaluate(rows: list[dict], compile: bool = False, layers: int = 3,
+             cache: str | None = None) -> tuple[dict, set, dict]:
   """(row id -> Prediction, or the text of its cell when refused, not expressible or not compiled;
   the multi-slice rows whose cache did not read DCN; row id -> notes on a stale cache) for the
   cached rows of `rows`; `compile`: compile missing and stale caches first (`layers` deep)."""
   from shardax.perf import stepmodel
   results, unread, stale = {}, set(), {}
   for row in rows:
-    path = os.path.join(CACHE, f"{row['id']}.json")
+    path = os.path.join(cache or CACHE, f"{row['id']}.json")
     try:
       _build(row, None)
     except ValueError as e:   # calibration.Unexpressible: the row says what is missing
@@ -203,12 +224,12 @@ def evaluate(rows: list[dict], compile: bool = False, layers: int = 3) -> tuple[
     if not os.path.exists(path):
       if not compile:
         continue
-      entry = compile_row(row, layers)
+      entry = compile_row(row, layers, cache)
       print(f"compiled {row['id']} in {entry['compile_seconds']:.0f} s ({entry['compile_cpu_seconds']:.0f} s CPU)",
             flush=True)
     entry = json.load(open(path))
     if compile and (compiled_as(row, entry) or dcn_unread(row, entry)):   # stale cache: recompile
-      entry = compile_row(row, layers)
+      entry = compile_row(row, layers, cache)
       print(f"recompiled {row['id']} in {entry['compile_seconds']:.0f} s", flush=True)
     if notes := compiled_as(row, entry):
       stale[row["id"]] = notes
@@ -235,16 +256,19 @@ def main():
   p.add_argument("--compile", action="store_true")
   p.add_argument("--layers", type=int, default=3)
   p.add_argument("--write-docs", action="store_true")
+  p.add_argument("--cache", default=CACHE, help="folder of the cached compiles (default: benchmarks/calibration); "
+                 "rows kept aside from the calibration: --runs benchmarks/heldout_runs.json "
+                 "--cache benchmarks/calibration/heldout")
   a = p.parse_args()
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   rows = json.load(open(a.runs))
   if a.rows:
     order = a.rows.split(",")
     rows = sorted([r for r in rows if r["id"] in order], key=lambda r: order.index(r["id"]))
-  results, unread, stale = evaluate(rows, a.compile, a.layers)
+  results, unread, stale = evaluate(rows, a.compile, a.layers, a.cache)
   text, errors = table(rows, results, unread, stale)
   from shardax.perf import error_bar
-  if not a.rows:   # the whole table: the dry run's error bar reads it (perf/error_bar.py)
+  if not a.rows and a.runs == RUNS:   # the whole calibration table: the dry run's error bar reads it (perf/error_bar.py)
     error_bar.write(errors_of(rows, results))
   print(text)
   if errors:
@@ -258,7 +282,7 @@ def main():
                      + (f"{f['interval'][0]:.2f}x-{f['interval'][1]:.2f}x; leave-one-out: {f['loo_inside']} of "
                         f"{f['loo_checked']} rows inside the interval of the others" if f["interval"] else "none")
                      for chip, f in bars.items()))
-    if a.write_docs:
+    if a.write_docs and a.runs == RUNS:
       _write_docs(text + "\n\n" + summary + "\n\n" + "\n".join(f"* {f}" for f in families))
 
 
