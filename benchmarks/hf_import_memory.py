@@ -1,7 +1,7 @@
 """Peak host memory of an `hf:DIR` import in N real processes, against the checkpoint's size.
 
     .venv/bin/python benchmarks/hf_import_memory.py [--layers 32] [--processes 4[,2,...]]
-        [--devices 2] [--rules fsdp|layers] [--dir /tmp/hf_import_memory] [--keep]
+        [--devices 2] [--rules fsdp|layers] [--params-only] [--dir /tmp/hf_import_memory] [--keep]
         [--results docs/results/hf_import_memory.md]
 
 Writes a random-weight Llama-2-7B-shaped checkpoint in bfloat16 with shardax's own
@@ -17,9 +17,15 @@ devices, its host RSS before the import, its peak RSS (VmHWM) once the params ar
 place and after the checkpoint's save, and the bytes it read; the table adds what the kernel
 reports for the finished child (ru_maxrss).
 
+`--params-only` stops each process once its params are in place: it runs the same import
+(trainer/hf/importer.py `import_params`, on the mesh and rules `--mode=import` builds) but not
+the optimizer's init and orbax's save of step 0, whose host copy of the params about doubles
+the peak. That is the import's own memory, for sizes this host cannot hold twice.
+
 The processes share this host: their params (CPU devices keep them in host memory) add up
 to the checkpoint's size. So the script refuses a run for which MemAvailable is less than
-twice the estimate (--force overrides) and runs the processes under `nice`.
+twice the estimate (with `--params-only`: the estimate plus HEADROOM; --force overrides) and
+runs the processes under `nice`.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ DM, FF, HEADS, VOCAB = 4096, 11008, 32, 32000
 RULES = {"fsdp": "sharding.preset='fsdp'",
          "layers": "sharding.rules=(('batch', 'data'), ('layers', 'data'), ('vocab', 'data'))"}
 BASELINE_GUESS = 0.4e9   # a process's RSS before it reads a weight (jax, XLA, the CLI): 0.27 GB seen
+HEADROOM = 3e9           # left to the host's other jobs by a --params-only run
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -93,6 +100,22 @@ def write_checkpoint(d: str, layers: int) -> int:
   return nbytes
 
 
+def largest_leaf(layers: int) -> int:
+  """Bytes of the largest param leaf (an MLP weight stacked over the layers, or the embedding):
+  the importer fills a leaf's shards in host buffers, then copies them to the devices, so on
+  CPU devices the processes hold one leaf twice for a moment."""
+  return max(layers * FF * DM * 2, VOCAB * DM * 2)
+
+
+def need_bytes(ckpt: int, layers: int, n: int, params_only: bool) -> tuple[int, int]:
+  """(estimated peak of n processes together, MemAvailable a run asks for)."""
+  if params_only:
+    need = ckpt + largest_leaf(layers) + n * BASELINE_GUESS
+    return need, need + HEADROOM
+  need = 2 * ckpt + n * BASELINE_GUESS   # orbax's save holds a host copy of each process's params
+  return need, 2 * need
+
+
 def mem_available() -> int:
   with open("/proc/meminfo") as f:
     return int(next(line for line in f if line.startswith("MemAvailable")).split()[1]) * 1024
@@ -104,16 +127,58 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def command(model: str, job: str, n: int, devices: int, rules: str, port: int, i: int, nice: int) -> list[str]:
+def overrides(n: int, devices: int, rules: str) -> list[str]:
+  return [f"mesh.num_cpu_devices={devices}", f"mesh.ici=({n * devices}, 1)", RULES[rules],
+          "model.param_dtype='bfloat16'", "model.dtype='bfloat16'", "optimizer.name='adafactor'",
+          "checkpoint.async_save=False"]
+
+
+def command(model: str, job: str, n: int, devices: int, rules: str, port: int, i: int, nice: int,
+            params_only: bool = False) -> list[str]:
+  if params_only:   # this script as the child: the import without the save (params_only_child)
+    return ["nice", "-n", str(nice), sys.executable, os.path.abspath(__file__), "--child", model,
+            str(n), str(devices), rules, str(port), str(i)]
   args = ["nice", "-n", str(nice), sys.executable, "-m", "shardax.main", f"--exp=hf:{model}",
           f"--job_dir={job}", "--mode=import"]
-  for s in (f"mesh.num_cpu_devices={devices}", f"mesh.ici=({n * devices}, 1)", RULES[rules],
-            "model.param_dtype='bfloat16'", "model.dtype='bfloat16'", "optimizer.name='adafactor'",
-            "checkpoint.async_save=False"):
+  for s in overrides(n, devices, rules):
     args += ["--set", s]
   if n > 1:
     args += [f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={n}", f"--process_id={i}"]
   return args
+
+
+def params_only_child(source: str, n: int, devices: int, rules: str, port: int, i: int) -> None:
+  """Process i of n: what `--mode=import` does up to the params in place (the same config,
+  distributed start, mesh, model setup and `importer.import_params`), then the figures in the
+  import's own words, without the optimizer's init and the save of step 0."""
+  import jax
+  from shardax import configs
+  from shardax.configs import registry
+  from shardax.sharding import make_mesh, use_rules
+  from shardax.trainer import distributed, model_setup
+  from shardax.trainer.hf import importer
+  exp = configs.resolve(f"hf:{source}", overrides(n, devices, rules))
+  jax.config.update("jax_num_cpu_devices", devices)
+  if n > 1:
+    distributed.initialize(f"127.0.0.1:{port}", n, i)
+  distributed.agree_at_start(registry.to_json(exp))
+  mesh = make_mesh(exp.mesh)
+  model = model_setup.create(exp, mesh)
+  files = safetensors.Reader(source)
+  held, before = importer.held_bytes(model.abstract_params), importer.host_memory()
+  print(f"process {i} of {n} holds {held / 1e6:,.1f} MB of params on {len(mesh.local_devices)} device(s); "
+        f"host RSS {before['rss'] / 1e6:,.1f} MB", flush=True)
+  t0 = time.perf_counter()
+  with jax.set_mesh(mesh), use_rules(model.rules, exp.sharding.allow_uneven):
+    params = importer.import_params(model, source, files)
+    jax.block_until_ready(params)
+  seconds, in_place = time.perf_counter() - t0, importer.host_memory()
+  on_devices = sum(s.data.nbytes for a in jax.tree.leaves(params) for s in a.addressable_shards)
+  if on_devices != held:
+    raise RuntimeError(f"{on_devices} bytes of params on this process's devices, {held} expected")
+  print(f"imported {source} in {seconds:.2f}s (params only); process {i} of {n} read {files.bytes_read:,} "
+        f"of the checkpoint's {files.nbytes:,} bytes; host peak RSS {in_place['peak'] / 1e6:,.1f} MB with the "
+        f"params in place", flush=True)
 
 
 def figures(log: str) -> dict:
@@ -121,14 +186,16 @@ def figures(log: str) -> dict:
   mb = lambda s: float(s.replace(",", "")) * 1e6
   a = re.search(r"holds ([\d,.]+) MB of params on (\d+) device\(s\); host RSS ([\d,.]+) MB", log)
   b = re.search(r"in ([\d.]+)s .* read ([\d,]+) of the checkpoint's ([\d,]+) bytes; host peak RSS ([\d,.]+) MB "
-                r"with the params in place, ([\d,.]+) MB after the save", log)
+                r"with the params in place(?:, ([\d,.]+) MB after the save)?", log)
   if not (a and b):
     raise RuntimeError(f"no import figures in the log:\n{log[-3000:]}")
   return {"held": mb(a.group(1)), "rss_before": mb(a.group(3)), "seconds": float(b.group(1)),
-          "read": int(b.group(2).replace(",", "")), "peak_params": mb(b.group(4)), "peak": mb(b.group(5))}
+          "read": int(b.group(2).replace(",", "")), "peak_params": mb(b.group(4)),
+          "peak": mb(b.group(5)) if b.group(5) else None}
 
 
-def run_import(model: str, root: str, n: int, devices: int, rules: str, nice: int) -> list[dict]:
+def run_import(model: str, root: str, n: int, devices: int, rules: str, nice: int,
+               params_only: bool = False) -> list[dict]:
   """Imports `model` in `n` processes; per process its figures and the kernel's ru_maxrss."""
   job = os.path.join(root, f"job_{n}x{devices}_{rules}")
   shutil.rmtree(job, ignore_errors=True)
@@ -138,7 +205,7 @@ def run_import(model: str, root: str, n: int, devices: int, rules: str, nice: in
   procs = []
   for i in range(n):
     log = open(os.path.join(root, f"import_{n}_{i}.log"), "w")
-    procs.append((subprocess.Popen(command(model, job, n, devices, rules, port, i, nice), stdout=log,
+    procs.append((subprocess.Popen(command(model, job, n, devices, rules, port, i, nice, params_only), stdout=log,
                                    stderr=subprocess.STDOUT, env=env, cwd=root), log))
   out = []
   for i, (p, log) in enumerate(procs):
@@ -157,12 +224,18 @@ def run_import(model: str, root: str, n: int, devices: int, rules: str, nice: in
 
 def table(ckpt: int, n: int, devices: int, rules: str, rows: list[dict]) -> str:
   gb = lambda x: f"{x / 1e9:.2f}"
-  lines = [f"{n} process(es) x {devices} CPU device(s), `{rules}` rules, checkpoint {gb(ckpt)} GB (GB = 1e9 bytes):", "",
+  saved = rows[0]["peak"] is not None
+  total = sum(r["peak_params"] for r in rows)
+  lines = [f"{n} process(es) x {devices} CPU device(s), `{rules}` rules, checkpoint {gb(ckpt)} GB (GB = 1e9 bytes)"
+           f"{'' if saved else ', params only (no optimizer init, no save)'}; the processes' peaks with the params "
+           f"in place add up to {gb(total)} GB, the largest is {max(r['peak_params'] for r in rows) / ckpt:.0%} "
+           f"of the checkpoint:", "",
            "| process | params on its devices | read | RSS before | peak, params in place | peak - before "
            "| peak after the save (ru_maxrss) | import s |", "|---|---|---|---|---|---|---|---|"]
   for i, r in enumerate(rows):
     lines.append(f"| {i} | {gb(r['held'])} | {gb(r['read'])} | {gb(r['rss_before'])} | {gb(r['peak_params'])} | "
-                 f"{gb(r['peak_params'] - r['rss_before'])} | {gb(r['peak'])} ({gb(r['maxrss'])}) | {r['seconds']:.0f} |")
+                 f"{gb(r['peak_params'] - r['rss_before'])} | {gb(r['peak']) if saved else 'not run'} "
+                 f"({gb(r['maxrss'])}) | {r['seconds']:.0f} |")
   return "\n".join(lines)
 
 
@@ -173,6 +246,9 @@ def machine() -> str:
 
 
 def main() -> None:
+  if sys.argv[1:2] == ["--child"]:   # one process of a --params-only run (command())
+    source, n, devices, rules, port, i = sys.argv[2:]
+    return params_only_child(source, int(n), int(devices), rules, int(port), int(i))
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--layers", type=int, default=32)
   ap.add_argument("--processes", default="4", help="comma-separated process counts, run in turn")
@@ -180,20 +256,23 @@ def main() -> None:
   ap.add_argument("--rules", choices=sorted(RULES), default="fsdp")
   ap.add_argument("--dir", default="/tmp/hf_import_memory")
   ap.add_argument("--nice", type=int, default=10)
+  ap.add_argument("--params-only", action="store_true",
+                  help="stop once the params are in place: no optimizer init, no save of step 0")
   ap.add_argument("--keep", action="store_true", help="keep the written checkpoint (for another run)")
-  ap.add_argument("--force", action="store_true", help="run even with less than 2x the estimate available")
+  ap.add_argument("--force", action="store_true", help="run even with less available than the run asks for")
   ap.add_argument("--results", help="append the figures to this markdown file")
   args = ap.parse_args()
   model = os.path.join(args.dir, f"llama2_7b_shape_{args.layers}l")
   os.makedirs(args.dir, exist_ok=True)
   ckpt = write_checkpoint(model, args.layers)
+  load = f"load average {os.getloadavg()[0]:.2f}, MemAvailable {mem_available() / 1e9:.1f} GB at the start"
   sections = []
   for n in [int(x) for x in args.processes.split(",")]:
-    need = 2 * ckpt + n * BASELINE_GUESS   # orbax's save holds a host copy of each process's params
-    if mem_available() < 2 * need and not args.force:
-      raise SystemExit(f"{n} processes need ~{need / 1e9:.1f} GB (2 x params + {n} x {BASELINE_GUESS / 1e9:.1f} GB); "
-                       f"{mem_available() / 1e9:.1f} GB available is under twice that: fewer --layers, or --force")
-    rows = run_import(model, args.dir, n, args.devices, args.rules, args.nice)
+    need, asks = need_bytes(ckpt, args.layers, n, args.params_only)
+    if mem_available() < asks and not args.force:
+      raise SystemExit(f"{n} processes need ~{need / 1e9:.1f} GB together; this run asks for {asks / 1e9:.1f} GB "
+                       f"available and {mem_available() / 1e9:.1f} GB is: fewer --layers, --params-only, or --force")
+    rows = run_import(model, args.dir, n, args.devices, args.rules, args.nice, args.params_only)
     sections.append(table(ckpt, n, args.devices, args.rules, rows))
     print(sections[-1], flush=True)
   if not args.keep:
@@ -206,7 +285,7 @@ def main() -> None:
     head = (f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}"
             f"{' (+ local changes)' if dirty else ''}\n\n`{' '.join(['python', *sys.argv])}`  \n"
             f"machine: {machine()}; this benchmark's own peak RSS "
-            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (writing the checkpoint)\n")
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (writing the checkpoint); {load}\n")
     with open(args.results, "a") as f:
       f.write("\n" + head + "\n" + "\n\n".join(sections) + "\n")
 
