@@ -30,7 +30,7 @@ class MLAConfig:
   rope_interleave:  RoPE rotates pairs of adjacent dims (0, 1), (2, 3), ... as DeepSeek's
                     checkpoints do (transformers' default), instead of (i, i + e/2) [rope_interleave].
   The softmax scale is (qk_nope_head_dim + qk_rope_head_dim)^-1/2, times YaRN's mscale^2
-  when model.rope_scaling='yarn' sets rope_mscale_all_dim (configs/rope.py)."""
+  when a YaRN model.rope_scaling sets mscale_all_dim (configs/rope.py)."""
   q_lora_rank: int | None = 1536
   kv_lora_rank: int = 512
   qk_nope_head_dim: int = 128

@@ -26,6 +26,7 @@ import fiddle as fdl
 from shardax.configs.moe import MoEConfig
 from shardax.configs.mla import MLAConfig
 from shardax.configs.mtp import MTPConfig
+from shardax.configs import rope as rope_lib
 from shardax.configs.schema import ConfigError, Experiment
 
 _REGISTRY: dict[str, tuple[Callable[[], fdl.Config], str]] = {}
@@ -136,7 +137,9 @@ def parse_value(text: str) -> Any:
 # The field whose --set creates an optional section the experiment leaves out (None), for each
 # such section type; any other field of an absent section is refused (`_child`), so no option
 # turns on a section, with every other field at its default, by accident.
-SECTION_SWITCHES: dict[type, str] = {MoEConfig: "num_experts", MLAConfig: "kv_lora_rank", MTPConfig: "depth"}
+SECTION_SWITCHES: dict[type, str] = {MoEConfig: "num_experts", MLAConfig: "kv_lora_rank", MTPConfig: "depth",
+                                     rope_lib.RopeScaling: "kind"}
+SWITCH_EXAMPLES = {"kind": "|".join(repr(k) for k in rope_lib.KINDS)}   # a switch that is not a count
 
 
 def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
@@ -156,6 +159,10 @@ def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
       raise ConfigError(f"--set {path.strip()}: an MoE model's own fields moved from model.transformer.* "
                         f"to model.* (dense and MoE LMs share one config): use "
                         f"--set {new}={text.strip()}")
+    if path.strip() in rope_lib.MOVED:
+      raise ConfigError(f"--set {path.strip()}: moved to {rope_lib.MOVED[path.strip()]} (RoPE scaling is "
+                        f"one section, configs/rope.py): use --set {rope_lib.MOVED[path.strip()]}={text.strip()}"
+                        f" (a model without scaling also needs --set model.rope_scaling.kind=...)")
     *parents, leaf = path.strip().split(".")
     node = cfg
     for i, part in enumerate(parents):
@@ -203,7 +210,8 @@ def _absent_section(path: str, setting: str, switch: str | None) -> str:
     return (f"{what}, and no --set creates one; use an experiment that has it, or register one "
             f"that sets {path} (configs.register)")
   return (f"{what}; setting one of its fields would create it with every other field at its "
-          f"default. To add it, say so: --set {path}.{switch}=N (then its other fields); "
+          f"default. To add it, say so: --set {path}.{switch}={SWITCH_EXAMPLES.get(switch, 'N')} "
+          f"(then its other fields); "
           f"otherwise drop --set {setting}")
 
 

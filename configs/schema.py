@@ -93,19 +93,8 @@ class TransformerConfig:
   # RMS over the head dim (eps norm_eps, no weight), after RoPE; NoPE layers are left alone.
   qk_l2_norm: bool = False
   rope_interleave: bool = False       # RoPE rotates adjacent pairs (0, 1), (2, 3), ... (Llama 4), not (i, i + d/2)
-  rope_scaling: str = "none"          # "none" | "llama3" (Llama 3.1's frequency-dependent scaling) | "yarn" | "linear"
-  rope_scaling_factor: float = 8.0    # llama3: wavelengths beyond the original length are stretched by this; linear: every one
-  rope_low_freq_factor: float = 1.0   # llama3: wavelengths above original_len / low are scaled in full ...
-  rope_high_freq_factor: float = 4.0  # ... below original_len / high not at all; smooth in between
-  rope_original_max_len: int = 8192   # llama3, yarn: the context length the model was pretrained at
-  # yarn (configs/rope.py Yarn; factor and original length above): ramp ends in rotations over
-  # the original length, magnitude corrections (0 = absent), the cos/sin factor outright, rounding.
-  rope_beta_fast: float = 32.0
-  rope_beta_slow: float = 1.0
-  rope_mscale: float = 0.0
-  rope_mscale_all_dim: float = 0.0
-  rope_attention_factor: float | None = None
-  rope_truncate: bool = True
+  # RoPE frequency scaling (configs/rope.py: llama3, yarn or linear); None = plain RoPE.
+  rope_scaling: rope_lib.RopeScaling | None = None
   # Mixture of experts (configs/moe.py): None = a dense model; set, the stack's unit is
   # (moe.every - 1) dense layers then one MoE layer, after moe.first_dense_layers dense ones.
   moe: MoEConfig | None = None
@@ -161,19 +150,12 @@ class TransformerConfig:
     _require(self.context_parallel in ("allgather", "ring"),
              f"model.context_parallel={self.context_parallel!r}: use 'allgather' or 'ring'")
     _require(self.norm_eps > 0, f"model.norm_eps={self.norm_eps} must be > 0")
-    _require(self.rope_scaling in ("none", "llama3", "yarn", "linear"),
-             f"model.rope_scaling={self.rope_scaling!r}: use 'none', 'llama3', 'yarn' or 'linear'")
-    rope_lib.check_yarn(self)
+    rope_lib.check_section(self.rope_scaling)
     mla_lib.check_model(self)
     mtp_lib.check_model(self)
     _require(self.mla is None or not (self.qk_l2_norm or self.rope_interleave),
              f"model.qk_l2_norm={self.qk_l2_norm} / model.rope_interleave={self.rope_interleave} with "
              f"model.mla: multi-head latent attention has its own (model.mla.rope_interleave); set both False")
-    _require(self.rope_scaling != "llama3" or (self.rope_scaling_factor >= 1 and
-             self.rope_high_freq_factor > self.rope_low_freq_factor > 0 and self.rope_original_max_len >= 1),
-             f"model.rope_scaling='llama3' needs rope_scaling_factor >= 1, rope_high_freq_factor > "
-             f"rope_low_freq_factor > 0 and rope_original_max_len >= 1 (got {self.rope_scaling_factor}, "
-             f"{self.rope_high_freq_factor}, {self.rope_low_freq_factor}, {self.rope_original_max_len})")
     m = self.moe
     if m is not None:
       _require(m.first_dense_layers < self.num_layers and
@@ -216,8 +198,6 @@ class TransformerConfig:
              f"model.final_logit_softcap={self.final_logit_softcap} must be > 0 (or None: off)")
     _require(self.query_pre_attn_scalar is None or self.query_pre_attn_scalar > 0,
              f"model.query_pre_attn_scalar={self.query_pre_attn_scalar} must be > 0 (or None: head_dim)")
-    _require(self.rope_scaling != "linear" or self.rope_scaling_factor > 0,
-             f"model.rope_scaling='linear' needs rope_scaling_factor > 0 (got {self.rope_scaling_factor})")
     _require(not (self.post_norms and self.parallel_block),
              "model.post_norms=True with model.parallel_block=True: a parallel block adds both branches "
              "of one norm; set one of them False")
@@ -334,19 +314,6 @@ class TransformerConfig:
   @property
   def dim_per_head(self) -> int:
     return self.head_dim or self.d_model // self.num_heads
-
-  @property
-  def rope_scaling_params(self) -> tuple[float, float, float, int] | rope_lib.Yarn | rope_lib.LinearRope | None:
-    """(factor, low_freq_factor, high_freq_factor, original_max_len) for llama3 scaling, the
-    `Yarn` record for yarn, `LinearRope` for linear, else None."""
-    if self.rope_scaling == "none":
-      return None
-    if self.rope_scaling == "yarn":
-      return rope_lib.yarn_of(self)
-    if self.rope_scaling == "linear":
-      return rope_lib.LinearRope(self.rope_scaling_factor)
-    return (self.rope_scaling_factor, self.rope_low_freq_factor, self.rope_high_freq_factor,
-            self.rope_original_max_len)
 
 
 @dataclasses.dataclass(frozen=True)

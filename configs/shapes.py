@@ -20,6 +20,7 @@ import dataclasses
 
 from shardax.configs.attention import LayerKind
 from shardax.configs.moe import MoEConfig
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import TransformerConfig
 
 # Byte-level language models (vocab 256, the TransformerConfig default): CPU sizes.
@@ -123,5 +124,5 @@ GEMMA3_27B = TransformerConfig(
     num_layers=62, d_model=5376, num_heads=32, num_kv_heads=16, head_dim=128, d_ff=21504,
     vocab_size=262208, max_len=131072, norm="rms_plus_one", norm_eps=1e-6, post_norms=True, qk_norm=True,
     query_pre_attn_scalar=168.0, activation="gelu", scale_embedding=True, tied_embedding=True,
-    rope_theta=1e6, rope_scaling="linear", rope_scaling_factor=8.0,
+    rope_theta=1e6, rope_scaling=RopeScaling("linear", factor=8.0),
     layer_pattern=(LayerKind(window=1024, rope_theta=1e4, rope_scaled=False),) * 5 + (LayerKind(),))

@@ -9,6 +9,7 @@ import dataclasses
 from shardax.configs import register, shapes
 from shardax.configs.attention import LayerKind
 from shardax.configs.moe import MoEConfig
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ShardingConfig, TransformerConfig
 from shardax.experiments import recipes
 from shardax.sharding import MeshConfig, libtpu_flags
@@ -55,7 +56,7 @@ GPT_OSS_120B = TransformerConfig(
     num_layers=36, d_model=2880, num_heads=64, num_kv_heads=8, head_dim=64, d_ff=2880, vocab_size=201088,
     max_len=131072, norm_eps=1e-5, tied_embedding=False, scale_embedding=False, qkv_bias=True, out_bias=True,
     attention_sinks=True, layer_pattern=(LayerKind(window=128), LayerKind()), rope_theta=150000.0,
-    rope_scaling="yarn", rope_scaling_factor=32.0, rope_original_max_len=4096, rope_truncate=False,
+    rope_scaling=RopeScaling("yarn", factor=32.0, original_max_len=4096, truncate=False),
     moe=MoEConfig(num_experts=128, d_ff=2880, every=1, top_k=4, renormalize=True, router_bias=True,
                   expert_bias=True, swiglu_limit=7.0, dispatch="dropless", aux_loss_weight=3.6,
                   aux_loss_pooling="over_layers"))

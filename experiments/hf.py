@@ -15,11 +15,12 @@ model.*, its router and experts to model.moe (the adapter's moe_fields), e.g.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from shardax.configs import experiment
 from shardax.configs.moe import MoEConfig
-from shardax.configs.registry import config_tree, register_prefix
+from shardax.configs.registry import config_of, config_tree, register_prefix
 from shardax.models import hf as hf_models
 
 
@@ -34,8 +35,8 @@ def hf_experiment(model_dir: str):
     for key, value in moe.items():
       setattr(cfg.model.moe, key, value)
   model = cfg.model
-  for key, value in fields.items():
-    setattr(model, key, value)
+  for key, value in fields.items():   # sections (rope_scaling, mla) as trees: --set reaches their fields
+    setattr(model, key, config_of(value) if dataclasses.is_dataclass(value) else value)
   model.max_len = min(fields["max_len"], 4096)   # export writes the source's length back
   cfg.data.seq_len = min(512, model.max_len)
   tok = os.path.join(directory, "tokenizer.json")

@@ -25,6 +25,7 @@ query rows (two load-balanced chunks), with RoPE at Llama 3.1's llama3 scaling.
 import dataclasses
 
 from shardax.configs import register, shapes
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import OptimizerConfig, ShardingConfig
 from shardax.experiments import recipes
 from shardax.sharding import MeshConfig
@@ -76,4 +77,4 @@ def llama3_8b_32k():
   3.1's llama3 scaling (factor 8 from 8192)."""
   return _long(shapes.LLAMA3_8B, topology="v6e:8x8", ici=(16, 4), global_batch=2 * 16, seq_len=32768,
                axes=("data", "context"), preset="fsdp_cp", remat="full", context_parallel="allgather",
-               rope_scaling="llama3")
+               rope_scaling=RopeScaling("llama3"))

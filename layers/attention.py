@@ -56,13 +56,13 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from shardax.configs.attention import IMPLEMENTATIONS, AttentionOptions  # noqa: F401  (re-exported)
-from shardax.configs.rope import LinearRope, Yarn
-from shardax.layers import context_parallel, flash, rope
+from shardax.configs.rope import RopeScaling
+from shardax.layers import context_parallel, flash
+from shardax.layers.rope import rope_inv_freq
 from shardax.layers.attention_choice import resolve  # noqa: F401  (re-exported)
 from shardax.layers.attention_scores import grouped_logits, masked_output
 from shardax.layers.linear import DenseGeneral
@@ -71,48 +71,15 @@ from shardax.sharding import shard
 from shardax.sharding.target import target_platform
 
 
-def llama3_inv_freq(inv_freq: np.ndarray, scaling: tuple[float, float, float, int]) -> np.ndarray:
-  """Llama 3.1's rope scaling of the frequencies (float32, as Meta and transformers compute it).
-
-  With factor f and the pretraining length L: wavelengths longer than L / low_freq_factor
-  are stretched by f, shorter than L / high_freq_factor kept, and those in between
-  interpolated smoothly, so local (high-frequency) structure is untouched while the
-  positions of a long context map into the range seen in pretraining.
-  """
-  factor, low, high, original = scaling
-  inv_freq = np.asarray(inv_freq, np.float32)
-  wavelen = np.float32(2 * math.pi) / inv_freq
-  scaled = np.where(wavelen > original / low, inv_freq / np.float32(factor), inv_freq)
-  smooth = (np.float32(original) / wavelen - np.float32(low)) / np.float32(high - low)
-  smoothed = (1 - smooth) * scaled / np.float32(factor) + smooth * scaled
-  medium = ~(wavelen < original / high) & ~(wavelen > original / low)
-  return np.where(medium, smoothed, scaled).astype(np.float32)
-
-
-def rope_inv_freq(d: int, theta: float,
-                  scaling: tuple[float, float, float, int] | Yarn | LinearRope | None) -> jax.Array:
-  """float32[d/2] rotation frequencies theta^(-2i/d), llama3-, YaRN- or linearly scaled when
-  `scaling` is given (linear: 1 / theta^(2i/d) / factor, transformers' float32 arithmetic)."""
-  if isinstance(scaling, Yarn):
-    return jnp.asarray(rope.yarn_inv_freq(d, theta, scaling))
-  if isinstance(scaling, LinearRope):
-    base = np.float32(1.0) / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
-    return jnp.asarray((base / np.float32(scaling.factor)).astype(np.float32))
-  if scaling is None:
-    return theta ** (-jnp.arange(0, d // 2, dtype=jnp.float32) * 2.0 / d)
-  base = 1.0 / (np.float32(theta) ** (np.arange(0, d, 2, dtype=np.float32) / np.float32(d)))
-  return jnp.asarray(llama3_inv_freq(base, scaling))
-
-
 def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0,
-               scaling: tuple[float, float, float, int] | None = None) -> jax.Array:
+               scaling: RopeScaling | None = None) -> jax.Array:
   """Rotary embedding (rotate-half form) of x[b, l, heads, d] at positions[b, l].
 
   Pair (x_i, x_{i+d/2}) is rotated by angle pos * theta^(-2i/d); a dot product of two
   rotated vectors then depends on their positions only through the difference.
   Computed in float32 (angles of large positions need the mantissa), cast back.
-  `scaling`: llama3 rope scaling parameters (`llama3_inv_freq`), a `Yarn` (layers/rope.py;
-  cos and sin also scaled by its `cos_sin_scale`), None for plain RoPE.
+  `scaling`: the frequencies' scaling (layers/rope.py; YaRN also scales cos and sin by its
+  `cos_sin_scale`), None for plain RoPE.
   """
   d = x.shape[-1]
   if d % 2:
@@ -121,7 +88,7 @@ def apply_rope(x: jax.Array, positions: jax.Array, theta: float = 10_000.0,
   angle = positions.astype(jnp.float32)[..., None] * inv_freq     # [b, l, d/2]
   sin = jnp.sin(angle)[..., None, :]                                # [b, l, 1, d/2]
   cos = jnp.cos(angle)[..., None, :]
-  if isinstance(scaling, Yarn) and scaling.cos_sin_scale != 1.0:
+  if scaling is not None and scaling.cos_sin_scale != 1.0:
     sin, cos = sin * scaling.cos_sin_scale, cos * scaling.cos_sin_scale
   x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
   out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
@@ -283,7 +250,7 @@ class Attention(nnx.Module):
                rope_theta: float = 10_000.0, implementation: str = "xla",
                dtype=jnp.float32, param_dtype=jnp.float32, qkv_bias: bool = False,
                out_bias: bool = False, qk_norm: bool = False, norm_eps: float = 1e-6,
-               rope_scaling: tuple[float, float, float, int] | None = None, rngs: nnx.Rngs,
+               rope_scaling: RopeScaling | None = None, rngs: nnx.Rngs,
                options: AttentionOptions | None = None, quantization: str = "none",
                rope: bool = True, temperature: tuple[float, float] | None = None,
                softmax_scale: float | None = None, norm_plus_one: bool = False,
@@ -306,7 +273,7 @@ class Attention(nnx.Module):
     self.query_factor = None if softmax_scale is None else float(softmax_scale * math.sqrt(head_dim))
     if self.query_factor == 1.0:
       self.query_factor = None
-    self.rope_scaling = rope_scaling if not isinstance(rope_scaling, (tuple, list)) else tuple(rope_scaling)
+    self.rope_scaling = rope_scaling
     self.options = options or AttentionOptions(implementation)  # validates the name
     self.implementation = self.options.implementation
     kw = dict(dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)

@@ -186,10 +186,10 @@ def kind_options(cfg: TransformerConfig, kind: LayerKind | None) -> dict:
   """The Attention arguments a layer kind sets besides its mask: its RoPE base and scaling,
   RoPE on/off and the query temperature (for None: the model's uniform RoPE)."""
   if kind is None:
-    return {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling_params}
+    return {"rope_theta": cfg.rope_theta, "rope_scaling": cfg.rope_scaling}
   temperature = (cfg.temperature_floor_scale, cfg.temperature_scale) if kind.temperature_tuning else None
   theta = cfg.rope_theta if kind.rope_theta is None else kind.rope_theta
-  scaling = cfg.rope_scaling_params if kind.rope_scaled else None
+  scaling = cfg.rope_scaling if kind.rope_scaled else None
   return {"rope_theta": theta, "rope_scaling": scaling, "rope": kind.rope, "temperature": temperature}
 
 

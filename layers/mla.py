@@ -40,7 +40,7 @@ from jax.ad_checkpoint import checkpoint_name
 
 from shardax.configs.attention import AttentionOptions
 from shardax.configs.mla import MLAConfig
-from shardax.configs.rope import Yarn
+from shardax.configs.rope import RopeScaling
 from shardax.layers import context_parallel
 from shardax.layers.attention import (CacheSpec, apply_rope, attend, cached_attention, default_positions,
                                       interleaved_pairs, write_cache)
@@ -52,12 +52,6 @@ BLNK = ("batch", "length", "heads", "kv")
 LATENT_AXES = ("cache_batch", "cache_length", "kv_lora")
 ROPE_KEY_AXES = ("cache_batch", "cache_length", "kv")
 LATENT_NORM_EPS = 1e-6
-
-
-def softmax_mscale(rope_scaling) -> float:
-  """YaRN's mscale(factor, mscale_all_dim)^2 on the softmax scale (transformers'
-  yarn_apply_mscale); 1 for other RoPE."""
-  return rope_scaling.softmax_mscale if isinstance(rope_scaling, Yarn) else 1.0
 
 
 def mla_cache_spec(batch: int, length: int, mla: MLAConfig, dtype) -> dict:
@@ -74,19 +68,21 @@ class MultiHeadLatentAttention(nnx.Module):
   def from_config(cls, cfg, *, rngs: nnx.Rngs) -> "MultiHeadLatentAttention":
     """The attention of a TransformerConfig with `cfg.mla` set (what a Block builds)."""
     return cls(cfg.d_model, cfg.num_heads, cfg.mla, rope_theta=cfg.rope_theta,
-               rope_scaling=cfg.rope_scaling_params, options=cfg.attention_options(),
+               rope_scaling=cfg.rope_scaling, options=cfg.attention_options(),
                dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), qkv_bias=cfg.qkv_bias,
                out_bias=cfg.out_bias, quantization=cfg.quantization, rngs=rngs)
 
   def __init__(self, d_model: int, num_heads: int, mla: MLAConfig, *, rope_theta: float = 10_000.0,
-               rope_scaling=None, options: AttentionOptions | None = None, dtype=jnp.float32,
+               rope_scaling: RopeScaling | None = None, options: AttentionOptions | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, qkv_bias: bool = False, out_bias: bool = False,
                quantization: str = "none", rngs: nnx.Rngs):
     self.mla, self.num_heads = mla, num_heads
     self.rope_theta = rope_theta
-    self.rope_scaling = tuple(rope_scaling) if isinstance(rope_scaling, (tuple, list)) else rope_scaling
+    self.rope_scaling = rope_scaling
     self.options = options or AttentionOptions()
-    self.mscale = softmax_mscale(self.rope_scaling)   # softmax scale = mscale / sqrt(p + e)
+    # softmax scale = mscale / sqrt(p + e): YaRN's mscale(factor, mscale_all_dim)^2 (transformers'
+    # yarn_apply_mscale), 1 for other RoPE.
+    self.mscale = 1.0 if rope_scaling is None else rope_scaling.softmax_mscale
     self.dtype = dtype
     n, p, e, r = num_heads, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.kv_lora_rank
     kw = dict(dtype=dtype, param_dtype=param_dtype, quantization=quantization, rngs=rngs)

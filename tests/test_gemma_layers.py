@@ -4,7 +4,7 @@
   model.post_norms              a norm on each branch's output before the residual add
   model.query_pre_attn_scalar   the softmax scale s^-1/2 instead of head_dim^-1/2
   model.final_logit_softcap     logits -> cap * tanh(logits / cap)
-  model.rope_scaling='linear'   frequencies / factor; LayerKind.rope_scaled=False leaves a kind unscaled
+  model.rope_scaling.kind='linear'  frequencies / factor; LayerKind.rope_scaled=False leaves a kind unscaled
 
 Each is checked against its definition or an equivalent model without it, then all together
 through every path: scan and list stacks with a pattern's tail, decode, 8 sharded devices,
@@ -24,7 +24,7 @@ from shardax import pipeline
 from shardax.configs import flops
 from shardax.configs.attention import AttentionOptions, LayerKind
 from shardax.configs.mla import MLAConfig
-from shardax.configs.rope import LinearRope
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ConfigError, TransformerConfig
 from shardax.layers import attention as attn_lib
 from shardax.layers.blocks import Block
@@ -37,8 +37,8 @@ LOCAL = LayerKind(window=3, rope_theta=100.0, rope_scaled=False)
 GLOBAL = LayerKind()
 # 5 layers of a (local, global) pattern: 2 units and a tail of one local layer.
 GEMMA = TransformerConfig(vocab_size=64, num_layers=5, d_model=32, num_heads=4, num_kv_heads=2, head_dim=8,
-                          d_ff=64, max_len=16, layer_pattern=(LOCAL, GLOBAL), rope_scaling="linear",
-                          rope_scaling_factor=4.0, norm="rms_plus_one", post_norms=True, qk_norm=True,
+                          d_ff=64, max_len=16, layer_pattern=(LOCAL, GLOBAL),
+                          rope_scaling=RopeScaling("linear", factor=4.0), norm="rms_plus_one", post_norms=True, qk_norm=True,
                           query_pre_attn_scalar=5.0, final_logit_softcap=3.0, attention_softcap=4.0,
                           activation="gelu", scan_layers=False)
 B, L = 2, 12
@@ -121,16 +121,16 @@ def test_final_logit_softcap_caps_logits_and_the_loss_sees_them():
 def test_linear_rope_is_positions_divided_by_the_factor():
   x = np.random.default_rng(4).normal(size=(B, L, 2, 8)).astype(np.float32)
   pos = np.broadcast_to(np.arange(L) * 4, (B, L))
-  got = attn_lib.apply_rope(x, pos, 100.0, LinearRope(4.0))
+  got = attn_lib.apply_rope(x, pos, 100.0, RopeScaling("linear", factor=4.0))
   np.testing.assert_allclose(got, attn_lib.apply_rope(x, pos // 4, 100.0, None), rtol=1e-5, atol=1e-5)
 
 
 def test_unscaled_kind_ignores_the_models_rope_scaling():
-  """A kind with rope_scaled=False rotates as the model with rope_scaling='none'; a scaled
+  """A kind with rope_scaled=False rotates as the model with rope_scaling=None; a scaled
   kind differs."""
   x = np.random.default_rng(5).normal(size=(B, L, 32)).astype(np.float32)
   pos = attn_lib.default_positions(B, L)
-  plain = dataclasses.replace(GEMMA, rope_scaling="none")
+  plain = dataclasses.replace(GEMMA, rope_scaling=None)
   with nnx.use_eager_sharding(False):
     ref = Block(plain, kind=LayerKind(), rngs=nnx.Rngs(0))
     unscaled = Block(GEMMA, kind=LayerKind(rope_scaled=False), rngs=nnx.Rngs(0))
@@ -153,7 +153,7 @@ def test_decode_equals_the_full_forward(scan):
 
 
 GEMMA_SET = ["model.layer_pattern=({'window': 3, 'rope_theta': 100.0, 'rope_scaled': False}, {})",
-             "model.rope_scaling='linear'", "model.rope_scaling_factor=4.0", "model.norm='rms_plus_one'",
+             "model.rope_scaling.kind='linear'", "model.rope_scaling.factor=4.0", "model.norm='rms_plus_one'",
              "model.post_norms=True", "model.qk_norm=True", "model.query_pre_attn_scalar=5.0",
              "model.final_logit_softcap=3.0", "model.attention_softcap=4.0", "model.activation='gelu'"]
 
@@ -210,7 +210,6 @@ def test_param_count_counts_the_post_norms():
     (dict(query_pre_attn_scalar=0.0), "model.query_pre_attn_scalar"),
     (dict(final_logit_softcap=-1.0), "model.final_logit_softcap"),
     (dict(norm="gemma"), "model.norm='gemma'"),
-    (dict(rope_scaling="linear", rope_scaling_factor=0.0), "rope_scaling_factor > 0"),
     (dict(norm="rms_plus_one", mla=MLAConfig(kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                                                v_head_dim=8)), "model.norm='rms_plus_one' with model.mla"),
 ])

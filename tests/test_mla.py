@@ -18,10 +18,11 @@ from flax import nnx
 
 from shardax import configs, models
 from shardax.configs.mla import MLAConfig
-from shardax.configs.rope import Yarn
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ConfigError
 from shardax.layers import rope
-from shardax.layers.attention import AttentionOptions, rope_inv_freq
+from shardax.layers.attention import AttentionOptions
+from shardax.layers.rope import rope_inv_freq
 from shardax.layers.mla import MultiHeadLatentAttention, mla_cache_spec
 from shardax.trainer import state as state_lib
 from meshtools import loss_and_grads, packed_batch, setup_for, tiny_lm
@@ -30,7 +31,8 @@ FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "mla")
 SMALL = MLAConfig(q_lora_rank=12, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)
 D_MODEL, HEADS = 32, 4
 # The fixture's YaRN: mscale != mscale_all_dim, so cos/sin and the softmax scale both change.
-FIXTURE_YARN = Yarn(4.0, 8, beta_fast=32.0, beta_slow=1.0, mscale=1.0, mscale_all_dim=0.5)
+FIXTURE_YARN = RopeScaling("yarn", factor=4.0, original_max_len=8, beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                           mscale_all_dim=0.5)
 
 
 def layer(mla=SMALL, rope_scaling=None, theta=10_000.0, options=None, seed=0) -> MultiHeadLatentAttention:
@@ -71,8 +73,9 @@ def test_yarn_frequencies_and_cos_sin_factor_equal_transformers():
   """DeepSeek-V3's and gpt-oss's published YaRN parameters (gpt-oss: truncate=False)."""
   for name, case in json.load(open(os.path.join(FIXTURES, "yarn.json"))).items():
     r = case["rope"]
-    yarn = Yarn(r["factor"], r["original_max_position_embeddings"], r["beta_fast"], r["beta_slow"],
-                r.get("mscale", 0.0), r.get("mscale_all_dim", 0.0), truncate=r.get("truncate", True))
+    yarn = RopeScaling("yarn", factor=r["factor"], original_max_len=r["original_max_position_embeddings"],
+                       beta_fast=r["beta_fast"], beta_slow=r["beta_slow"], mscale=r.get("mscale", 0.0),
+                       mscale_all_dim=r.get("mscale_all_dim", 0.0), truncate=r.get("truncate", True))
     got = np.asarray(rope_inv_freq(case["head_dim"], r["rope_theta"], yarn))
     np.testing.assert_allclose(got, case["inv_freq"], rtol=2e-6, err_msg=name)
     np.testing.assert_allclose(yarn.cos_sin_scale, case["attention_factor"], rtol=1e-12, err_msg=name)
@@ -81,11 +84,11 @@ def test_yarn_frequencies_and_cos_sin_factor_equal_transformers():
 def test_yarn_keeps_fast_pairs_interpolates_slow_ones_and_is_plain_rope_at_factor_1():
   d, theta = 64, 10_000.0
   plain = np.asarray(rope_inv_freq(d, theta, None))
-  yarn = rope.yarn_inv_freq(d, theta, Yarn(8.0, 4096))
+  yarn = rope.yarn_inv_freq(d, theta, RopeScaling("yarn", factor=8.0, original_max_len=4096))
   assert np.allclose(yarn[:8], plain[:8], rtol=1e-6)            # > 32 rotations in 4096: kept
   assert np.allclose(yarn[-4:], plain[-4:] / 8.0, rtol=1e-6)    # < 1 rotation: interpolated
   assert np.all(np.diff(yarn / plain) <= 1e-6)                   # a monotone ramp in between
-  np.testing.assert_allclose(rope.yarn_inv_freq(d, theta, Yarn(1.0, 4096)), plain, rtol=1e-6)
+  np.testing.assert_allclose(rope.yarn_inv_freq(d, theta, RopeScaling("yarn", factor=1.0, original_max_len=4096)), plain, rtol=1e-6)
 
 
 def decode_outputs(attn, x, prefill: int, slots: int = 16):
@@ -139,9 +142,9 @@ def test_attention_paths_agree_with_a_narrower_v():
 
 
 MLA_LM = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=12", "model.mla.qk_nope_head_dim=8",
-          "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6", "model.rope_scaling='yarn'",
-          "model.rope_scaling_factor=4.0", "model.rope_original_max_len=8", "model.rope_mscale=1.0",
-          "model.rope_mscale_all_dim=0.5"]
+          "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6", "model.rope_scaling.kind='yarn'",
+          "model.rope_scaling.factor=4.0", "model.rope_scaling.original_max_len=8", "model.rope_scaling.mscale=1.0",
+          "model.rope_scaling.mscale_all_dim=0.5"]
 
 
 PACKED = ["data.source='stdlib'"]   # batches carry segment ids, positions and a loss mask

@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ConfigError
 
 # Keys that do not change what the model computes (bookkeeping, ids, generation defaults).
@@ -115,9 +116,9 @@ def decoder_keys(t, source: dict[str, Any], architecture: str, model_type: str, 
 
 
 def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
-  """TransformerConfig's rope_theta and llama3 or YaRN scaling fields, from `rope_theta` +
-  `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5); other scaling types
-  are errors."""
+  """TransformerConfig's rope_theta and, when scaled, its rope_scaling section (llama3 or YaRN),
+  from `rope_theta` + `rope_scaling` (transformers 4) or `rope_parameters` (transformers 5);
+  other scaling types are errors."""
   params = dict(hf.get("rope_parameters") or {})
   scaling = dict(hf.get("rope_scaling") or {})
   theta = params.pop("rope_theta", hf.get("rope_theta", default_theta))
@@ -130,7 +131,7 @@ def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
       raise ConfigError(f"config.json rope_parameters has {sorted(extra)} that plain RoPE does not use")
     return out
   if kind == "yarn":
-    return {**out, **yarn_fields(src, hf)}
+    return {**out, "rope_scaling": yarn_scaling(src, hf)}
   if kind != "llama3":
     raise ConfigError(f"config.json rope scaling type {kind!r} is not implemented (shardax has "
                       f"'default', 'llama3' and 'yarn')")
@@ -139,20 +140,19 @@ def rope(hf: dict[str, Any], default_theta: float = 10000.0) -> dict[str, Any]:
   extra = set(src) - known
   if extra:
     raise ConfigError(f"config.json llama3 rope scaling has keys {sorted(extra)} shardax does not implement")
-  out.update(rope_scaling="llama3", rope_scaling_factor=float(src["factor"]),
-             rope_low_freq_factor=float(src["low_freq_factor"]),
-             rope_high_freq_factor=float(src["high_freq_factor"]),
-             rope_original_max_len=int(src["original_max_position_embeddings"]))
-  return out
+  return {**out, "rope_scaling": RopeScaling(
+      "llama3", factor=float(src["factor"]), low_freq_factor=float(src["low_freq_factor"]),
+      high_freq_factor=float(src["high_freq_factor"]),
+      original_max_len=int(src["original_max_position_embeddings"]))}
 
 
 YARN_KEYS = {"rope_type", "type", "rope_theta", "factor", "original_max_position_embeddings", "beta_fast",
              "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"}
 
 
-def yarn_fields(src: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
-  """TransformerConfig's YaRN fields (configs/rope.py) from a yarn rope_parameters / rope_scaling,
-  with transformers' defaults: factor = max_position_embeddings / original length when absent,
+def yarn_scaling(src: dict[str, Any], hf: dict[str, Any]) -> RopeScaling:
+  """The YaRN section (configs/rope.py) of a yarn rope_parameters / rope_scaling, with
+  transformers' defaults: factor = max_position_embeddings / original length when absent,
   beta_fast 32, beta_slow 1, mscales absent, truncate true."""
   extra = set(src) - YARN_KEYS
   if extra:
@@ -161,31 +161,32 @@ def yarn_fields(src: dict[str, Any], hf: dict[str, Any]) -> dict[str, Any]:
   factor = src.get("factor")
   factor = float(hf["max_position_embeddings"]) / original if factor is None else float(factor)
   attention = src.get("attention_factor")
-  return dict(rope_scaling="yarn", rope_scaling_factor=factor, rope_original_max_len=original,
-              rope_beta_fast=float(src.get("beta_fast") or 32.0), rope_beta_slow=float(src.get("beta_slow") or 1.0),
-              rope_mscale=float(src.get("mscale") or 0.0), rope_mscale_all_dim=float(src.get("mscale_all_dim") or 0.0),
-              rope_attention_factor=None if attention is None else float(attention),
-              rope_truncate=bool(src.get("truncate", True)))
+  return RopeScaling("yarn", factor=factor, original_max_len=original,
+                     beta_fast=float(src.get("beta_fast") or 32.0), beta_slow=float(src.get("beta_slow") or 1.0),
+                     mscale=float(src.get("mscale") or 0.0), mscale_all_dim=float(src.get("mscale_all_dim") or 0.0),
+                     attention_factor=None if attention is None else float(attention),
+                     truncate=bool(src.get("truncate", True)))
 
 
 def rope_keys(t) -> dict[str, Any]:
   """config.json's RoPE keys for TransformerConfig `t`, in both spellings (`rope_parameters`
-  and `rope_theta`, plus `rope_scaling` when scaled)."""
+  and `rope_theta`, plus `rope_scaling` when scaled by llama3 or YaRN)."""
   params = {"rope_type": "default", "rope_theta": t.rope_theta}
-  if t.rope_scaling == "llama3":
-    params = {"rope_type": "llama3", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
-              "low_freq_factor": t.rope_low_freq_factor, "high_freq_factor": t.rope_high_freq_factor,
-              "original_max_position_embeddings": t.rope_original_max_len}
-  if t.rope_scaling == "yarn":
-    params = {"rope_type": "yarn", "rope_theta": t.rope_theta, "factor": t.rope_scaling_factor,
-              "original_max_position_embeddings": t.rope_original_max_len, "beta_fast": t.rope_beta_fast,
-              "beta_slow": t.rope_beta_slow}
-    params.update({k: v for k, v in (("mscale", t.rope_mscale), ("mscale_all_dim", t.rope_mscale_all_dim),
-                                     ("attention_factor", t.rope_attention_factor)) if v})
-    if not t.rope_truncate:   # transformers' default is true
+  r = t.rope_scaling
+  if r is not None and r.kind == "llama3":
+    params = {"rope_type": "llama3", "rope_theta": t.rope_theta, "factor": r.factor,
+              "low_freq_factor": r.low_freq_factor, "high_freq_factor": r.high_freq_factor,
+              "original_max_position_embeddings": r.original_max_len}
+  if r is not None and r.kind == "yarn":
+    params = {"rope_type": "yarn", "rope_theta": t.rope_theta, "factor": r.factor,
+              "original_max_position_embeddings": r.original_max_len, "beta_fast": r.beta_fast,
+              "beta_slow": r.beta_slow}
+    params.update({k: v for k, v in (("mscale", r.mscale), ("mscale_all_dim", r.mscale_all_dim),
+                                     ("attention_factor", r.attention_factor)) if v})
+    if not r.truncate:   # transformers' default is true
       params["truncate"] = False
   out = {"rope_parameters": params, "rope_theta": t.rope_theta}
-  if t.rope_scaling in ("llama3", "yarn"):
+  if params["rope_type"] != "default":
     out["rope_scaling"] = params
   return out
 

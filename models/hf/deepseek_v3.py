@@ -6,7 +6,7 @@ checkpoint's tensors one for one: q_a_proj / q_a_layernorm / q_b_proj (or q_proj
 q_lora_rank is null), kv_a_proj_with_mqa (latent and RoPE key), kv_a_layernorm, kv_b_proj (no-RoPE
 keys and values), o_proj; `rope_interleave` (transformers' default true) rotates adjacent
 pairs; YaRN rope scaling with its mscale on the softmax scale (models/hf/common.py
-`yarn_fields`). `attention_bias` biases q_a_proj, kv_a_proj_with_mqa and o_proj, as ours.
+`yarn_scaling`). `attention_bias` biases q_a_proj, kv_a_proj_with_mqa and o_proj, as ours.
 
 MoE: the first `first_k_dense_replace` layers dense (intermediate_size), then every layer
 (`moe_layer_freq` 1) `n_routed_experts` of `moe_intermediate_size` and `n_shared_experts`

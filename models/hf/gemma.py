@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardax.configs.attention import LayerKind
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ConfigError
 from shardax.models.hf import common
 from shardax.models.hf.llama import BLOCK as LLAMA_BLOCK, TOP
@@ -122,10 +123,9 @@ def rope_fields(ropes: dict[str, dict[str, Any]], window: int) -> tuple[dict[str
   factors = {r["factor"] for r in scaled.values()}
   if len(factors) > 1:
     raise ConfigError(f"config.json rope: linear factors {sorted(factors)} differ between layer types; "
-                      f"shardax scales every scaled layer by the one model.rope_scaling_factor")
-  fields = {"rope_theta": full["rope_theta"], "rope_scaling": "linear" if scaled else "none"}
-  if scaled:
-    fields["rope_scaling_factor"] = factors.pop()
+                      f"shardax scales every scaled layer by the one model.rope_scaling.factor")
+  fields = {"rope_theta": full["rope_theta"],
+            "rope_scaling": RopeScaling("linear", factor=factors.pop()) if scaled else None}
   def kind(t, **mask):
     theta = None if ropes[t]["rope_theta"] == full["rope_theta"] else ropes[t]["rope_theta"]
     return LayerKind(**mask, rope_theta=theta, rope_scaled=t in scaled or not scaled)
@@ -184,8 +184,8 @@ def _types_and_ropes(model) -> tuple[list[str], dict[str, dict[str, Any]], int |
   for t in (SLIDING, FULL):
     kind = next((k for k in kinds if bool(k.window) == (t == SLIDING)), LayerKind())
     rope = {"rope_type": "default", "rope_theta": model.rope_theta if kind.rope_theta is None else kind.rope_theta}
-    if model.rope_scaling == "linear" and kind.rope_scaled:
-      rope.update(rope_type="linear", factor=model.rope_scaling_factor)
+    if model.rope_scaling is not None and kind.rope_scaled:   # linear (check_exportable)
+      rope.update(rope_type="linear", factor=model.rope_scaling.factor)
     ropes[t] = rope
   window = next((k.window for k in kinds if k.window), None)
   return types, ropes, window
@@ -237,8 +237,8 @@ def check_exportable(model, arch: str) -> None:
       bad.append(f"{field}=True")
   if model.qkv_bias != model.out_bias:
     bad.append(f"qkv_bias={model.qkv_bias}, out_bias={model.out_bias} (attention_bias sets both)")
-  if model.rope_scaling not in ("none", "linear"):
-    bad.append(f"rope_scaling={model.rope_scaling!r}")
+  if model.rope_scaling is not None and model.rope_scaling.kind != "linear":
+    bad.append(f"rope_scaling.kind={model.rope_scaling.kind!r}")
   kinds = model.layer_pattern or (LayerKind(window=model.attention_window),)
   if any(k.chunk or not k.rope or k.temperature_tuning for k in kinds):
     bad.append("a layer kind with chunked attention, NoPE or temperature tuning")
@@ -249,8 +249,8 @@ def check_exportable(model, arch: str) -> None:
                  f"Gemma has one window and one RoPE per layer type")
   if arch == "gemma2" and any(k.rope_theta is not None or not k.rope_scaled for k in kinds):
     bad.append("a RoPE base or scaling per layer kind (Gemma 2 has one RoPE)")
-  if arch == "gemma2" and model.rope_scaling != "none":
-    bad.append(f"rope_scaling={model.rope_scaling!r} (Gemma 2 has none)")
+  if arch == "gemma2" and model.rope_scaling is not None:
+    bad.append(f"rope_scaling.kind={model.rope_scaling.kind!r} (Gemma 2 has none)")
   if bad:
     raise ConfigError(f"cannot export as {arch}: the model has {', '.join(bad)}")
 
