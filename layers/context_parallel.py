@@ -60,23 +60,20 @@ import contextlib
 import contextvars
 import dataclasses
 import functools
-import math
 from typing import Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from shardax.layers import flash
 from shardax.layers.attention_choice import resolve
 from shardax.layers.attention_scores import grouped_logits
-from shardax.sharding import rules as rules_lib
-from shardax.sharding.annotate import current_mesh_shape
+from shardax.sharding import manual
 
 MODES = ("allgather", "ring")
 
-# Logical axes of the query activation; the `length` entry of its spec is the split.
+# Logical axes of the query activation; the `length` entry of its layout is the split.
 _Q_AXES = ("batch", "length", "heads", "kv")
 _NEG = float(jnp.finfo(jnp.float32).min)
 
@@ -101,13 +98,9 @@ def length_split() -> Split | None:
   """The mesh axes the current rules map `length` to (for activations, whose batch dim
   comes first), or None with no mesh, no rules, or a split of size 1. Model code never
   names the axis: it is whatever the experiment's rules say."""
-  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
-  if rules is None or mesh_shape is None:
-    return None
-  entry = rules_lib.logical_to_spec(_Q_AXES, rules, mesh_shape)[1]
-  axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
-  size = math.prod(mesh_shape[a] for a in axes)
-  return Split(axes, size) if size > 1 else None
+  q = manual.layout(_Q_AXES)
+  size = q.parts(1)
+  return Split(q.axes[1], size) if size > 1 else None
 
 
 # (mode, balanced) of the sequence being traced; set by the model around its forward.
@@ -351,8 +344,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   for), 'allgather' runs the splash kernel per device (`_flash_allgather`); 'ring' has
   no kernel form (it needs each block's softmax statistics, which the kernel's backward
   does not take), so 'auto' keeps its einsum blocks and an explicit 'flash' is refused.
-  The shard_map is manual over every mesh axis, each operand split as the rules split
-  its logical dims (batch over data, heads over model, ...), so each device computes on
+  The shard_map (sharding/manual.py) is manual over every mesh axis, each operand split as
+  the rules split its logical dims (batch over data, heads over model, ...), so each device computes on
   its own rows and heads only. `sinks` [n]: attention sinks, split like q's heads (`finish`). (Manual over the `length` axes alone, the partitioner
   gathered the batch into the body on the CPU backend: every device then did the whole
   batch's attention.)"""
@@ -365,25 +358,20 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array,
   check_length(q.shape[1], split, balanced)
   window = getattr(options, "window", None)
   softcap = getattr(options, "softcap", None)
-  specs = _specs(split)
+  layouts = _layouts(q, k, segment_ids)
   if _uses_flash(options, mode, q.shape[1] // split.size, q.shape[1]):
     if sinks is not None:
       raise ContextParallelError("model.attention='flash' with attention sinks (model.attention_sinks): "
                                  "the splash kernel has no sink logit; use model.attention='auto' or 'xla'")
-    return _flash_allgather(q, k, v, segment_ids, split, balanced, options, specs)
-  q_spec, kv_spec, seg_spec = specs
+    return _flash_allgather(q, k, v, segment_ids, split, balanced, options, layouts)
+  q_layout, kv_layout, seg_layout = layouts
   local = functools.partial(_LOCAL[mode], split=split, balanced=balanced, block_attention=functools.partial(
       block_attention, window=window, softcap=softcap))
-  if segment_ids is None:
-    body = lambda q, k, v, *s: local(q, k, v, None, *s)
-    args, in_specs = (q, k, v), (q_spec, kv_spec, kv_spec)
-  else:
-    body = local
-    args, in_specs = (q, k, v, segment_ids.astype(jnp.int32)), (q_spec, kv_spec, kv_spec, seg_spec)
+  seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+  args, in_layouts = (q, k, v, seg), (q_layout, kv_layout, kv_layout, seg_layout)
   if sinks is not None:
-    args, in_specs = args + (sinks,), in_specs + (P(q_spec[2]),)
-  fn = jax.shard_map(body, in_specs=in_specs, out_specs=q_spec, check_vma=False)
-  return fn(*args)
+    args, in_layouts = args + (sinks,), in_layouts + (q_layout.select(2),)
+  return manual.run(local, in_layouts=in_layouts, out_layouts=q_layout)(*args)
 
 
 def _uses_flash(options, mode: str, local_len: int, length: int) -> bool:
@@ -416,7 +404,7 @@ def natural(x: jax.Array, size: int) -> jax.Array:
   return jnp.concatenate([flat(x[:, :, 0]), flat(x[:, ::-1, 1])], axis=1)
 
 
-def _flash_allgather(q, k, v, segment_ids, split: Split, balanced: bool, options, specs):
+def _flash_allgather(q, k, v, segment_ids, split: Split, balanced: bool, options, layouts):
   """'allgather' with the splash kernel: each device all-gathers K/V (and segment ids),
   puts them in natural order (`natural`), and runs the kernel on its own query rows.
 
@@ -429,18 +417,15 @@ def _flash_allgather(q, k, v, segment_ids, split: Split, balanced: bool, options
   ids (q: the local ones; kv: the gathered ones) keep documents apart inside the kernel.
   Why not a per-device CausalMask `offset`: the offset is static and the device index
   is not (and the balanced rows are two non-adjacent chunks)."""
-  q_spec, kv_spec, seg_spec = specs
-  mesh_shape = current_mesh_shape()
-  heads_axes = q_spec[2] if q_spec[2] is not None else ()
-  heads_axes = (heads_axes,) if isinstance(heads_axes, str) else tuple(heads_axes)
-  local_heads = q.shape[2] // math.prod(mesh_shape[a] for a in heads_axes)
+  q_layout, kv_layout, seg_layout = layouts
+  local_heads = q.shape[2] // q_layout.parts(2)
   length = q.shape[1]
   order = balanced_order(length, split.size) if balanced else np.arange(length)
   kernel = flash.sequence_kernel(local_heads, order, length, split.size, window=options.window,
                                  softcap=options.softcap, block_q=options.flash_block_q,
                                  block_kv=options.flash_block_kv, interpret=options.interpret)
-  mesh = jax.sharding.get_abstract_mesh()
-  kernel_spec = kernel.manual_sharding_spec(jax.sharding.NamedSharding(mesh, P(None, q_spec[1])))
+  # The kernel's tables are [heads, rows]: cut along the rows as q's sequence is.
+  kernel_specs = kernel.manual_sharding_spec(q_layout.select(None, 1).sharding())
   gather = lambda x: jax.lax.all_gather(x, split.axis_name, axis=1, tiled=True)
   reorder = (lambda x: natural(x, split.size)) if balanced else (lambda x: x)
 
@@ -449,24 +434,18 @@ def _flash_allgather(q, k, v, segment_ids, split: Split, balanced: bool, options
     seg_all = None if seg is None else reorder(gather(seg))
     return flash.run_sequence_kernel(kernel, q, k_all, v_all, seg, seg_all)
 
-  if segment_ids is None:
-    fn = jax.shard_map(lambda q, k, v, kernel: body(q, k, v, None, kernel),
-                       in_specs=(q_spec, kv_spec, kv_spec, kernel_spec), out_specs=q_spec,
-                       check_vma=False)
-    return fn(q, k, v, kernel)
-  fn = jax.shard_map(body, in_specs=(q_spec, kv_spec, kv_spec, seg_spec, kernel_spec),
-                     out_specs=q_spec, check_vma=False)
-  return fn(q, k, v, segment_ids.astype(jnp.int32), kernel)
+  seg = None if segment_ids is None else segment_ids.astype(jnp.int32)
+  return manual.run(body, in_layouts=(q_layout, kv_layout, kv_layout, seg_layout, kernel_specs),
+                    out_layouts=q_layout)(q, k, v, seg, kernel)
 
 
-def _specs(split: Split) -> tuple[P, P, P]:
-  """PartitionSpecs of q, k/v and segment ids from the rules in force. Query head h uses
-  kv head h // g, so a device's query heads find their kv heads locally only when both
-  head dims are split alike; otherwise both stay whole inside the shard_map."""
-  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
-  q = rules_lib.logical_to_spec(_Q_AXES, rules, mesh_shape)
-  kv = rules_lib.logical_to_spec(("batch", "length", "kv_heads", "kv"), rules, mesh_shape)
-  seg = rules_lib.logical_to_spec(("batch", "length"), rules, mesh_shape)
-  if q[2] != kv[2]:
-    q, kv = P(q[0], q[1], None, q[3]), P(kv[0], kv[1], None, kv[3])
-  return q, kv, seg
+def _layouts(q, k, segment_ids) -> tuple[manual.Layout, manual.Layout, manual.Layout]:
+  """Layouts of q, k/v and segment ids from the rules in force. Query head h uses kv head
+  h // g, so a device's query heads find their kv heads locally only when both head dims
+  are split alike; otherwise both stay whole inside the manual region."""
+  q_layout = manual.layout(_Q_AXES, q.shape, name="context parallel q")
+  kv_layout = manual.layout(("batch", "length", "kv_heads", "kv"), k.shape, name="context parallel k/v")
+  seg_layout = manual.layout(("batch", "length"), q.shape[:2], name="context parallel segment ids")
+  if q_layout.axes[2] != kv_layout.axes[2]:
+    q_layout, kv_layout = q_layout.whole(2), kv_layout.whole(2)
+  return q_layout, kv_layout, seg_layout

@@ -24,9 +24,9 @@ scaled logits, as `xla_attention` does.
 
 Sharding. A Pallas call is opaque to the SPMD partitioner, which would replicate it (all-
 gather the whole batch onto every chip). `sharded` therefore runs it under `shard_map` with
-the specs the logical rules give q/k/v (batch and heads split as the preset says), so each
-device runs the kernel on its own examples and heads. Model code still names no mesh axis:
-the specs come from the rules. A split `length` is context parallelism, which
+the layouts the logical rules give q/k/v (sharding/manual.py: batch and heads split as the
+preset says), so each device runs the kernel on its own examples and heads. Model code names
+no mesh axis: the layouts come from the rules. A split `length` is context parallelism, which
 layers/context_parallel.py does (all-gathered K/V, then `sequence_kernel` per device:
 see `SequenceMask`); `sharded` refuses it.
 
@@ -45,9 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas.ops.tpu import splash_attention as sa
 from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as sa_mask
-from jax.sharding import PartitionSpec
 
-from shardax.sharding import rules as rules_lib
+from shardax.sharding import manual
 
 LANES = 128   # kv blocks must be multiples of the vector lane width
 
@@ -174,34 +173,25 @@ def splash_local(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Arra
 
 def sharded(local_fn, q: jax.Array, k: jax.Array, v: jax.Array,
             segment_ids: jax.Array | None) -> jax.Array:
-  """`local_fn(q, k, v, segment_ids)` run per device under shard_map, with the specs the
-  logical rules in force give q [batch, length, heads, kv] and k/v [.., kv_heads, kv].
+  """`local_fn(q, k, v, segment_ids)` run per device in a manual region (sharding/manual.py),
+  q [batch, length, heads, kv] and k/v [.., kv_heads, kv] cut as the logical rules in force say.
 
   Without a mesh or rules (or on one device) it is `local_fn` itself. When the rules split q
   heads but not kv heads (or differently), k/v are repeated to q's heads first, so each
   device's query heads meet their own kv heads (the grouping h -> h // g is kept)."""
-  rules = rules_lib.current_rules()
-  mesh = jax.sharding.get_abstract_mesh()
-  if rules is None or mesh.empty or mesh.size == 1:
+  if not manual.active():
     return local_fn(q, k, v, segment_ids)
-  mesh_shape = dict(mesh.shape)
-  spec = lambda axes, x, what: rules_lib.logical_to_spec(
-      axes, rules, mesh_shape, x.shape, name=what, allow_uneven=rules_lib.allow_uneven())
-  full = lambda p: PartitionSpec(*(tuple(p) + (None,) * (4 - len(p))))
-  q_spec = full(spec(("batch", "length", "heads", "kv"), q, "flash attention q"))
-  kv_spec = full(spec(("batch", "length", "kv_heads", "kv"), k, "flash attention k/v"))
-  if q_spec[1] is not None or q_spec[3] is not None:
+  q_axes = ("batch", "length", "heads", "kv")
+  q_layout = manual.layout(q_axes, q.shape, name="flash attention q")
+  kv_layout = manual.layout(("batch", "length", "kv_heads", "kv"), k.shape, name="flash attention k/v")
+  if q_layout.axes[1] or q_layout.axes[3]:
     raise ValueError(f"flash attention: the rules split the sequence or head dim of q "
-                     f"(spec {q_spec}); a split 'length' is context parallelism "
+                     f"(spec {q_layout.spec}); a split 'length' is context parallelism "
                      f"(layers/context_parallel.py), not this kernel's sharding")
-  if kv_spec[2] != q_spec[2] or kv_spec[0] != q_spec[0]:
+  if kv_layout.axes[2] != q_layout.axes[2] or kv_layout.axes[0] != q_layout.axes[0]:
     groups = q.shape[2] // k.shape[2]
     k, v = (jnp.repeat(t, groups, axis=2) for t in (k, v))
-    kv_spec = q_spec
-  seg_spec = PartitionSpec(q_spec[0], None)
-  if segment_ids is None:
-    fn = lambda q, k, v: local_fn(q, k, v, None)
-    return jax.shard_map(fn, in_specs=(q_spec, kv_spec, kv_spec), out_specs=q_spec,
-                         check_vma=False)(q, k, v)
-  return jax.shard_map(local_fn, in_specs=(q_spec, kv_spec, kv_spec, seg_spec), out_specs=q_spec,
-                       check_vma=False)(q, k, v, segment_ids)
+    kv_layout = q_layout
+  seg_layout = q_layout.select(0, 1)
+  return manual.run(local_fn, in_layouts=(q_layout, kv_layout, kv_layout, seg_layout),
+                    out_layouts=q_layout)(q, k, v, segment_ids)

@@ -35,9 +35,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax.sharding import PartitionSpec as P
-
-from shardax.layers import moe_dispatch
+from shardax.sharding import manual
 
 
 class BalanceBias(nnx.Param):
@@ -120,16 +118,13 @@ def group_limit(scores: jax.Array, n_group: int, topk_group: int) -> jax.Array:
 def top_k_indices(x: jax.Array, k: int) -> jax.Array:
   """lax.top_k's indices of x [batch, length, ..., E], computed where the tokens lie: the
   SPMD partitioner does not split top_k along the batch and would all-gather every
-  token's scores to each device, so under a mesh it runs per device in shard_map, over
-  the mesh axes of 'batch' and (context parallelism) 'length'."""
+  token's scores to each device, so under a mesh it runs per device in a manual region
+  (sharding/manual.py) cut as the rules cut 'batch' and (context parallelism) 'length'."""
   lead = ("batch", "length")[:x.ndim - 1]
-  axes = moe_dispatch.mesh_axes(lead, x.shape[:len(lead)])
-  mesh = jax.sharding.get_abstract_mesh()
-  if not any(axes) or mesh.empty or mesh.size == 1:
+  tokens = manual.layout(lead + (None,) * (x.ndim - len(lead)), x.shape, name=f"MoE {lead}")
+  if not tokens.split or not manual.active():
     return jax.lax.top_k(x, k)[1]
-  spec = P(*(a or None for a in axes), *(None,) * (x.ndim - len(lead)))
-  return jax.shard_map(lambda v: jax.lax.top_k(v, k)[1], mesh=mesh, in_specs=spec,
-                       out_specs=spec, check_vma=False)(x)
+  return manual.run(lambda v: jax.lax.top_k(v, k)[1], in_layouts=(tokens,), out_layouts=tokens)(x)
 
 
 def next_bias(bias: jax.Array, load: jax.Array, rate: float) -> jax.Array:
