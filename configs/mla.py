@@ -27,16 +27,14 @@ class MLAConfig:
   qk_rope_head_dim: the decoupled RoPE dims: per head for queries, one key shared by all
                     heads (projected from the input, not the latent) [qk_rope_head_dim].
   v_head_dim:       each head's value dims, apart from the q/k head size [v_head_dim].
-  rope_interleave:  RoPE rotates pairs of adjacent dims (0, 1), (2, 3), ... as DeepSeek's
-                    checkpoints do (transformers' default), instead of (i, i + e/2) [rope_interleave].
   The softmax scale is (qk_nope_head_dim + qk_rope_head_dim)^-1/2, times YaRN's mscale^2
-  when a YaRN model.rope_scaling sets mscale_all_dim (configs/rope.py)."""
+  when a YaRN model.rope_scaling sets mscale_all_dim (configs/rope.py). The RoPE dims rotate
+  adjacent pairs, as DeepSeek's checkpoints do, with model.rope_interleave=True."""
   q_lora_rank: int | None = 1536
   kv_lora_rank: int = 512
   qk_nope_head_dim: int = 128
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
-  rope_interleave: bool = False
 
   def __post_init__(self):
     require(self.q_lora_rank is None or self.q_lora_rank >= 1,

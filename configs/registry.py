@@ -160,9 +160,10 @@ def apply_overrides(cfg: fdl.Config, overrides: Sequence[str]) -> fdl.Config:
                         f"to model.* (dense and MoE LMs share one config): use "
                         f"--set {new}={text.strip()}")
     if path.strip() in rope_lib.MOVED:
-      raise ConfigError(f"--set {path.strip()}: moved to {rope_lib.MOVED[path.strip()]} (RoPE scaling is "
-                        f"one section, configs/rope.py): use --set {rope_lib.MOVED[path.strip()]}={text.strip()}"
-                        f" (a model without scaling also needs --set model.rope_scaling.kind=...)")
+      new = rope_lib.MOVED[path.strip()]
+      hint = (" (RoPE scaling is one section, configs/rope.py; a model without it also needs "
+              "--set model.rope_scaling.kind=...)" if new.startswith("model.rope_scaling.") else "")
+      raise ConfigError(f"--set {path.strip()}: moved to {new}: use --set {new}={text.strip()}{hint}")
     *parents, leaf = path.strip().split(".")
     node = cfg
     for i, part in enumerate(parents):

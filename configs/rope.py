@@ -130,11 +130,13 @@ def check_section(value) -> None:
                  f"...), or model.rope_scaling=None for plain RoPE")
 
 
-# The flat model fields RoPE scaling had before it was a section -> the section's paths
-# (configs/registry.py refuses the old paths naming the new one).
+# Former paths of RoPE's fields -> where they are now (configs/registry.py refuses the old paths
+# naming the new one): the flat fields RoPE scaling had before it was a section, and MLA's own
+# interleave flag.
 MOVED = {f"model.{old}": f"model.rope_scaling.{new}" for old, new in (
     ("rope_scaling_factor", "factor"), ("rope_low_freq_factor", "low_freq_factor"),
     ("rope_high_freq_factor", "high_freq_factor"), ("rope_original_max_len", "original_max_len"),
     ("rope_beta_fast", "beta_fast"), ("rope_beta_slow", "beta_slow"), ("rope_mscale", "mscale"),
     ("rope_mscale_all_dim", "mscale_all_dim"), ("rope_attention_factor", "attention_factor"),
     ("rope_truncate", "truncate"))}
+MOVED["model.mla.rope_interleave"] = "model.rope_interleave"   # one field serves every attention

@@ -92,7 +92,7 @@ class TransformerConfig:
   # Llama 4 (transformers' use_qk_norm): q and k of each layer that rotates them divided by their
   # RMS over the head dim (eps norm_eps, no weight), after RoPE; NoPE layers are left alone.
   qk_l2_norm: bool = False
-  rope_interleave: bool = False       # RoPE rotates adjacent pairs (0, 1), (2, 3), ... (Llama 4), not (i, i + d/2)
+  rope_interleave: bool = False       # RoPE rotates adjacent pairs (0, 1), ... (Llama 4, MLA), not (i, i + d/2)
   # RoPE frequency scaling (configs/rope.py: llama3, yarn or linear); None = plain RoPE.
   rope_scaling: rope_lib.RopeScaling | None = None
   # Mixture of experts (configs/moe.py): None = a dense model; set, the stack's unit is
@@ -153,9 +153,9 @@ class TransformerConfig:
     rope_lib.check_section(self.rope_scaling)
     mla_lib.check_model(self)
     mtp_lib.check_model(self)
-    _require(self.mla is None or not (self.qk_l2_norm or self.rope_interleave),
-             f"model.qk_l2_norm={self.qk_l2_norm} / model.rope_interleave={self.rope_interleave} with "
-             f"model.mla: multi-head latent attention has its own (model.mla.rope_interleave); set both False")
+    _require(self.mla is None or not self.qk_l2_norm,
+             "model.qk_l2_norm=True with model.mla: multi-head latent attention normalizes its latents, "
+             "not the rotated q/k; set model.qk_l2_norm=False")
     m = self.moe
     if m is not None:
       _require(m.first_dense_layers < self.num_layers and

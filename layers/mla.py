@@ -25,9 +25,9 @@ with the latent as the value (`cached_attention` with a single kv head). A prefi
 within its block as training does.
 
 The params are transformers' tensors one for one (models/hf/deepseek_v3.py). `rope_interleave`
-(DeepSeek's checkpoints) rotates pairs (0, 1), (2, 3), ... instead of (i, i + e/2): the same
-rotation on the RoPE dims reordered evens-then-odds, so the layer reorders them and rotates
-as everywhere else. The latent norms use eps 1e-6 whatever model.norm_eps, as transformers
+(model.rope_interleave: DeepSeek's checkpoints) rotates pairs (0, 1), (2, 3), ... instead of
+(i, i + e/2): the same rotation on the RoPE dims reordered evens-then-odds, so the layer
+reorders them and rotates as everywhere else. The latent norms use eps 1e-6 whatever model.norm_eps, as transformers
 builds them.
 """
 
@@ -68,17 +68,18 @@ class MultiHeadLatentAttention(nnx.Module):
   def from_config(cls, cfg, *, rngs: nnx.Rngs) -> "MultiHeadLatentAttention":
     """The attention of a TransformerConfig with `cfg.mla` set (what a Block builds)."""
     return cls(cfg.d_model, cfg.num_heads, cfg.mla, rope_theta=cfg.rope_theta,
-               rope_scaling=cfg.rope_scaling, options=cfg.attention_options(),
+               rope_scaling=cfg.rope_scaling, rope_interleave=cfg.rope_interleave, options=cfg.attention_options(),
                dtype=jnp.dtype(cfg.dtype), param_dtype=jnp.dtype(cfg.param_dtype), qkv_bias=cfg.qkv_bias,
                out_bias=cfg.out_bias, quantization=cfg.quantization, rngs=rngs)
 
   def __init__(self, d_model: int, num_heads: int, mla: MLAConfig, *, rope_theta: float = 10_000.0,
-               rope_scaling: RopeScaling | None = None, options: AttentionOptions | None = None, dtype=jnp.float32,
+               rope_scaling: RopeScaling | None = None, rope_interleave: bool = False,
+               options: AttentionOptions | None = None, dtype=jnp.float32,
                param_dtype=jnp.float32, qkv_bias: bool = False, out_bias: bool = False,
                quantization: str = "none", rngs: nnx.Rngs):
     self.mla, self.num_heads = mla, num_heads
     self.rope_theta = rope_theta
-    self.rope_scaling = rope_scaling
+    self.rope_scaling, self.rope_interleave = rope_scaling, rope_interleave
     self.options = options or AttentionOptions()
     # softmax scale = mscale / sqrt(p + e): YaRN's mscale(factor, mscale_all_dim)^2 (transformers'
     # yarn_apply_mscale), 1 for other RoPE.
@@ -105,7 +106,7 @@ class MultiHeadLatentAttention(nnx.Module):
                             use_bias=out_bias, **kw)
 
   def _rope(self, x: jax.Array, positions: jax.Array) -> jax.Array:
-    if self.mla.rope_interleave:   # pairs (0, 1), (2, 3), ...: rotate-half of evens-then-odds
+    if self.rope_interleave:   # pairs (0, 1), (2, 3), ...: rotate-half of evens-then-odds
       x = interleaved_pairs(x)
     return apply_rope(x, positions, self.rope_theta, self.rope_scaling)
 

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from shardax import configs
+from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ConfigError
 from shardax.sharding import make_mesh, use_rules
 from shardax.sharding import rules as rules_lib
@@ -302,7 +303,7 @@ def test_sliding_window_is_the_attention_window_not_a_length_cap():
   out = hf_llama.to_hf(model, "mistral", src)
   assert (out["max_position_embeddings"], out["sliding_window"]) == (1024, 16)
   moe = experiment("mixtral_llama3").model
-  assert (moe.max_len, moe.attention_window, moe.rope_scaling) == (512, 8, "llama3")
+  assert (moe.max_len, moe.attention_window, moe.rope_scaling.kind) == (512, 8, "llama3")
   with pytest.raises(ConfigError, match="attention_window=6"):   # Llama has no sliding_window
     hf_llama.check_exportable(experiment("llama", "model.attention_window=6").model, "llama")
 
@@ -324,7 +325,7 @@ def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
                     [(n, t.shape, t.dtype) for n, t in tensors.items()], tensors.__getitem__)
   exp = configs.build(configs.get(f"hf:{d}"))
   t = exp.model
-  assert (t.qkv_bias, t.out_bias, t.rope_scaling) == (True, True, "llama3")
+  assert (t.qkv_bias, t.out_bias, t.rope_scaling.kind) == (True, True, "llama3")
   job, out = str(tmp_path / "job"), str(tmp_path / "out")
   importer.run(exp, job)
   exporter.run(exp, job, out)
@@ -342,8 +343,8 @@ def test_config_reads_transformers_4_rope_spelling(tmp_path):
       "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 8192})
   m = configs.build(configs.get(f"hf:{d}")).model
-  assert (m.rope_theta, m.rope_scaling, m.rope_scaling_factor, m.rope_original_max_len) == \
-      (5e5, "llama3", 32.0, 8192)
+  assert (m.rope_theta, m.rope_scaling) == \
+      (5e5, RopeScaling("llama3", factor=32.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_len=8192))
 
 
 def _write_random_model(d, layers, dm=256, ff=1024, vocab=1024):

@@ -7,7 +7,6 @@ dense, top-2 of 8 experts in 2 of 4 groups; logits of three sequences, greedy to
 prompt and of three longer ones.
 """
 
-import dataclasses
 import os
 import sys
 
@@ -20,6 +19,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
 
 from shardax import configs  # noqa: E402
+from shardax.configs.rope import RopeScaling  # noqa: E402
 from shardax.configs.schema import ConfigError  # noqa: E402
 from shardax.models import hf as hf_models  # noqa: E402
 from shardax.models.hf import deepseek_v3  # noqa: E402
@@ -39,9 +39,8 @@ def test_config_maps_onto_mla_and_the_group_limited_moe():
   t = experiment(ARCH).model
   a, m = t.mla, t.moe
   assert (a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim,
-          a.rope_interleave) == (24, 16, 16, 8, 12, True)
-  assert (t.rope_scaling, t.rope_scaling_factor, t.rope_original_max_len, t.rope_mscale,
-          t.rope_mscale_all_dim) == ("yarn", 4.0, 16, 1.0, 0.5)
+          t.rope_interleave) == (24, 16, 16, 8, 12, True)
+  assert t.rope_scaling == RopeScaling("yarn", factor=4.0, original_max_len=16, mscale=1.0, mscale_all_dim=0.5)
   assert (m.num_experts, m.top_k, m.n_group, m.topk_group, m.d_ff, m.num_shared_experts,
           m.first_dense_layers, m.score, m.gate_scale, m.renormalize) == (8, 2, 4, 2, 32, 1, 1, "sigmoid", 2.5, True)
   assert m.bias_update_rate > 0 and m.aux_loss_weight == 0
@@ -77,10 +76,10 @@ def test_each_feature_of_the_fixture_changes_its_logits(feature):
   cfg = configs.get(f"hf:{os.path.join(FIXTURES, ARCH)}")
   if feature == "group limit":
     cfg.model.moe.n_group, cfg.model.moe.topk_group = 1, 1
-  elif feature == "interleaved RoPE":   # the adapter's MLAConfig is a value in the tree
-    cfg.model.mla = dataclasses.replace(cfg.model.mla, rope_interleave=False)
+  elif feature == "interleaved RoPE":
+    cfg.model.rope_interleave = False
   else:
-    cfg.model.rope_mscale_all_dim = 0.0
+    cfg.model.rope_scaling.mscale_all_dim = 0.0
   setup, params = _imported_from(cfg)
   ref = reference(ARCH)
   worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(logits_of(setup, params, ref)))

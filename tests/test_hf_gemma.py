@@ -23,6 +23,7 @@ from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, re
 
 from shardax import configs  # noqa: E402
 from shardax.configs.attention import LayerKind  # noqa: E402
+from shardax.configs.rope import RopeScaling  # noqa: E402
 from shardax.configs.schema import ConfigError  # noqa: E402
 from shardax.models import hf as hf_models  # noqa: E402
 from shardax.models.hf import gemma  # noqa: E402
@@ -46,12 +47,12 @@ def test_config_maps_onto_the_lm():
   global one linearly scaled; Gemma's norms, scales and caps."""
   t = experiment("gemma3").model
   assert t.layer_pattern == (LOCAL3, LOCAL3, LayerKind()) and t.num_tail_layers == 2
-  assert (t.rope_theta, t.rope_scaling, t.rope_scaling_factor) == (1e6, "linear", 8.0)
+  assert (t.rope_theta, t.rope_scaling) == (1e6, RopeScaling("linear", factor=8.0))
   assert (t.norm, t.post_norms, t.qk_norm, t.activation, t.scale_embedding, t.tied_embedding) == \
       ("rms_plus_one", True, True, "gelu", True, True)
   assert (t.query_pre_attn_scalar, t.head_dim, t.attention_softcap, t.final_logit_softcap) == (24.0, 16, None, None)
   t = experiment("gemma2").model
-  assert t.layer_pattern == (LayerKind(window=6), LayerKind()) and t.rope_scaling == "none"
+  assert t.layer_pattern == (LayerKind(window=6), LayerKind()) and t.rope_scaling is None
   assert (t.qk_norm, t.attention_softcap, t.final_logit_softcap, t.tied_embedding) == (False, 5.0, 8.0, False)
 
 
@@ -140,7 +141,7 @@ def test_hub_spelling_imports_as_the_same_model():
   src["layer_types"] = src["layer_types"][:6]
   assert gemma.model_fields(hub_gemma3()) == gemma.model_fields(src)
   fields = gemma.model_fields(hub_gemma3(rope_scaling=None, num_hidden_layers=26, sliding_window_pattern=6))
-  assert fields["rope_scaling"] == "none" and fields["layer_pattern"][0].rope_scaled
+  assert fields["rope_scaling"] is None and fields["layer_pattern"][0].rope_scaled
   assert len(fields["layer_pattern"]) == 6 and fields["num_layers"] == 26   # 4 units and a tail of 2
 
 
@@ -212,7 +213,7 @@ def test_gemma2_hub_config_imports():
   fields = gemma.model_fields(hub)
   assert fields["layer_pattern"] == (LayerKind(window=4096), LayerKind()) and fields["num_layers"] == 42
   assert (fields["attention_softcap"], fields["final_logit_softcap"], fields["qk_norm"]) == (50.0, 30.0, False)
-  assert (fields["rope_theta"], fields["rope_scaling"]) == (10000.0, "none")
+  assert (fields["rope_theta"], fields["rope_scaling"]) == (10000.0, None)
   from shardax.configs.schema import TransformerConfig
   out = gemma.to_hf(TransformerConfig(**fields), "gemma2", hub)
   assert {k: out.get(k) for k in hub} == hub

@@ -24,6 +24,7 @@ from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, re
 
 from shardax import configs  # noqa: E402
 from shardax.configs.attention import LayerKind  # noqa: E402
+from shardax.configs.rope import RopeScaling  # noqa: E402
 from shardax.configs.schema import ConfigError  # noqa: E402
 from shardax.models import hf as hf_models  # noqa: E402
 from shardax.models.hf import gpt_oss, mxfp4  # noqa: E402
@@ -46,8 +47,8 @@ def test_config_maps_onto_the_moe_lm():
   m = t.moe
   assert t.layer_pattern == (LayerKind(window=6), LayerKind()) and t.attention_window is None
   assert (t.attention_sinks, t.qkv_bias, t.out_bias, t.qk_norm, t.tied_embedding) == (True, True, True, False, False)
-  assert (t.rope_scaling, t.rope_scaling_factor, t.rope_original_max_len, t.rope_truncate, t.rope_theta) == \
-      ("yarn", 4.0, 16, False, 150000.0)
+  assert (t.rope_scaling, t.rope_theta) == \
+      (RopeScaling("yarn", factor=4.0, original_max_len=16, truncate=False), 150000.0)
   assert (m.num_experts, m.top_k, m.d_ff, m.every, m.score, m.renormalize, m.dispatch) == \
       (4, 2, 32, 1, "softmax", True, "dropless")
   assert (m.router_bias, m.expert_bias, m.swiglu_limit, m.swiglu_alpha) == (True, True, 1.0, 1.702)

@@ -53,7 +53,7 @@ def test_config_maps_onto_the_lm():
   chunked, nope = LayerKind(chunk=8), LayerKind(rope=False, temperature_tuning=True)
   assert t.layer_pattern == (chunked, chunked, chunked, nope)
   assert (t.temperature_floor_scale, t.temperature_scale) == (4.0, 0.5)
-  assert (t.d_ff, t.head_dim, t.rope_interleave, t.qk_l2_norm, t.qk_norm, t.rope_scaling) == \
+  assert (t.d_ff, t.head_dim, t.rope_interleave, t.qk_l2_norm, t.qk_norm, t.rope_scaling.kind) == \
       (96, 16, True, True, False, "llama3")
   m = t.moe
   assert (m.num_experts, m.top_k, m.d_ff, m.every, m.score, m.renormalize, m.gate_input, m.num_shared_experts,

@@ -35,10 +35,11 @@ FIXTURE_YARN = RopeScaling("yarn", factor=4.0, original_max_len=8, beta_fast=32.
                            mscale_all_dim=0.5)
 
 
-def layer(mla=SMALL, rope_scaling=None, theta=10_000.0, options=None, seed=0) -> MultiHeadLatentAttention:
+def layer(mla=SMALL, rope_scaling=None, theta=10_000.0, options=None, seed=0,
+          interleave=False) -> MultiHeadLatentAttention:
   with nnx.use_eager_sharding(False):
     return MultiHeadLatentAttention(D_MODEL, HEADS, mla, rope_theta=theta, rope_scaling=rope_scaling,
-                                    options=options, rngs=nnx.Rngs(seed))
+                                    rope_interleave=interleave, options=options, rngs=nnx.Rngs(seed))
 
 
 def load_transformers(attn: MultiHeadLatentAttention, w: dict) -> None:
@@ -57,13 +58,13 @@ def load_transformers(attn: MultiHeadLatentAttention, w: dict) -> None:
   attn.out.kernel[...] = jnp.asarray(w["o_proj.weight"].T.reshape(n, m.v_head_dim, -1))
 
 
-@pytest.mark.parametrize("case,mla,scaling,theta", [
-    ("lora_yarn_interleave", MLAConfig(12, 16, 8, 4, 6, rope_interleave=True), FIXTURE_YARN, 10_000.0),
-    ("plain_q", MLAConfig(None, 16, 8, 4, 6), None, 500.0),
+@pytest.mark.parametrize("case,mla,scaling,theta,interleave", [
+    ("lora_yarn_interleave", MLAConfig(12, 16, 8, 4, 6), FIXTURE_YARN, 10_000.0, True),
+    ("plain_q", MLAConfig(None, 16, 8, 4, 6), None, 500.0, False),
 ])
-def test_equals_transformers_deepseek_v3_attention(case, mla, scaling, theta):
+def test_equals_transformers_deepseek_v3_attention(case, mla, scaling, theta, interleave):
   w = dict(np.load(os.path.join(FIXTURES, f"attention_{case}.npz")))
-  attn = layer(mla, scaling, theta)
+  attn = layer(mla, scaling, theta, interleave=interleave)
   load_transformers(attn, w)
   out = jax.jit(lambda x, pos: attn(x, pos))(w["x"], w["positions"])
   np.testing.assert_allclose(np.asarray(out), w["out"], rtol=2e-5, atol=2e-5)
@@ -109,8 +110,8 @@ def decode_outputs(attn, x, prefill: int, slots: int = 16):
 def test_cached_decode_over_the_latent_equals_the_full_forward(q_lora_rank, scaling):
   """Prefill 4 tokens, then 6 generate steps, each attending to the cached latent and RoPE
   key with W_uk absorbed into the query: the same outputs as one causal forward pass."""
-  mla = MLAConfig(q_lora_rank, 16, 8, 4, 6, rope_interleave=scaling is not None)
-  attn = layer(mla, scaling, options=AttentionOptions(window=5))
+  mla = MLAConfig(q_lora_rank, 16, 8, 4, 6)
+  attn = layer(mla, scaling, options=AttentionOptions(window=5), interleave=scaling is not None)
   x = jax.random.normal(jax.random.key(1), (2, 10, D_MODEL))
   full = jax.jit(lambda x: attn(x))(x)
   decoded, cache = decode_outputs(attn, x, prefill=4)

@@ -123,3 +123,22 @@ def test_a_field_without_the_kind_is_refused_naming_the_switch():
 def test_bad_sections_are_refused_by_field(fields, named):
   with pytest.raises(ConfigError, match=named.replace("(", r"\(").replace(".", r"\.")):
     RopeScaling(**fields)
+
+
+MLA = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=12", "model.mla.qk_nope_head_dim=8",
+       "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6"]
+
+
+def test_the_models_rope_interleave_reaches_multi_head_latent_attention():
+  """One flag for every attention: model.rope_interleave rotates MLA's adjacent RoPE pairs
+  (DeepSeek's checkpoints; tests/test_hf_deepseek_v3.py checks the result against transformers)."""
+  x = np.random.default_rng(1).normal(size=(B, L, 128)).astype(np.float32)
+  pos = np.broadcast_to(POS * 3, (B, L))
+  qs = []
+  for interleave in (False, True):
+    exp = configs.resolve("lm.tiny", SMALL + MLA + [f"model.rope_interleave={interleave}"])
+    with nnx.use_eager_sharding(False):
+      attn = Block(exp.model, rngs=nnx.Rngs(0)).attn
+    assert attn.rope_interleave is interleave
+    qs.append(np.asarray(attn._queries(x, pos)[1]))
+  assert np.abs(qs[0] - qs[1]).max() > 1e-3

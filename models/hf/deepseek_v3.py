@@ -4,8 +4,8 @@ configs through the same keys).
 Attention: multi-head latent attention (`model.mla`, layers/mla.py) whose params are the
 checkpoint's tensors one for one: q_a_proj / q_a_layernorm / q_b_proj (or q_proj when
 q_lora_rank is null), kv_a_proj_with_mqa (latent and RoPE key), kv_a_layernorm, kv_b_proj (no-RoPE
-keys and values), o_proj; `rope_interleave` (transformers' default true) rotates adjacent
-pairs; YaRN rope scaling with its mscale on the softmax scale (models/hf/common.py
+keys and values), o_proj; `rope_interleave` (transformers' default true: model.rope_interleave)
+rotates adjacent pairs; YaRN rope scaling with its mscale on the softmax scale (models/hf/common.py
 `yarn_scaling`). `attention_bias` biases q_a_proj, kv_a_proj_with_mqa and o_proj, as ours.
 
 MoE: the first `first_k_dense_replace` layers dense (intermediate_size), then every layer
@@ -88,8 +88,7 @@ def mla_config(hf: dict[str, Any]) -> MLAConfig:
   q = hf.get("q_lora_rank", 1536)
   m = MLAConfig(q_lora_rank=None if q is None else int(q), kv_lora_rank=int(hf.get("kv_lora_rank", 512)),
                 qk_nope_head_dim=int(hf.get("qk_nope_head_dim", 128)),
-                qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)), v_head_dim=int(hf.get("v_head_dim", 128)),
-                rope_interleave=bool(hf.get("rope_interleave", True)))
+                qk_rope_head_dim=int(hf.get("qk_rope_head_dim", 64)), v_head_dim=int(hf.get("v_head_dim", 128)))
   for key, want in (("qk_head_dim", m.qk_head_dim), ("head_dim", m.qk_rope_head_dim)):
     _require(hf.get(key, want) == want, f"config.json {key}={hf.get(key)}: DeepSeek-V3 derives it as {want} "
                                         f"(qk_nope_head_dim + qk_rope_head_dim, and qk_rope_head_dim)")
@@ -113,7 +112,8 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
       max_len=int(hf.get("max_position_embeddings", 4096)), attention_window=None, norm="rms",
       tied_embedding=bool(hf.get("tie_word_embeddings", False)), activation="silu", mlp="gated",
       parallel_block=False, norm_eps=float(hf.get("rms_norm_eps", 1e-6)), scale_embedding=False,
-      qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=False, mla=mla_config(hf), **common.rope(hf))
+      qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=False, mla=mla_config(hf),
+      rope_interleave=bool(hf.get("rope_interleave", True)), **common.rope(hf))
 
 
 def moe_fields(hf: dict[str, Any]) -> dict[str, Any]:
@@ -141,7 +141,7 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
   out.update(
       attention_bias=t.qkv_bias, dtype=t.param_dtype, q_lora_rank=a.q_lora_rank, kv_lora_rank=a.kv_lora_rank,
       qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim,
-      rope_interleave=a.rope_interleave, n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
+      rope_interleave=t.rope_interleave, n_routed_experts=m.num_experts, num_experts_per_tok=m.top_k,
       moe_intermediate_size=m.d_ff, n_shared_experts=m.num_shared_experts, first_k_dense_replace=m.first_dense_layers,
       n_group=m.n_group, topk_group=m.topk_group, norm_topk_prob=m.renormalize, routed_scaling_factor=m.gate_scale,
       head_dim=a.qk_rope_head_dim, qk_head_dim=a.qk_head_dim,
