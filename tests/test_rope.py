@@ -89,6 +89,16 @@ def test_an_experiment_with_scaling_changes_or_drops_it_from_the_command_line():
   assert configs.resolve("lm.llama3_8b_32k", ["model.rope_scaling=None"]).model.rope_scaling is None
 
 
+def test_another_kind_starts_afresh_as_the_refusal_says():
+  """gpt-oss's YaRN sets original_max_len and truncate, which 'linear' does not read: switching
+  the kind alone is refused naming them; dropping the section first gives a fresh one."""
+  with pytest.raises(ConfigError, match=r"does not read original_max_len=4096, truncate=False"):
+    configs.resolve("moe.gpt_oss_120b", ["model.rope_scaling.kind='linear'"])
+  fresh = configs.resolve("moe.gpt_oss_120b", ["model.rope_scaling=None", "model.rope_scaling.kind='linear'",
+                                               "model.rope_scaling.factor=2.0"])
+  assert fresh.model.rope_scaling == RopeScaling("linear", factor=2.0)
+
+
 @pytest.mark.parametrize("old,new", sorted(MOVED.items()))
 def test_the_former_flat_names_are_refused_naming_the_section_path(old, new):
   with pytest.raises(ConfigError, match=f"use --set {new.replace('.', '[.]')}=3"):
