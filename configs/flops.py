@@ -16,6 +16,13 @@ Multi-head latent attention (`cfg.mla`) counts its own projections (q down/up or
 the kv latent and RoPE key, the k/v up projections, the output) and scores of its own
 widths: QK^T over qk_nope + qk_rope dims, AV over v_head_dim, per head (as training runs
 it, expanded; decoding's absorbed form is not a training FLOP).
+
+Multi-token prediction (`cfg.mtp`, layers/mtp.py) is counted in the model FLOPs: each depth's
+block (its attention scores too; an MoE block's active experts and router), its eh_proj
+(2 d_model x d_model) and its pass through the shared head (d_model x vocab) are matmuls every
+training step runs for the loss, like the main model's. DeepSeek-V3's report quotes parameters
+without the MTP module (671B of 685B) and gives no FLOP convention; `mtp_params` and
+`mtp_flops_per_token` say how much of either figure MTP is (--mode=explain prints both).
 """
 
 from __future__ import annotations
@@ -56,7 +63,27 @@ def per_token(cfg, seq_len: int, causal: bool = True) -> float:
   2023-11-29, Megatron's and many papers' figures). An MoE model (`cfg.moe`) counts the
   experts a token activates (`_moe_swap`)."""
   attention = 6 * cfg.num_layers * seq_len * cfg.num_heads * score_width(cfg) / (2 if causal else 1)
-  return 6 * (matmul_params(cfg) + _moe_swap(cfg)) + attention
+  return 6 * (matmul_params(cfg) + _moe_swap(cfg)) + attention + mtp_flops_per_token(cfg, seq_len, causal)
+
+
+def _mtp_depths(cfg) -> int:
+  m = getattr(cfg, "mtp", None)
+  return 0 if m is None else m.depth
+
+
+def mtp_flops_per_token(cfg, seq_len: int, causal: bool = True) -> float:
+  """Training FLOPs per token of the multi-token prediction modules (0 without `cfg.mtp`): per
+  depth, one block's matmuls (an MoE block's router and active experts), its attention
+  scores, eh_proj and the shared head."""
+  depth = _mtp_depths(cfg)
+  if not depth:
+    return 0.0
+  m = getattr(cfg, "moe", None)
+  d = cfg.d_model
+  ffn = _mlp_params(cfg) if m is None else d * m.num_experts + (m.top_k + m.num_shared_experts) * 3 * d * m.d_ff
+  matmuls = _attention_params(cfg) + ffn + 2 * d * d + d * cfg.vocab_size
+  scores = 6 * seq_len * cfg.num_heads * score_width(cfg) / (2 if causal else 1)
+  return depth * (6 * matmuls + scores)
 
 
 def per_step(cfg, global_batch: int, seq_len: int) -> float:
@@ -95,4 +122,23 @@ def param_count(cfg) -> int:
       d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
       + (m.num_experts if m.bias_update_rate else 0))
   head = 0 if cfg.tied_embedding else d * cfg.vocab_size
-  return cfg.num_layers * (_attention_params(cfg) + norms) + dense_ffn + moe_ffn + cfg.vocab_size * d + head + norm
+  main = cfg.num_layers * (_attention_params(cfg) + norms) + dense_ffn + moe_ffn + cfg.vocab_size * d + head + norm
+  return main + mtp_params(cfg)
+
+
+def mtp_params(cfg) -> int:
+  """Parameters of the multi-token prediction modules (0 without `cfg.mtp`): per depth a block
+  (an MoE one when the model has `moe`), enorm, hnorm, head_norm and eh_proj; the embedding
+  and head are the main model's."""
+  depth = _mtp_depths(cfg)
+  if not depth:
+    return 0
+  d, m = cfg.d_model, cfg.moe
+  norm = d * (2 if cfg.norm == "layer" else 1)
+  norms = (1 if cfg.parallel_block else 2) * norm + (2 * norm if getattr(cfg, "post_norms", False) else 0)
+  mla = getattr(cfg, "mla", None)
+  if mla is not None:
+    norms += (mla.q_lora_rank or 0) + mla.kv_lora_rank
+  ffn = _mlp_params(cfg) if m is None else (d * m.num_experts + (m.num_experts + m.num_shared_experts) * 3 * d * m.d_ff
+                                            + (m.num_experts if m.bias_update_rate else 0))
+  return depth * (_attention_params(cfg) + norms + ffn + 3 * norm + 2 * d * d)

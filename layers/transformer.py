@@ -33,6 +33,7 @@ from flax import nnx
 from shardax import pipeline
 from shardax.configs.schema import TransformerConfig
 from shardax.layers import context_parallel
+from shardax.layers import mtp as mtp_lib
 from shardax.layers.attention import default_positions
 from shardax.layers.blocks import (LAYER_INPUT, PROJECTIONS, REMAT_POLICIES, RESIDUAL, Block,  # noqa: F401
                                    PatternUnit, Unit, block_fn, make_unit, scan_cached, scan_units,
@@ -245,6 +246,9 @@ class TransformerLM(nnx.Module):
     self.head = None if cfg.tied_embedding else DenseGeneral(
         cfg.d_model, cfg.vocab_size, in_axes=("embed",), out_axes=("vocab",),
         dtype=dt, param_dtype=pdt, rngs=rngs)
+    # built last, so the main params draw what they draw without MTP (layers/mtp.py)
+    self.mtp = None if cfg.mtp is None else nnx.List([mtp_lib.MTPModule(cfg, rngs=rngs)
+                                                      for _ in range(cfg.mtp.depth)])
 
   def forward(self, tokens: jax.Array, positions: jax.Array | None = None,
               segment_ids: jax.Array | None = None, *, key: jax.Array | None = None,
@@ -291,32 +295,56 @@ class TransformerLM(nnx.Module):
     x, cache, dropped = self.layers.cached(x, positions, cache)
     return self.logits(x), cache, dropped
 
-  def logits(self, x: jax.Array) -> jax.Array:
-    """Final norm and head (or the tied embedding): [b, l, embed] -> float32 [b, l, vocab],
-    soft-capped to cap * tanh(logits / cap) with `cfg.final_logit_softcap` (Gemma 2)."""
-    x = self.final_norm(x)
+  def logits(self, x: jax.Array, norm=None) -> jax.Array:
+    """Final norm (or `norm`: an MTP module's head norm) and head (or the tied embedding):
+    [b, l, embed] -> float32 [b, l, vocab], soft-capped to cap * tanh(logits / cap) with
+    `cfg.final_logit_softcap` (Gemma 2)."""
+    x = (self.final_norm if norm is None else norm)(x)
     logits = self.embed.attend(x) if self.head is None else self.head(x, out_dtype=jnp.float32)
     cap = self.cfg.final_logit_softcap
     if cap is not None:
       logits = jnp.float32(cap) * jnp.tanh(logits / jnp.float32(cap))
     return shard(logits, ("batch", "length", "vocab"))
 
-  def _losses(self, batch: dict, deterministic: bool) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
+  def _losses(self, batch: dict, deterministic: bool, with_mtp: bool = False
+              ) -> tuple[jax.Array, jax.Array, jax.Array | None, dict]:
     """(mean cross entropy, its token count, mean logsumexp^2 (None without z-loss), stats)
     under the context-parallel mode. The sequence goes into the load-balanced order when
     `length` is split, unless an MoE capacity dispatch decides by token order which tokens
-    to drop: that keeps the natural order, so a sharded run drops what one device drops."""
+    to drop: that keeps the natural order, so a sharded run drops what one device drops.
+    `with_mtp` (a model with `cfg.mtp`): stats['mtp'] = (each depth's cross entropy [D],
+    the MTP blocks' stats), layers/mtp.py."""
     moe = self.cfg.moe
     key = None if moe is None else batch_key(moe.seed, batch["inputs"])  # natural order: any sharding
+    depth = self.cfg.mtp.depth if with_mtp and self.mtp is not None else 0
+    if depth:
+      batch = mtp_lib.shifted_fields(batch, depth)   # natural order, before any balanced move
     balanced = moe is None or moe.dispatch == "dropless"
-    if balanced:
-      batch = context_parallel.balance_batch(batch)  # `length` split: causal load balance
+    if balanced:  # `length` split: causal load balance
+      batch = context_parallel.balance_batch(batch, ("inputs", "targets", "positions", "segment_ids", "loss_mask")
+                                             + mtp_lib.all_field_names(depth))
     with context_parallel.sequence(self.cfg.context_parallel, balanced=balanced):
       x, stats = self.hidden(batch["inputs"], batch.get("positions"), batch.get("segment_ids"),
                              key=key, deterministic=deterministic)
       ce, weight, z = head_losses(self.logits, x, batch["targets"], batch.get("loss_mask"),
                                   self.cfg.loss_chunk, bool(self.cfg.z_loss))
+      if depth:
+        stats["mtp"] = self._mtp_losses(x, batch, key, deterministic)
     return ce, weight, z, stats
+
+  def _mtp_losses(self, x: jax.Array, batch: dict, key, deterministic: bool) -> tuple[jax.Array, list]:
+    """(the cross entropy of each MTP depth [D], each depth's block stats) from the last
+    layer's output x (layers/mtp.py)."""
+    positions = batch.get("positions")
+    positions = default_positions(*batch["inputs"].shape) if positions is None else positions
+    runs = mtp_lib.depths(self.mtp, self.cfg, self.final_norm(x), self.embed, batch, positions,
+                          batch.get("segment_ids"), key, deterministic)
+    ces = []
+    for k, ((h, _), module) in enumerate(zip(runs, self.mtp), start=1):
+      _, targets, mask = mtp_lib.field_names(k)
+      ces.append(head_losses(lambda y, norm=module.head_norm: self.logits(y, norm), h, batch[targets],
+                             batch[mask], self.cfg.loss_chunk)[0])
+    return jnp.stack(ces), [stats for _, stats in runs]
 
   def loss_and_metrics(self, batch: dict) -> tuple[jax.Array, dict]:
     """The training objective and its metrics over {'inputs', 'targets'}.
@@ -326,17 +354,28 @@ class TransformerLM(nnx.Module):
     mean over unmasked tokens, and `loss_weight` (their count) lets evaluation weigh
     batches by tokens. MoE metrics are logged under 'moe/...'.
     """
-    ce, weight, z, stats = self._losses(batch, deterministic=False)
+    ce, weight, z, stats = self._losses(batch, deterministic=False, with_mtp=True)
+    mtp_ces, mtp_stats = stats.pop("mtp", (None, []))
     loss, metrics = ce, {"loss_weight": weight}
     if z is not None:
       loss = loss + self.cfg.z_loss * z
       metrics["z_loss"] = z
+    if mtp_ces is not None:   # lambda x mean over the depths (layers/mtp.py)
+      loss = loss + self.cfg.mtp.loss_weight * jnp.mean(mtp_ces)
+      metrics.update({f"mtp/loss_{k}": c for k, c in enumerate(mtp_ces, start=1)})
     m = self.cfg.moe
     if m is not None:
       if "expert_load" in stats:   # aux_loss_pooling='over_layers': [layers, E] shares, pooled first
         load, prob = stats.pop("expert_load"), stats.pop("expert_prob")
         stats["aux_loss"] = load.shape[-1] * jnp.sum(jnp.mean(load, 0) * jnp.mean(prob, 0))
       loss = loss + m.aux_loss_weight * stats["aux_loss"] + m.z_loss_weight * stats["z_loss"]
+      terms = mtp_lib.moe_terms(mtp_stats)   # the MTP blocks' routers, at the same weights
+      if terms:
+        loss = loss + m.aux_loss_weight * terms["aux_loss"] + m.z_loss_weight * terms["z_loss"]
+        metrics.update({"mtp/aux_loss": terms["aux_loss"], "mtp/z_loss": terms["z_loss"]})
+        if "expert_buffer_overflow" in terms:
+          stats["expert_buffer_overflow"] = stats["expert_buffer_overflow"] + terms["expert_buffer_overflow"]
+      mtp_lib.set_next_biases(self.mtp or [], mtp_stats)
       next_bias = stats.pop("next_bias", None)
       metrics.update({f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()})
       if next_bias is not None:
