@@ -1,7 +1,7 @@
 """Peak host memory of an `hf:DIR` import in N real processes, against the checkpoint's size.
 
     .venv/bin/python benchmarks/hf_import_memory.py [--layers 32] [--processes 4[,2,...]]
-        [--devices 2] [--rules fsdp|layers] [--params-only] [--dir /tmp/hf_import_memory] [--keep]
+        [--devices 2] [--rules fsdp|layers] [--params-only [--in-turn]] [--dir /tmp/hf_import_memory] [--keep]
         [--results docs/results/hf_import_memory.md]
 
 Writes a random-weight Llama-2-7B-shaped checkpoint in bfloat16 with shardax's own
@@ -21,6 +21,10 @@ reports for the finished child (ru_maxrss).
 (trainer/hf/importer.py `import_params`, on the mesh and rules `--mode=import` builds) but not
 the optimizer's init and orbax's save of step 0, whose host copy of the params about doubles
 the peak. That is the import's own memory, for sizes this host cannot hold twice.
+`--in-turn` (with it) starts the processes together (jax.distributed, the one mesh), then lets
+them import one at a time, each freeing its params before the next begins: `import_params`
+runs no collective, so each process's figures are those it shows beside the others (or on a
+host of its own), while this host holds one process's params at a time instead of them all.
 
 The processes share this host: their params (CPU devices keep them in host memory) add up
 to the checkpoint's size. So the script refuses a run for which MemAvailable is less than
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import platform
@@ -107,10 +112,10 @@ def largest_leaf(layers: int) -> int:
   return max(layers * FF * DM * 2, VOCAB * DM * 2)
 
 
-def need_bytes(ckpt: int, layers: int, n: int, params_only: bool) -> tuple[int, int]:
+def need_bytes(ckpt: int, layers: int, n: int, params_only: bool, in_turn: bool) -> tuple[int, int]:
   """(estimated peak of n processes together, MemAvailable a run asks for)."""
   if params_only:
-    need = ckpt + largest_leaf(layers) + n * BASELINE_GUESS
+    need = (ckpt + largest_leaf(layers)) // (n if in_turn else 1) + n * BASELINE_GUESS
     return need, need + HEADROOM
   need = 2 * ckpt + n * BASELINE_GUESS   # orbax's save holds a host copy of each process's params
   return need, 2 * need
@@ -134,10 +139,10 @@ def overrides(n: int, devices: int, rules: str) -> list[str]:
 
 
 def command(model: str, job: str, n: int, devices: int, rules: str, port: int, i: int, nice: int,
-            params_only: bool = False) -> list[str]:
+            params_only: bool = False, in_turn: bool = False) -> list[str]:
   if params_only:   # this script as the child: the import without the save (params_only_child)
     return ["nice", "-n", str(nice), sys.executable, os.path.abspath(__file__), "--child", model,
-            str(n), str(devices), rules, str(port), str(i)]
+            str(n), str(devices), rules, str(port), str(i), job if in_turn else ""]
   args = ["nice", "-n", str(nice), sys.executable, "-m", "shardax.main", f"--exp=hf:{model}",
           f"--job_dir={job}", "--mode=import"]
   for s in overrides(n, devices, rules):
@@ -147,10 +152,12 @@ def command(model: str, job: str, n: int, devices: int, rules: str, port: int, i
   return args
 
 
-def params_only_child(source: str, n: int, devices: int, rules: str, port: int, i: int) -> None:
+def params_only_child(source: str, n: int, devices: int, rules: str, port: int, i: int, turns: str) -> None:
   """Process i of n: what `--mode=import` does up to the params in place (the same config,
   distributed start, mesh, model setup and `importer.import_params`), then the figures in the
-  import's own words, without the optimizer's init and the save of step 0."""
+  import's own words, without the optimizer's init and the save of step 0. With `turns` (a
+  directory), it imports after process i - 1 wrote `turns`/done_{i-1}, then frees its params and
+  writes done_i."""
   import jax
   from shardax import configs
   from shardax.configs import registry
@@ -168,6 +175,8 @@ def params_only_child(source: str, n: int, devices: int, rules: str, port: int, 
   held, before = importer.held_bytes(model.abstract_params), importer.host_memory()
   print(f"process {i} of {n} holds {held / 1e6:,.1f} MB of params on {len(mesh.local_devices)} device(s); "
         f"host RSS {before['rss'] / 1e6:,.1f} MB", flush=True)
+  while turns and i and not os.path.exists(os.path.join(turns, f"done_{i - 1}")):
+    time.sleep(0.5)
   t0 = time.perf_counter()
   with jax.set_mesh(mesh), use_rules(model.rules, exp.sharding.allow_uneven):
     params = importer.import_params(model, source, files)
@@ -179,6 +188,11 @@ def params_only_child(source: str, n: int, devices: int, rules: str, port: int, 
   print(f"imported {source} in {seconds:.2f}s (params only); process {i} of {n} read {files.bytes_read:,} "
         f"of the checkpoint's {files.nbytes:,} bytes; host peak RSS {in_place['peak'] / 1e6:,.1f} MB with the "
         f"params in place", flush=True)
+  if turns:
+    del params
+    gc.collect()
+    print(f"host RSS {importer.host_memory()['rss'] / 1e6:,.1f} MB with the params freed", flush=True)
+    open(os.path.join(turns, f"done_{i}"), "w").close()
 
 
 def figures(log: str) -> dict:
@@ -195,17 +209,19 @@ def figures(log: str) -> dict:
 
 
 def run_import(model: str, root: str, n: int, devices: int, rules: str, nice: int,
-               params_only: bool = False) -> list[dict]:
+               params_only: bool = False, in_turn: bool = False) -> list[dict]:
   """Imports `model` in `n` processes; per process its figures and the kernel's ru_maxrss."""
   job = os.path.join(root, f"job_{n}x{devices}_{rules}")
   shutil.rmtree(job, ignore_errors=True)
+  if in_turn:
+    os.makedirs(job)   # where the processes leave their done_i
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(devices), TF_CPP_MIN_LOG_LEVEL="3")
   env.pop("XLA_FLAGS", None)
   port = free_port()
   procs = []
   for i in range(n):
     log = open(os.path.join(root, f"import_{n}_{i}.log"), "w")
-    procs.append((subprocess.Popen(command(model, job, n, devices, rules, port, i, nice, params_only), stdout=log,
+    procs.append((subprocess.Popen(command(model, job, n, devices, rules, port, i, nice, params_only, in_turn), stdout=log,
                                    stderr=subprocess.STDOUT, env=env, cwd=root), log))
   out = []
   for i, (p, log) in enumerate(procs):
@@ -222,12 +238,13 @@ def run_import(model: str, root: str, n: int, devices: int, rules: str, nice: in
   return out
 
 
-def table(ckpt: int, n: int, devices: int, rules: str, rows: list[dict]) -> str:
+def table(ckpt: int, n: int, devices: int, rules: str, rows: list[dict], in_turn: bool = False) -> str:
   gb = lambda x: f"{x / 1e9:.2f}"
   saved = rows[0]["peak"] is not None
   total = sum(r["peak_params"] for r in rows)
   lines = [f"{n} process(es) x {devices} CPU device(s), `{rules}` rules, checkpoint {gb(ckpt)} GB (GB = 1e9 bytes)"
-           f"{'' if saved else ', params only (no optimizer init, no save)'}; the processes' peaks with the params "
+           f"{'' if saved else ', params only (no optimizer init, no save)'}"
+           f"{', importing one process at a time' if in_turn else ''}; the processes' peaks with the params "
            f"in place add up to {gb(total)} GB, the largest is {max(r['peak_params'] for r in rows) / ckpt:.0%} "
            f"of the checkpoint:", "",
            "| process | params on its devices | read | RSS before | peak, params in place | peak - before "
@@ -247,8 +264,8 @@ def machine() -> str:
 
 def main() -> None:
   if sys.argv[1:2] == ["--child"]:   # one process of a --params-only run (command())
-    source, n, devices, rules, port, i = sys.argv[2:]
-    return params_only_child(source, int(n), int(devices), rules, int(port), int(i))
+    source, n, devices, rules, port, i, turns = sys.argv[2:]
+    return params_only_child(source, int(n), int(devices), rules, int(port), int(i), turns)
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--layers", type=int, default=32)
   ap.add_argument("--processes", default="4", help="comma-separated process counts, run in turn")
@@ -258,22 +275,26 @@ def main() -> None:
   ap.add_argument("--nice", type=int, default=10)
   ap.add_argument("--params-only", action="store_true",
                   help="stop once the params are in place: no optimizer init, no save of step 0")
+  ap.add_argument("--in-turn", action="store_true",
+                  help="with --params-only: the processes import one at a time, each freeing its params after")
   ap.add_argument("--keep", action="store_true", help="keep the written checkpoint (for another run)")
   ap.add_argument("--force", action="store_true", help="run even with less available than the run asks for")
   ap.add_argument("--results", help="append the figures to this markdown file")
   args = ap.parse_args()
+  if args.in_turn and not args.params_only:
+    ap.error("--in-turn needs --params-only (the save of step 0 is collective: every process at once)")
   model = os.path.join(args.dir, f"llama2_7b_shape_{args.layers}l")
   os.makedirs(args.dir, exist_ok=True)
   ckpt = write_checkpoint(model, args.layers)
   load = f"load average {os.getloadavg()[0]:.2f}, MemAvailable {mem_available() / 1e9:.1f} GB at the start"
   sections = []
   for n in [int(x) for x in args.processes.split(",")]:
-    need, asks = need_bytes(ckpt, args.layers, n, args.params_only)
+    need, asks = need_bytes(ckpt, args.layers, n, args.params_only, args.in_turn)
     if mem_available() < asks and not args.force:
       raise SystemExit(f"{n} processes need ~{need / 1e9:.1f} GB together; this run asks for {asks / 1e9:.1f} GB "
                        f"available and {mem_available() / 1e9:.1f} GB is: fewer --layers, --params-only, or --force")
-    rows = run_import(model, args.dir, n, args.devices, args.rules, args.nice, args.params_only)
-    sections.append(table(ckpt, n, args.devices, args.rules, rows))
+    rows = run_import(model, args.dir, n, args.devices, args.rules, args.nice, args.params_only, args.in_turn)
+    sections.append(table(ckpt, n, args.devices, args.rules, rows, args.in_turn))
     print(sections[-1], flush=True)
   if not args.keep:
     shutil.rmtree(model, ignore_errors=True)
