@@ -301,7 +301,8 @@ def main() -> None:
   if args.results:
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "trainer/hf", "benchmarks"],
+    dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "trainer/hf", "models/hf",
+                            "benchmarks/hf_import_memory.py"],
                            capture_output=True, text=True).stdout.strip()
     head = (f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}"
             f"{' (+ local changes)' if dirty else ''}\n\n`{' '.join(['python', *sys.argv])}`  \n"
