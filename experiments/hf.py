@@ -22,6 +22,7 @@ from shardax.configs import experiment
 from shardax.configs.moe import MoEConfig
 from shardax.configs.registry import config_of, config_tree, register_prefix
 from shardax.models import hf as hf_models
+from shardax.models.hf.common import LAYER_PREFIX
 
 
 def hf_experiment(model_dir: str):
@@ -29,6 +30,8 @@ def hf_experiment(model_dir: str):
   hf = hf_models.read(directory)
   adapter = hf_models.adapter_for(hf)
   fields, moe = adapter.model_fields(hf), adapter.moe_fields(hf)
+  if fields.get("mtp") is not None and not holds_layer(directory, fields["num_layers"]):
+    fields["mtp"] = None   # weights without the MTP layers (transformers saves none): train without them
   cfg = experiment(name=f"hf:{directory}", description=f"{hf_models.architecture(hf)} from {directory}")
   if moe is not None:
     cfg.model.moe = config_tree(MoEConfig)
@@ -51,6 +54,18 @@ def hf_experiment(model_dir: str):
   cfg.optimizer.weight_decay = 0.0
   cfg.checkpoint.every = 100
   return cfg
+
+
+def holds_layer(directory: str, layer: int) -> bool:
+  """Whether the directory's weights hold tensors of Hugging Face layer `layer` (a config.json
+  alone, as for a dry run, describes the model whole: True)."""
+  from shardax.trainer.hf import safetensors
+  try:
+    names = safetensors.Reader(directory).names()
+  except safetensors.SafetensorsError:
+    return True
+  prefix = LAYER_PREFIX.format(i=layer)
+  return any(n.startswith(prefix) for n in names)
 
 
 register_prefix("hf", hf_experiment)

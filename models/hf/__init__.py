@@ -75,3 +75,8 @@ def adapter_for(arch_or_config: str | dict[str, Any]) -> ModuleType:
 def leaves(params, model_cfg, arch: str) -> list[tuple[tuple, Leaf]]:
   """(tree path, Leaf) for every leaf of `params` as architecture `arch` names its tensors."""
   return common.leaves(params, model_cfg, adapter_for(arch).weight_names(model_cfg, arch))
+
+
+def copies(model_cfg, arch: str) -> dict[str, str]:
+  """{Hugging Face name: the name whose tensor it repeats} (`common.WeightNames.copies`)."""
+  return adapter_for(arch).weight_names(model_cfg, arch).copies

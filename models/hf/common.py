@@ -207,9 +207,16 @@ class WeightNames:
   block: paths inside one Block (`attn/...`, `mlp/...`, `moe/...`: what `block_layers` leaves
     of a stack path) -> names inside `model.layers.{i}.`; "{e}" in a name marks an
     expert-stacked leaf.
+  mtp: paths inside one multi-token prediction module other than its `block` (layers/mtp.py)
+    -> names inside `model.layers.{num_layers + k}.` for module k (its block's: `block`);
+  copies: Hugging Face names whose tensor is another's (name -> that name): read only to
+    check they are equal, written as that tensor again (DeepSeek-V3's MTP layers store
+    the shared embedding and head).
   """
   top: Table
   block: Table
+  mtp: Table = dataclasses.field(default_factory=dict)
+  copies: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -337,10 +344,14 @@ def leaves(params_abstract, model_cfg, names: WeightNames) -> list[tuple[tuple, 
   for path, leaf in jax.tree_util.tree_flatten_with_path(params_abstract)[0]:
     full = _names(path)
     shape = tuple(leaf.shape)
-    if full[0] == "layers":
-      layers, key = block_layers(full, shape[0] if shape else 0, t)
-      scanned = t.scan_layers and full[1] != "tail"
-      hf, in_dims, *part = _lookup(names.block, key, full)
+    if full[0] in ("layers", "mtp"):
+      if full[0] == "layers":
+        layers, key = block_layers(full, shape[0] if shape else 0, t)
+        scanned, table = t.scan_layers and full[1] != "tail", names.block
+      else:   # MTP module k (an unstacked list): Hugging Face layer num_layers + k
+        layers, key, scanned = [t.num_layers + int(full[1])], full[2:], False
+        table, key = (names.block, key[1:]) if key[0] == "block" else (names.mtp, key)
+      hf, in_dims, *part = _lookup(table, key, full)
       stack = (shape[0],) if scanned else ()
       prefix = LAYER_PREFIX
       if "{e}" in hf:   # one tensor per (layer, expert)
@@ -361,12 +372,14 @@ def _lookup(table: Table, key, full) -> tuple[str, int | None]:
   return table[key]
 
 
-def check_names(plan: list[tuple[tuple, Leaf]], available: list[str], tied: bool) -> None:
+def check_names(plan: list[tuple[tuple, Leaf]], available: list[str], tied: bool,
+                copies: dict[str, str] | None = None) -> None:
   """Every tensor we need is there and every tensor there is used (a tied checkpoint may
-  still carry lm_head.weight: it equals the embedding and is skipped)."""
+  still carry lm_head.weight: it equals the embedding and is skipped; `copies`, a family's
+  `WeightNames.copies`, are used when present: the importer checks them)."""
   needed = {n for _, leaf in plan for n in leaf.hf_names}
   missing = sorted(needed - set(available))
-  unused = sorted(n for n in set(available) - needed
+  unused = sorted(n for n in set(available) - needed - set(copies or ())
                   if not n.endswith(IGNORED_SUFFIXES) and not (tied and n == "lm_head.weight"))
   if missing:
     raise ConfigError(f"the checkpoint lacks {len(missing)} tensor(s) the config needs: {missing[:5]}")

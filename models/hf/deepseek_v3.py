@@ -22,10 +22,18 @@ Checkpoints as published store their linear weights in fp8 with per-128x128-bloc
 scales (`quantization_config`): the import dequantizes them (models/hf/fp8.py); export
 writes the model's dtype and no quantization_config.
 
-Not imported, by name: multi-token prediction layers (`num_nextn_predict_layers` is accepted as
-transformers does, which builds no MTP module: the checkpoint's MTP tensors are then unused
-and refused by the walk), other routers (`scoring_func` other than sigmoid, `topk_method`
-other than noaux_tc).
+Multi-token prediction (`num_nextn_predict_layers`, transformers 5's alias `num_mtp_layers`):
+`model.mtp` (layers/mtp.py) with that depth, its modules the checkpoint's layers num_hidden_layers
+.. + D - 1: enorm, hnorm, eh_proj, shared_head.norm and a whole decoder layer (MLA, the MoE
+FFN). Each such layer also stores `embed_tokens` and `shared_head.head`, copies of the main
+embedding and head (the paper shares them): the import checks they equal them bit for bit and
+reads them no further, and export writes the main tensors under those names again. transformers
+builds no MTP module and saves none, so a checkpoint whose weights hold no such layer is imported
+with model.mtp=None (experiments/hf.py). loss_weight 0.1, DeepSeek-V3's lambda for its last
+4.8T tokens (--set model.mtp.loss_weight to change).
+
+Not imported, by name: other routers (`scoring_func` other than sigmoid, `topk_method` other
+than noaux_tc).
 """
 
 from __future__ import annotations
@@ -33,6 +41,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardax.configs.mla import MLAConfig
+from shardax.configs.mtp import MTPConfig
 from shardax.configs.schema import ConfigError
 from shardax.models.hf import common, fp8
 from shardax.models.hf.llama import BLOCK, TOP
@@ -50,6 +59,14 @@ MOE_MAPPED = {"n_routed_experts", "num_experts_per_tok", "moe_intermediate_size"
               "routed_scaling_factor", "scoring_func", "topk_method", "aux_loss_alpha", "seq_aux",
               "output_router_logits"}
 BIAS_UPDATE_RATE = 1e-3   # DeepSeek-V3's gamma (arXiv 2412.19437 section 4.2)
+MTP_LOSS_WEIGHT = 0.1     # DeepSeek-V3's lambda after its first 10T tokens (section 4.2)
+# An MTP module's own tensors (its block's are BLOCK_NAMES), inside model.layers.{num_hidden_layers + k}.
+MTP_NAMES = {
+    ("enorm", "scale"): ("enorm.weight", None),
+    ("hnorm", "scale"): ("hnorm.weight", None),
+    ("eh_proj", "kernel"): ("eh_proj.weight", 2),
+    ("head_norm", "scale"): ("shared_head.norm.weight", None),
+}
 
 MLA_BLOCK = {
     ("attn", "query", "kernel"): ("self_attn.q_proj.weight", 1),
@@ -95,6 +112,15 @@ def mla_config(hf: dict[str, Any]) -> MLAConfig:
   return m
 
 
+def mtp_config(hf: dict[str, Any]) -> MTPConfig | None:
+  """model.mtp for `num_nextn_predict_layers` (or its alias `num_mtp_layers`); None for 0."""
+  depths = {hf[k] for k in ("num_nextn_predict_layers", "num_mtp_layers") if hf.get(k) is not None}
+  _require(len(depths) <= 1, f"config.json num_nextn_predict_layers={hf.get('num_nextn_predict_layers')} and "
+                             f"num_mtp_layers={hf.get('num_mtp_layers')} (its alias) disagree; keep one")
+  depth = int(depths.pop()) if depths else 0
+  return MTPConfig(depth=depth, loss_weight=MTP_LOSS_WEIGHT) if depth else None
+
+
 def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
   """TransformerConfig fields for a DeepSeek-V3 config.json (ConfigError naming a key we lack)."""
   arch = common.arch_name(hf, ARCHITECTURES)
@@ -112,7 +138,7 @@ def model_fields(hf: dict[str, Any]) -> dict[str, Any]:
       max_len=int(hf.get("max_position_embeddings", 4096)), attention_window=None, norm="rms",
       tied_embedding=bool(hf.get("tie_word_embeddings", False)), activation="silu", mlp="gated",
       parallel_block=False, norm_eps=float(hf.get("rms_norm_eps", 1e-6)), scale_embedding=False,
-      qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=False, mla=mla_config(hf),
+      qkv_bias=bias, out_bias=bias, mlp_bias=False, qk_norm=False, mla=mla_config(hf), mtp=mtp_config(hf),
       rope_interleave=bool(hf.get("rope_interleave", True)), **common.rope(hf))
 
 
@@ -146,7 +172,8 @@ def to_hf(model, arch: str, source: dict[str, Any] | None = None) -> dict[str, A
       n_group=m.n_group, topk_group=m.topk_group, norm_topk_prob=m.renormalize, routed_scaling_factor=m.gate_scale,
       head_dim=a.qk_rope_head_dim, qk_head_dim=a.qk_head_dim,
       output_router_logits=bool(source.get("output_router_logits", False)),
-      num_nextn_predict_layers=int(source.get("num_nextn_predict_layers", 0)), **common.rope_keys(t))
+      num_nextn_predict_layers=t.mtp.depth if t.mtp is not None else int(source.get("num_nextn_predict_layers", 0)),
+      **common.rope_keys(t))
   return out
 
 
@@ -174,5 +201,12 @@ def check_exportable(model, arch: str) -> None:
 
 def weight_names(model_cfg, arch: str) -> common.WeightNames:
   """DeepSeek-V3's tensor names: MLA attention in every layer, Llama's dense MLP names in the
-  first dense layers, the router, its bias, the experts and the shared experts under `mlp.`."""
-  return common.WeightNames(top=TOP, block=BLOCK_NAMES)
+  first dense layers, the router, its bias, the experts and the shared experts under `mlp.`;
+  the MTP modules' (MTP_NAMES and their blocks') and the copies of the embedding and head
+  each MTP layer stores."""
+  copies = {}
+  for k in range(0, model_cfg.mtp.depth if model_cfg.mtp is not None else 0):
+    layer = common.LAYER_PREFIX.format(i=model_cfg.num_layers + k)
+    copies[layer + "embed_tokens.weight"] = "model.embed_tokens.weight"
+    copies[layer + "shared_head.head.weight"] = "model.embed_tokens.weight" if model_cfg.tied_embedding else "lm_head.weight"
+  return common.WeightNames(top=TOP, block=BLOCK_NAMES, mtp=MTP_NAMES, copies=copies)

@@ -50,6 +50,8 @@ def export_params(params, model_cfg, arch: str, out_dir: str, dtype, max_shard_b
   for (_, leaf), arr in zip(plan, arrays):
     for i, name in enumerate(leaf.hf_names):   # a fused tensor: one entry per leaf it holds a part of
       where.setdefault(name, []).append((leaf, arr, leaf.index(i) if leaf.stacked else ()))
+  for copy, source in hf_models.copies(model_cfg, arch).items():   # the shared tensor under another name too
+    where[copy] = where[source]
   dtype = np.dtype(dtype)
   specs = [(n, where[n][0][0].hf_shape, dtype) for n in sorted(where, key=_order)]
 

@@ -121,6 +121,29 @@ def put_leaf(leaf: hf_models.Leaf, reader: safetensors.Reader, shape, dtype, sha
   return jax.make_array_from_single_device_arrays(tuple(shape), sharding, arrays)
 
 
+def check_copies(reader, copies: dict[str, str], rows: int = 4096) -> None:
+  """Each copy the checkpoint holds (`hf_models.copies`: DeepSeek-V3's MTP layers store the
+  embedding and head they share) equals its tensor bit for bit, compared `rows` rows at a time
+  where the reader reads rows; a ConfigError naming both otherwise (the model would hold one)."""
+  present = set(reader.names())
+  for copy, source in copies.items():
+    if copy not in present:
+      continue
+    shape = tuple(reader.shape(source))
+    same = tuple(reader.shape(copy)) == shape
+    n = shape[0] if shape else 1
+    step = rows if shape and getattr(reader, "reads_rows", False) else n
+    for a in range(0, n, step):
+      if not same:
+        break
+      get = (lambda name: reader.get(name, rows=(a, min(n, a + step)))) if step < n else reader.get
+      same = np.array_equal(get(copy), get(source))
+    if not same:
+      raise ConfigError(f"{copy} differs from {source}: shardax shares the embedding and head between the "
+                        f"main model and the multi-token prediction layers (DeepSeek-V3 section 2.2), so "
+                        f"the checkpoint's copy must equal it (this checkpoint's MTP layer has its own)")
+
+
 def import_params(setup, source: str, files: safetensors.Reader | None = None):
   """The params tree of `setup` (a `ModelSetup`, trainer/model_setup.py, or the training
   setup) filled from the model dir `source` (read through `files`, a Reader of it, when
@@ -130,8 +153,11 @@ def import_params(setup, source: str, files: safetensors.Reader | None = None):
   reader = quantized.dequantizing(safetensors.Reader(source) if files is None else files, hf)
   abstract = setup.abstract_params
   model = setup.exp.model
-  plan = hf_models.leaves(abstract, model, hf_models.architecture(hf_models.read(source)))
-  hf_models.check_names(plan, reader.names(), model.tied_embedding)
+  arch = hf_models.architecture(hf)
+  plan = hf_models.leaves(abstract, model, arch)
+  copies = hf_models.copies(model, arch)
+  hf_models.check_names(plan, reader.names(), model.tied_embedding, copies)
+  check_copies(reader, copies)
   flat, treedef = jax.tree_util.tree_flatten(abstract)
   out = [put_leaf(leaf, reader, a.shape, a.dtype, a.sharding) for (_, leaf), a in zip(plan, flat)]
   return jax.tree_util.tree_unflatten(treedef, out)
