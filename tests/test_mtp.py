@@ -133,6 +133,37 @@ def test_eval_loss_and_logits_do_not_run_mtp(dense):
   assert float(value) == pytest.approx(main, rel=1e-5)
 
 
+def compiled_forward_flops(exp) -> float:
+  """The compiler's FLOP count of the training loss's forward pass (abstract shapes only)."""
+  setup = setup_for(exp, jax.devices()[:1])
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = jax.jit(lambda p, x: step_lib.loss_fn(setup)(p, x)[0]).lower(
+        setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
+  cost = compiled.cost_analysis()
+  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+def test_param_and_flop_counts_are_what_the_mtp_modules_run(dense):
+  """configs/flops.py: mtp_params is the modules' params; the forward FLOPs the compiler counts
+  for two depths (the loss with them less the loss without) are the formula's (training / 3) plus
+  what it leaves out: the causally masked half of each block's scores (the XLA path computes the
+  square) and each depth's embedding lookup (a one-hot matmul on CPU). --mode=explain says both."""
+  from shardax.configs import flops
+  from shardax.trainer import explain
+  setup, params, _ = dense
+  t, s, b = setup.exp.model, setup.exp.data.seq_len, setup.exp.train.global_batch
+  mtp = sum(np.size(a) for a in jax.tree.leaves(params["mtp"]))
+  assert flops.mtp_params(t) == mtp and t.param_count() == sum(np.size(a) for a in jax.tree.leaves(params))
+  counted = compiled_forward_flops(setup.exp) - compiled_forward_flops(tiny_lm(2, 4, ici=(1, 1), extra=PACKED))
+  depth = t.mtp.depth
+  masked_half = depth * s * t.num_heads * 2 * t.dim_per_head * b * s
+  lookup = depth * 2 * b * s * t.vocab_size * t.d_model
+  ratio = counted / (flops.mtp_flops_per_token(t, s) * s * b / 3 + masked_half + lookup)
+  assert 1.0 <= ratio <= 1.10, (counted, ratio)
+  line = explain.mtp_line(t, s)
+  assert line.startswith(f"multi-token prediction: 2 module(s), {mtp:,} params ("), line
+
+
 # ---- DeepSeek-V3-shaped: sharded == one device -------------------------------------------------
 
 V3 = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=16", "model.mla.qk_nope_head_dim=8",

@@ -103,6 +103,19 @@ def latent_cache_line(model) -> str | None:
           f"heads x ({m.qk_head_dim} + {m.v_head_dim})): {full / latent:.1f}x less")
 
 
+def mtp_line(model, seq_len: int) -> str | None:
+  """Multi-token prediction's share of the parameters and of the model FLOPs per token
+  (configs/flops.py counts both in); None without `model.mtp`."""
+  if model.mtp is None:
+    return None
+  from shardax.configs import flops
+  params, total = flops.mtp_params(model), flops.param_count(model)
+  per_token, all_flops = flops.mtp_flops_per_token(model, seq_len), flops.per_token(model, seq_len)
+  return (f"multi-token prediction: {model.mtp.depth} module(s), {params:,} params ({100 * params / total:.2f}% of "
+          f"{total:,}), {per_token:.4g} training FLOPs per token ({100 * per_token / all_flops:.2f}% of the model "
+          f"FLOPs, which count them), loss weight {model.mtp.loss_weight}; never run by eval or decode")
+
+
 def explain(exp: Experiment, job_dir: str | None = None) -> str:
   mesh, setup = dry_run.prepare(exp)
   bet = moe_drops.bet(exp, dict(mesh.shape), setup.rules)
@@ -120,7 +133,8 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
            "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
            *filter(None, [bet]),
-           *filter(None, [decode.cache_summary(exp, mesh, setup.rules), latent_cache_line(exp.model)]),
+           *filter(None, [decode.cache_summary(exp, mesh, setup.rules), latent_cache_line(exp.model),
+                          mtp_line(exp.model, exp.data.seq_len)]),
            *buffers_lib.format_table(buffers),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
            report.format_collectives(summary), ""]
