@@ -104,10 +104,11 @@ def train_batch(tokens):
 
 
 def train_loss(setup, params, tokens):
-  """(loss, {metric: float}) of loss_and_metrics on `train_batch(tokens)`."""
+  """(loss, metrics) of loss_and_metrics on `train_batch(tokens)`: each scalar a float, the rest
+  numpy arrays."""
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, train_batch(tokens))
-  return float(loss), {k: float(v) for k, v in metrics.items()}
+  return float(loss), jax.tree.map(lambda v: float(v) if np.ndim(v) == 0 else np.asarray(v), metrics)
 
 
 def assert_same_tensors(source, out, leave_out=()):

@@ -28,42 +28,10 @@ from shardax.trainer.data import packing, tokenizers
 from shardax.models import hf as hf_models
 from shardax.models.hf import llama as hf_llama
 from shardax.trainer.hf import exporter, importer, safetensors
+from hf_helpers import (FIXTURES, assert_export_bit_exact, assert_logits_match, assert_same_tensors, experiment,
+                        imported, reference, write_config)
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "mistral_window", "mixtral_llama3")
-PAD_TO = 32
-
-
-def experiment(arch, *overrides):
-  cfg = configs.get(f"hf:{os.path.join(FIXTURES, arch)}")
-  configs.apply_overrides(cfg, list(overrides))
-  return configs.build(cfg)
-
-
-def imported(arch, mesh_shape=(1, 1), *overrides):
-  """(setup, params) of the fixture model imported onto a mesh of the first devices."""
-  exp = experiment(arch, f"mesh.ici={mesh_shape}", *overrides)
-  n = int(np.prod(mesh_shape))
-  setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:n]))
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules, exp.sharding.allow_uneven):
-    return setup, importer.import_params(setup, os.path.join(FIXTURES, arch))
-
-
-def reference(arch):
-  return dict(np.load(os.path.join(FIXTURES, arch, "reference.npz")))
-
-
-def logits_of(setup, params, ref, rows=3):
-  """Logits of the recorded sequences, right-padded to one batch (causal: padding after a
-  sequence does not change its logits)."""
-  n = len([k for k in ref if k.startswith("tokens_")])
-  tokens = np.zeros((max(rows, n), PAD_TO), np.int32)
-  for j in range(n):
-    tokens[j, :ref[f"tokens_{j}"].size] = ref[f"tokens_{j}"]
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules, setup.exp.sharding.allow_uneven):
-    out = jax.jit(lambda p, t: setup.model(p)(t))(params, jnp.asarray(tokens))
-  out = np.asarray(out)
-  return [out[j, :ref[f"tokens_{j}"].size] for j in range(n)]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -74,13 +42,7 @@ def arch_model(request):
 
 def test_logits_match_transformers(arch_model, request):
   arch, setup, params = arch_model
-  ref = reference(arch)
-  got = logits_of(setup, params, ref)
-  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
-  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")   # docs/huggingface.md's table (pytest -s)
-  for j, g in enumerate(got):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0,
-                               err_msg=f"{arch} sequence {j} (max difference over all: {worst:.2e})")
+  assert_logits_match(setup, params, arch, show=True)   # prints docs/huggingface.md's figure (pytest -s)
 
 
 def test_greedy_decode_matches_transformers(arch_model, request):
@@ -105,9 +67,7 @@ def test_same_logits_on_2x4_mesh_with_2d_rules(arch):
   setup, params = imported(arch, (2, 4), f"sharding.rules={rules!r}")
   assert setup.mesh.shape == {"data": 2, "model": 4}
   assert params["layers"]["blocks"]["attn"]["query"]["kernel"].sharding.spec[1:3] == ("data", "model")
-  ref = reference(arch)
-  for j, got in enumerate(logits_of(setup, params, ref, rows=4)):
-    np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"{arch} seq {j}")
+  assert_logits_match(setup, params, arch, rows=4)
 
 
 def test_import_export_round_trip_is_bit_exact(tmp_path):
@@ -128,11 +88,7 @@ def test_import_export_round_trip_is_bit_exact(tmp_path):
   out = str(tmp_path / "out")
   summary = exporter.run(exp, job, out, max_shard_bytes=100_000)
   assert summary["step"] == 0 and safetensors.INDEX in summary["files"] and len(summary["files"]) > 2
-  a, b = safetensors.Reader(src), safetensors.Reader(out)
-  assert a.names() == b.names()
-  for name in a.names():
-    x, y = a.get(name), b.get(name)
-    assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+  assert_same_tensors(src, out)
   src_cfg, out_cfg = hf_models.read(src), hf_models.read(out)
   assert hf_llama.model_fields(src_cfg) == hf_llama.model_fields(out_cfg)
   assert out_cfg["max_position_embeddings"] == src_cfg["max_position_embeddings"]
@@ -150,11 +106,7 @@ def test_mixtral_round_trip_with_experts_split_is_bit_exact(tmp_path):
   job, out = str(tmp_path / "job"), str(tmp_path / "out")
   importer.run(exp, job)
   exporter.run(exp, job, out)
-  a, b = safetensors.Reader(src), safetensors.Reader(out)
-  assert a.names() == b.names() and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in a.names()
-  for name in a.names():
-    x, y = a.get(name), b.get(name)
-    assert x.dtype == y.dtype and x.shape == y.shape and x.tobytes() == y.tobytes(), name
+  assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in assert_same_tensors(src, out)
   src_cfg, out_cfg = hf_models.read(src), hf_models.read(out)
   assert {k: out_cfg.get(k) for k in src_cfg} == src_cfg
 
@@ -166,12 +118,7 @@ def test_export_of_every_architecture_is_bit_exact(arch_model, tmp_path):
   src = os.path.join(FIXTURES, arch)
   src_cfg = hf_models.read(src)
   arch_name = hf_models.architecture(src_cfg)
-  exporter.export_params(params, setup.exp.model, arch_name, str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  tied = setup.exp.model.tied_embedding
-  assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
-  for name in b.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  assert_export_bit_exact(params, setup.exp.model, arch_name, src, tmp_path)
   adapter = hf_models.adapter_for(src_cfg)
   written = adapter.to_hf(setup.exp.model, arch_name, src_cfg)
   assert adapter.model_fields(written) == adapter.model_fields(src_cfg)
@@ -191,14 +138,6 @@ def test_tokenizer_encodes_like_transformers():
   assert ex["targets"].tolist() == cases[0]["ids"][1:] + [tok.eos_id]
 
 
-def _write_config(d, base="llama", **changes):
-  cfg = {**hf_models.read(os.path.join(FIXTURES, base)), **changes}
-  os.makedirs(d, exist_ok=True)
-  with open(os.path.join(d, "config.json"), "w") as f:
-    json.dump({k: v for k, v in cfg.items() if v is not None}, f)
-  return d
-
-
 @pytest.mark.parametrize("changes, message", [
     ({"some_new_scaling": 2.0}, "some_new_scaling"),
     ({"num_local_experts": 8}, "num_local_experts"),   # a router key in a dense model's config
@@ -210,7 +149,7 @@ def _write_config(d, base="llama", **changes):
     ({"use_sliding_window": True}, "sliding-window"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = _write_config(str(tmp_path / "m"), **changes)
+  d = write_config(str(tmp_path / "m"), **changes)
   with pytest.raises(ConfigError, match=message):
     configs.get(f"hf:{d}")
 
@@ -236,11 +175,8 @@ def test_mixtral_unscanned_stack_maps_too(tmp_path):
   """scan_layers=False: one [E, ...] leaf per layer (layers/blocks/{i}/moe_block/...), same tensors."""
   setup, params = imported("mixtral", (1, 1), "model.scan_layers=False")
   assert params["layers"]["blocks"][1]["moe_block"]["moe"]["wo"].shape == (4, 96, 64)
-  exporter.export_params(params, setup.exp.model, "mixtral", str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(os.path.join(FIXTURES, "mixtral")), safetensors.Reader(str(tmp_path))
-  assert a.names() == b.names()
-  for name in a.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  assert not setup.exp.model.tied_embedding
+  assert_export_bit_exact(params, setup.exp.model, "mixtral", os.path.join(FIXTURES, "mixtral"), tmp_path)
 
 
 def test_mixtral_moe_layer_computes_transformers_routing():
@@ -277,11 +213,11 @@ def test_export_keeps_the_source_length_and_window(tmp_path):
   """The experiment caps model.max_len at 4096 for training; the exported config.json still
   declares the source's length, and a context extended past it is written as trained. The
   sliding window is model.attention_window, whatever the length."""
-  d = _write_config(str(tmp_path / "llama31"), max_position_embeddings=131072)
+  d = write_config(str(tmp_path / "llama31"), max_position_embeddings=131072)
   model = configs.build(configs.get(f"hf:{d}")).model
   assert model.max_len == 4096
   assert hf_llama.to_hf(model, "llama", hf_models.read(d))["max_position_embeddings"] == 131072
-  d = _write_config(str(tmp_path / "mistral"), "mistral", max_position_embeddings=32768, sliding_window=4096)
+  d = write_config(str(tmp_path / "mistral"), "mistral", max_position_embeddings=32768, sliding_window=4096)
   model = configs.build(configs.get(f"hf:{d}")).model
   out = hf_llama.to_hf(model, "mistral", hf_models.read(d))
   assert (model.max_len, model.attention_window) == (4096, 4096)
@@ -314,7 +250,7 @@ def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
   bias tensors go into the attention's bias params (export reads them back from the
   restored params bit for bit) and export declares both."""
   src = os.path.join(FIXTURES, "mixtral_llama3")
-  d = _write_config(str(tmp_path / "m"), "mixtral_llama3", attention_bias=True)
+  d = write_config(str(tmp_path / "m"), "mixtral_llama3", attention_bias=True)
   shutil.copy(os.path.join(src, "tokenizer.json"), d)
   reader, rng = safetensors.Reader(src), np.random.default_rng(0)
   tensors = {n: reader.get(n) for n in reader.names()}
@@ -339,7 +275,7 @@ def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
 
 
 def test_config_reads_transformers_4_rope_spelling(tmp_path):
-  d = _write_config(str(tmp_path / "m"), rope_parameters=None, rope_theta=5e5, rope_scaling={
+  d = write_config(str(tmp_path / "m"), rope_parameters=None, rope_theta=5e5, rope_scaling={
       "rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
       "original_max_position_embeddings": 8192})
   m = configs.build(configs.get(f"hf:{d}")).model
@@ -350,8 +286,8 @@ def test_config_reads_transformers_4_rope_spelling(tmp_path):
 def _write_random_model(d, layers, dm=256, ff=1024, vocab=1024):
   """(model bytes, bytes of one stacked [layers, ff, dm] leaf, largest tensor's bytes) of a
   random `layers`-deep Llama written to `d` as 8+ safetensors files of float32 tensors."""
-  _write_config(d, num_hidden_layers=layers, hidden_size=dm, intermediate_size=ff, vocab_size=vocab,
-                num_attention_heads=4, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
+  write_config(d, num_hidden_layers=layers, hidden_size=dm, intermediate_size=ff, vocab_size=vocab,
+               num_attention_heads=4, num_key_value_heads=4, head_dim=64, tie_word_embeddings=False)
   specs = [("model.embed_tokens.weight", (vocab, dm)), ("model.norm.weight", (dm,)),
            ("lm_head.weight", (vocab, dm))]
   for i in range(layers):

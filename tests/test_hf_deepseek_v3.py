@@ -8,24 +8,22 @@ prompt and of three longer ones.
 """
 
 import os
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
-
-from shardax import configs  # noqa: E402
-from shardax.configs.rope import RopeScaling  # noqa: E402
-from shardax.configs.schema import ConfigError  # noqa: E402
-from shardax.models import hf as hf_models  # noqa: E402
-from shardax.models.hf import deepseek_v3  # noqa: E402
-from shardax.sharding import use_rules  # noqa: E402
-from shardax.trainer import decode  # noqa: E402
-from shardax.trainer.hf import exporter, safetensors  # noqa: E402
+from shardax import configs
+from shardax.configs.rope import RopeScaling
+from shardax.configs.schema import ConfigError
+from shardax.models import hf as hf_models
+from shardax.models.hf import deepseek_v3
+from shardax.sharding import use_rules
+from shardax.trainer.hf import exporter, safetensors
+from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
+                        assert_logits_match, experiment, imported, imported_from, reference, worst_logit_error,
+                        write_config)
 
 ARCH = "deepseek_v3"
 
@@ -46,27 +44,21 @@ def test_config_maps_onto_mla_and_the_group_limited_moe():
   assert m.bias_update_rate > 0 and m.aux_loss_weight == 0
 
 
-def assert_logits_match(setup, params, atol=1e-4, rows=3):
-  ref = reference(ARCH)
-  for j, got in enumerate(logits_of(setup, params, ref, rows=rows)):
-    np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=atol, rtol=0, err_msg=f"sequence {j}")
-
-
 def test_logits_match_transformers(model):
-  assert_logits_match(*model)
+  assert_logits_match(*model, ARCH)
 
 
 def test_expert_parallel_import_matches_transformers():
   """On (4, 2) with the 'expert' rules: the experts split over data, the tokens exchanged."""
   setup, params = imported(ARCH, (4, 2), "sharding.preset='expert'")
   assert params["layers"]["blocks"]["moe_block"]["moe"]["wi_gate"].sharding.spec[1] == "data"
-  assert_logits_match(setup, params, rows=4)
+  assert_logits_match(setup, params, ARCH, rows=4)
 
 
 def test_unscanned_stack_matches_transformers_too():
   setup, params = imported(ARCH, (1, 1), "model.scan_layers=False")
   assert params["layers"]["blocks"][1]["moe_block"]["attn"]["kv_up"]["kernel"].shape == (16, 4, 16 + 12)
-  assert_logits_match(setup, params)
+  assert_logits_match(setup, params, ARCH)
 
 
 @pytest.mark.parametrize("feature", ["group limit", "interleaved RoPE", "softmax mscale"])
@@ -81,32 +73,17 @@ def test_each_feature_of_the_fixture_changes_its_logits(feature):
   else:
     cfg.model.rope_scaling.mscale_all_dim = 0.0
   setup, params = _imported_from(cfg)
-  ref = reference(ARCH)
-  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(logits_of(setup, params, ref)))
+  worst = worst_logit_error(setup, params, ARCH)
   assert worst > 1e-2, (feature, worst)
 
 
 def _imported_from(cfg, source=os.path.join(FIXTURES, ARCH)):
-  from shardax.sharding import make_mesh
-  from shardax.trainer import state as state_lib
-  from shardax.trainer.hf import importer
   configs.apply_overrides(cfg, ["mesh.ici=(1, 1)"])
-  exp = configs.build(cfg)
-  setup = state_lib.create(exp, make_mesh(exp.mesh, jax.devices()[:1]))
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    return setup, importer.import_params(setup, source)
+  return imported_from(configs.build(cfg), source)
 
 
 def test_greedy_decode_over_the_latent_cache_matches_transformers(model):
-  setup, params = model
-  ref = reference(ARCH)
-  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
-  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
-  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
-  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
-  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
-  for j in range(3):
-    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"prompt {j}"
+  assert_greedy_matches(*model, ARCH)
 
 
 def test_training_loss_is_the_cross_entropy_of_transformers_logits(model):
@@ -128,17 +105,9 @@ def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
   as e_score_correction_bias) and a config.json with every key of the source's."""
   setup, params = model
   src = os.path.join(FIXTURES, ARCH)
-  exporter.export_params(params, setup.exp.model, ARCH, str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  assert a.names() == b.names()
-  for name in b.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
-  src_cfg = hf_models.read(src)
-  deepseek_v3.check_exportable(setup.exp.model, ARCH)
-  out = deepseek_v3.to_hf(setup.exp.model, ARCH, src_cfg)
-  assert {k: out.get(k) for k in src_cfg} == src_cfg
-  assert deepseek_v3.model_fields(out) == deepseek_v3.model_fields(src_cfg)
-  assert deepseek_v3.moe_fields(out) == deepseek_v3.moe_fields(src_cfg)
+  assert not setup.exp.model.tied_embedding
+  assert_export_bit_exact(params, setup.exp.model, ARCH, src, tmp_path)
+  assert_config_round_trips(deepseek_v3, setup.exp.model, ARCH, src)
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -149,7 +118,7 @@ def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
     ({"qk_head_dim": 20}, "qk_head_dim=20"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = _write_config(str(tmp_path), ARCH, **changes)
+  d = write_config(str(tmp_path), ARCH, **changes)
   with pytest.raises(ConfigError, match=message):
     configs.get(f"hf:{d}")
 

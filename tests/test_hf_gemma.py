@@ -11,25 +11,17 @@ short prompt and after three prompts longer than the window, and a training loss
 import copy
 import dataclasses
 import os
-import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
-
-from shardax import configs  # noqa: E402
-from shardax.configs.attention import LayerKind  # noqa: E402
-from shardax.configs.rope import RopeScaling  # noqa: E402
-from shardax.configs.schema import ConfigError  # noqa: E402
-from shardax.models import hf as hf_models  # noqa: E402
-from shardax.models.hf import gemma  # noqa: E402
-from shardax.sharding import use_rules  # noqa: E402
-from shardax.trainer import decode  # noqa: E402
-from shardax.trainer.hf import exporter, safetensors  # noqa: E402
+from shardax import configs
+from shardax.configs.attention import LayerKind
+from shardax.configs.rope import RopeScaling
+from shardax.configs.schema import ConfigError
+from shardax.models import hf as hf_models
+from shardax.models.hf import gemma
+from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
+                        assert_logits_match, experiment, imported, reference, train_loss, write_config)
 
 ARCHS = ("gemma3", "gemma2")
 HF_ARCH = {"gemma3": "gemma3_text", "gemma2": "gemma2"}
@@ -58,26 +50,14 @@ def test_config_maps_onto_the_lm():
 
 def test_logits_match_transformers(arch_model):
   arch, setup, params = arch_model
-  ref = reference(arch)
-  got = logits_of(setup, params, ref)
-  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
-  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")
-  for j, g in enumerate(got):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"{arch} sequence {j}")
+  assert_logits_match(setup, params, arch, show=True)
 
 
 def test_greedy_decode_matches_transformers(arch_model):
   """A short prompt, then three prompts longer than the window in one batch (cached decode
   past the window on the local layers)."""
   arch, setup, params = arch_model
-  ref = reference(arch)
-  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
-  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
-  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
-  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
-  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
-  for j in range(3):
-    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"{arch} prompt {j}"
+  assert_greedy_matches(setup, params, arch)
 
 
 def test_training_loss_matches_transformers(arch_model):
@@ -85,14 +65,8 @@ def test_training_loss_matches_transformers(arch_model):
   has no target) equals transformers' loss."""
   arch, setup, params = arch_model
   ref = reference(arch)
-  tokens = ref["train_tokens"]
-  mask = np.ones(tokens.shape, np.float32)
-  mask[:, -1] = 0
-  batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
-           "loss_mask": jnp.asarray(mask)}
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    loss, _ = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, batch)
-  assert float(loss) == pytest.approx(float(ref["train_loss"]), abs=1e-5)
+  loss, _ = train_loss(setup, params, ref["train_tokens"])
+  assert loss == pytest.approx(float(ref["train_loss"]), abs=1e-5)
 
 
 def test_sharded_import_matches_transformers():
@@ -100,9 +74,7 @@ def test_sharded_import_matches_transformers():
   from shardax.sharding import rules as rules_lib
   rules = tuple(r for r in rules_lib.PRESETS["2d"] if r[0] != "kv_heads")
   setup, params = imported("gemma3", (2, 4), f"sharding.rules={rules!r}")
-  ref = reference("gemma3")
-  for j, got in enumerate(logits_of(setup, params, ref, rows=4)):
-    np.testing.assert_allclose(got, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+  assert_logits_match(setup, params, "gemma3", rows=4)
 
 
 def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):
@@ -110,17 +82,8 @@ def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):
   1 + w; the tied head left out) and a config.json with every key of the source's."""
   arch, setup, params = arch_model
   src = os.path.join(FIXTURES, arch)
-  exporter.export_params(params, setup.exp.model, HF_ARCH[arch], str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  tied = setup.exp.model.tied_embedding
-  assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
-  for name in b.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
-  src_cfg = hf_models.read(src)
-  gemma.check_exportable(setup.exp.model, HF_ARCH[arch])
-  out = gemma.to_hf(setup.exp.model, HF_ARCH[arch], src_cfg)
-  assert {k: out.get(k) for k in src_cfg} == src_cfg
-  assert gemma.model_fields(out) == gemma.model_fields(src_cfg)
+  assert_export_bit_exact(params, setup.exp.model, HF_ARCH[arch], src, tmp_path)
+  assert_config_round_trips(gemma, setup.exp.model, HF_ARCH[arch], src)
 
 
 def hub_gemma3(**changes):
@@ -159,7 +122,7 @@ def test_hub_spelling_imports_as_the_same_model():
     ({"sliding_window_size": 8}, "sliding_window_size=8"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = _write_config(str(tmp_path / "m"), "gemma3", **changes)
+  d = write_config(str(tmp_path / "m"), "gemma3", **changes)
   with pytest.raises(ConfigError, match=message):
     configs.get(f"hf:{d}")
 

@@ -12,25 +12,23 @@ import dataclasses
 import json
 import os
 import shutil
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
-
-from shardax import configs  # noqa: E402
-from shardax.configs.attention import LayerKind  # noqa: E402
-from shardax.configs.rope import RopeScaling  # noqa: E402
-from shardax.configs.schema import ConfigError  # noqa: E402
-from shardax.models import hf as hf_models  # noqa: E402
-from shardax.models.hf import gpt_oss, mxfp4  # noqa: E402
-from shardax.sharding import use_rules  # noqa: E402
-from shardax.trainer import decode  # noqa: E402
-from shardax.trainer.hf import exporter, importer, safetensors  # noqa: E402
+from shardax import configs
+from shardax.configs.attention import LayerKind
+from shardax.configs.rope import RopeScaling
+from shardax.configs.schema import ConfigError
+from shardax.models import hf as hf_models
+from shardax.models.hf import gpt_oss, mxfp4
+from shardax.sharding import use_rules
+from shardax.trainer.hf import importer, safetensors
+from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
+                        assert_logits_match, experiment, imported, reference, train_loss, worst_logit_error,
+                        write_config)
 
 ARCH = "gpt_oss"
 
@@ -56,31 +54,21 @@ def test_config_maps_onto_the_moe_lm():
 
 
 def test_logits_match_transformers(model):
-  setup, params = model
-  ref = reference(ARCH)
-  got = logits_of(setup, params, ref)
-  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
-  print(f"{ARCH}: max |logit - transformers'| = {worst:.2e}")
-  for j, g in enumerate(got):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+  assert_logits_match(*model, ARCH, show=True)
 
 
 def test_logits_match_transformers_with_the_experts_split():
   """A (4, 2) mesh with the 'expert' rules (each device one expert of every layer, dropless
   all-to-all): the same logits."""
   setup, params = imported(ARCH, (4, 2), "sharding.preset='expert'")
-  ref = reference(ARCH)
-  for j, g in enumerate(logits_of(setup, params, ref, rows=4)):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+  assert_logits_match(setup, params, ARCH, rows=4)
 
 
 def test_unscanned_stack_matches_transformers_too():
   """scan_layers=False: layers/blocks/{u}/blocks/{j} (a unit of the sliding and the full layer)."""
   setup, params = imported(ARCH, (1, 1), "model.scan_layers=False")
   assert params["layers"]["blocks"][1]["blocks"][0]["attn"]["sinks"].shape == (4,)
-  ref = reference(ARCH)
-  for j, g in enumerate(logits_of(setup, params, ref)):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+  assert_logits_match(setup, params, ARCH)
 
 
 def _without(params, names, value):
@@ -103,31 +91,13 @@ def test_each_feature_moves_the_logits(model, feature):
   else:
     change = {"swiglu_clamp": "model.moe.swiglu_limit=None", "sliding_window": "model.layer_pattern=()"}[feature]
     setup, params = imported(ARCH, (1, 1), change)
-  ref = reference(ARCH)
-  got = logits_of(setup, params, ref)
-  assert max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got)) > 1e-2
+  assert worst_logit_error(setup, params, ARCH) > 1e-2
 
 
 def test_greedy_decode_matches_transformers(model):
   """Prompts longer than the window: the decode cache masks by window on the sliding layers and
   puts the sinks in every step's softmax."""
-  setup, params = model
-  ref = reference(ARCH)
-  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
-  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
-  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
-  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
-  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
-  for j in range(3):
-    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"prompt {j}"
-
-
-def _train_batch(tokens):
-  b, l = tokens.shape
-  mask = np.ones((b, l), np.float32)
-  mask[:, -1] = 0
-  return {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
-          "loss_mask": jnp.asarray(mask)}
+  assert_greedy_matches(*model, ARCH)
 
 
 def test_training_loss_matches_transformers(model):
@@ -135,11 +105,10 @@ def test_training_loss_matches_transformers(model):
   (softmax of the biased router logits, pooled over the layers) and their sum."""
   setup, params = model
   ref = reference(ARCH)
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, _train_batch(ref["train_tokens"]))
-  assert float(metrics["ce_loss"]) == pytest.approx(float(ref["train_ce"]), abs=1e-5)
-  assert float(metrics["moe/aux_loss"]) * 2 == pytest.approx(float(ref["train_aux"]), abs=1e-5)
-  assert float(loss) == pytest.approx(float(ref["train_loss"]), abs=1e-5)
+  loss, metrics = train_loss(setup, params, ref["train_tokens"])
+  assert metrics["ce_loss"] == pytest.approx(float(ref["train_ce"]), abs=1e-5)
+  assert metrics["moe/aux_loss"] * 2 == pytest.approx(float(ref["train_aux"]), abs=1e-5)
+  assert loss == pytest.approx(float(ref["train_loss"]), abs=1e-5)
 
 
 def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
@@ -148,17 +117,9 @@ def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
   (make_hf_fixtures.py --check-export OUT gpt_oss loads such an export in transformers)."""
   setup, params = model
   src = os.path.join(FIXTURES, ARCH)
-  exporter.export_params(params, setup.exp.model, ARCH, str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  assert a.names() == b.names()
-  for name in b.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
-  src_cfg = hf_models.read(src)
-  gpt_oss.check_exportable(setup.exp.model, ARCH)
-  out = gpt_oss.to_hf(setup.exp.model, ARCH, src_cfg)
-  assert {k: out.get(k) for k in src_cfg} == src_cfg
-  assert gpt_oss.model_fields(out) == gpt_oss.model_fields(src_cfg)
-  assert gpt_oss.moe_fields(out) == gpt_oss.moe_fields(src_cfg)
+  assert not setup.exp.model.tied_embedding
+  assert_export_bit_exact(params, setup.exp.model, ARCH, src, tmp_path)
+  out = assert_config_round_trips(gpt_oss, setup.exp.model, ARCH, src)
   with open(os.path.join(tmp_path, "config.json"), "w") as f:
     json.dump(out, f)
 
@@ -245,7 +206,7 @@ def test_mxfp4_checkpoint_imports_as_its_float_weights(tmp_path):
     ({"attention_dropout": 0.1}, "attention_dropout"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = _write_config(str(tmp_path / "m"), ARCH, **changes)
+  d = write_config(str(tmp_path / "m"), ARCH, **changes)
   with pytest.raises(ConfigError, match=message):
     configs.get(f"hf:{d}")
 

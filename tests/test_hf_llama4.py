@@ -12,25 +12,20 @@ far from transformers' (`test_each_feature_is_exercised`).
 import dataclasses
 import json
 import os
-import sys
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_hf import FIXTURES, experiment, imported, logits_of, reference  # noqa: E402
-
-from shardax import configs  # noqa: E402
-from shardax.configs.attention import LayerKind  # noqa: E402
-from shardax.configs.moe import MoEConfig  # noqa: E402
-from shardax.configs.schema import ConfigError  # noqa: E402
-from shardax.models import hf as hf_models  # noqa: E402
-from shardax.models.hf import common, llama4  # noqa: E402
-from shardax.sharding import use_rules  # noqa: E402
-from shardax.trainer import decode  # noqa: E402
-from shardax.trainer.hf import exporter, importer, safetensors  # noqa: E402
+from shardax import configs
+from shardax.configs.attention import LayerKind
+from shardax.configs.moe import MoEConfig
+from shardax.configs.schema import ConfigError
+from shardax.models import hf as hf_models
+from shardax.models.hf import common, llama4
+from shardax.trainer.hf import exporter, importer
+from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
+                        assert_logits_match, assert_same_tensors, experiment, imported, reference, train_loss,
+                        worst_logit_error)
 
 ARCH = "llama4"
 
@@ -38,12 +33,6 @@ ARCH = "llama4"
 @pytest.fixture(scope="module")
 def model():
   return imported(ARCH)
-
-
-def _assert_logits(setup, params, atol=1e-4):
-  ref = reference(ARCH)
-  for j, g in enumerate(logits_of(setup, params, ref, rows=4)):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=atol, rtol=0, err_msg=f"sequence {j}")
 
 
 def test_config_maps_onto_the_lm():
@@ -62,12 +51,7 @@ def test_config_maps_onto_the_lm():
 
 
 def test_logits_match_transformers(model):
-  setup, params = model
-  ref = reference(ARCH)
-  got = logits_of(setup, params, ref)
-  print(f"{ARCH}: max |logit - transformers'| = "
-        f"{max(float(np.abs(g - ref[f'logits_{j}']).max()) for j, g in enumerate(got)):.2e}")
-  _assert_logits(setup, params)
+  assert_logits_match(*model, ARCH, rows=4, show=True)
 
 
 def test_same_logits_with_experts_split_over_4_devices():
@@ -76,12 +60,12 @@ def test_same_logits_with_experts_split_over_4_devices():
   setup, params = imported(ARCH, (4, 2), "sharding.preset='expert'")
   spec = params["layers"]["blocks"]["blocks"][1]["moe"]["wi_gate"].sharding.spec
   assert any(spec), spec   # the experts are split, not replicated
-  _assert_logits(setup, params)
+  assert_logits_match(setup, params, ARCH, rows=4)
 
 
 def test_unscanned_stack_matches_transformers_too():
   setup, params = imported(ARCH, (1, 1), "model.scan_layers=False")
-  _assert_logits(setup, params)
+  assert_logits_match(setup, params, ARCH, rows=4)
 
 
 # Each feature off (a --set of the imported experiment): the logits must leave transformers'.
@@ -100,23 +84,14 @@ def test_each_feature_is_exercised(feature):
   """With the feature switched off the fixture's logits are far from transformers' (so the
   equality tests above fail whenever a feature is broken)."""
   setup, params = imported(ARCH, (1, 1), FEATURES_OFF[feature])
-  ref = reference(ARCH)
-  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(logits_of(setup, params, ref)))
+  worst = worst_logit_error(setup, params, ARCH)
   assert worst > 1e-2, f"{feature} off: logits within {worst:.2e} of transformers'"
 
 
 def test_greedy_decode_matches_transformers(model):
   """Three prompts of 15-32 tokens and 48 new tokens each (past several 8-token chunks, the
   NoPE temperature growing): the decode cache's chunk mask and positions as transformers'."""
-  setup, params = model
-  ref = reference(ARCH)
-  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
-  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
-  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
-  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
-  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
-  for j in range(3):
-    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"prompt {j}"
+  assert_greedy_matches(*model, ARCH)
 
 
 def test_training_loss_matches_transformers(model):
@@ -124,16 +99,10 @@ def test_training_loss_matches_transformers(model):
   has no target) equals transformers' loss: the cross entropy alone (no balance loss)."""
   setup, params = model
   ref = reference(ARCH)
-  tokens = ref["train_tokens"]
-  mask = np.ones(tokens.shape, np.float32)
-  mask[:, -1] = 0
-  batch = {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
-           "loss_mask": jnp.asarray(mask)}
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, batch)
-  print(f"{ARCH}: loss {float(loss):.6f}, transformers' {float(ref['train_loss']):.6f}")
-  assert float(metrics["ce_loss"]) == pytest.approx(float(ref["train_ce"]), abs=1e-5)
-  assert float(loss) == pytest.approx(float(ref["train_loss"]), abs=1e-5)
+  loss, metrics = train_loss(setup, params, ref["train_tokens"])
+  print(f"{ARCH}: loss {loss:.6f}, transformers' {float(ref['train_loss']):.6f}")
+  assert metrics["ce_loss"] == pytest.approx(float(ref["train_ce"]), abs=1e-5)
+  assert loss == pytest.approx(float(ref["train_loss"]), abs=1e-5)
 
 
 def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
@@ -141,17 +110,10 @@ def test_export_is_bit_exact_and_config_round_trips(model, tmp_path):
   back together from wi_gate and wi_up), and a config.json with every key of the source's."""
   setup, params = model
   src = os.path.join(FIXTURES, ARCH)
-  exporter.export_params(params, setup.exp.model, ARCH, str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  assert a.names() == b.names() and "model.layers.5.feed_forward.experts.gate_up_proj" in b.names()
-  for name in b.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
-  src_cfg = hf_models.read(src)
-  llama4.check_exportable(setup.exp.model, ARCH)
-  out = llama4.to_hf(setup.exp.model, ARCH, src_cfg)
-  assert {k: out.get(k) for k in src_cfg} == src_cfg
-  assert llama4.model_fields(out) == llama4.model_fields(src_cfg)
-  assert llama4.moe_fields(out) == llama4.moe_fields(src_cfg)
+  assert not setup.exp.model.tied_embedding
+  names = assert_export_bit_exact(params, setup.exp.model, ARCH, src, tmp_path)
+  assert "model.layers.5.feed_forward.experts.gate_up_proj" in names
+  assert_config_round_trips(llama4, setup.exp.model, ARCH, src)
 
 
 @pytest.mark.slow   # ~45 s: import, checkpoint and export on 8 devices
@@ -163,10 +125,7 @@ def test_checkpoint_round_trip_with_experts_split(tmp_path):
   job, out = str(tmp_path / "job"), str(tmp_path / "out")
   importer.run(exp, job)
   exporter.run(exp, job, out)
-  a, b = safetensors.Reader(os.path.join(FIXTURES, ARCH)), safetensors.Reader(out)
-  assert a.names() == b.names()
-  for name in a.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  assert_same_tensors(os.path.join(FIXTURES, ARCH), out)
   assert hf_models.read(out)["no_rope_layers"] == [1, 1, 1, 0, 1, 1]
 
 

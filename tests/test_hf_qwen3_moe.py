@@ -9,23 +9,21 @@ softmax gates, tied, attention biases), each with logits, greedy tokens and a tr
 
 import json
 import os
-import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-from test_hf import FIXTURES, _write_config, experiment, imported, logits_of, reference  # noqa: E402
-
-from shardax import configs  # noqa: E402
-from shardax.configs.schema import ConfigError  # noqa: E402
-from shardax.models import hf as hf_models  # noqa: E402
-from shardax.models.hf import qwen3_moe  # noqa: E402
-from shardax.sharding import make_mesh, use_rules  # noqa: E402
-from shardax.trainer import decode, model_setup  # noqa: E402
-from shardax.trainer.hf import exporter, importer, safetensors  # noqa: E402
+from shardax import configs
+from shardax.configs.schema import ConfigError
+from shardax.models import hf as hf_models
+from shardax.models.hf import qwen3_moe
+from shardax.sharding import make_mesh, use_rules
+from shardax.trainer import model_setup
+from shardax.trainer.hf import exporter, importer, safetensors
+from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
+                        assert_logits_match, assert_same_tensors, experiment, imported, reference, train_loss,
+                        write_config)
 
 ARCHS = ("qwen3_moe", "qwen3_moe_sparse")
 
@@ -53,49 +51,26 @@ def test_config_maps_onto_the_moe_lm():
 
 def test_logits_match_transformers(arch_model):
   arch, setup, params = arch_model
-  ref = reference(arch)
-  got = logits_of(setup, params, ref)
-  worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
-  print(f"{arch}: max |logit - transformers'| = {worst:.2e}")
-  for j, g in enumerate(got):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"{arch} sequence {j}")
+  assert_logits_match(setup, params, arch, show=True)
 
 
 def test_unscanned_stack_matches_transformers_too():
   """scan_layers=False: layers/first_dense/{i}, layers/blocks/{u}/dense/{j}, .../moe_block."""
   setup, params = imported("qwen3_moe_sparse", (1, 1), "model.scan_layers=False")
   assert params["layers"]["blocks"][1]["moe_block"]["moe"]["wo"].shape == (4, 48, 64)
-  ref = reference("qwen3_moe_sparse")
-  for j, g in enumerate(logits_of(setup, params, ref)):
-    np.testing.assert_allclose(g, ref[f"logits_{j}"], atol=1e-4, rtol=0, err_msg=f"sequence {j}")
+  assert_logits_match(setup, params, "qwen3_moe_sparse")
 
 
 def test_greedy_decode_matches_transformers(arch_model):
   arch, setup, params = arch_model
-  ref = reference(arch)
-  gen = decode.Generator(setup.exp.model, params, setup.mesh, setup.rules)
-  result = gen.run([ref["prompt"].tolist()], decode.Sampling(max_new_tokens=ref["greedy"].size))
-  assert result.ids[0][:result.counts[0]].tolist() == ref["greedy"].tolist()
-  prompts = [ref[f"prompt_{j}"].tolist() for j in range(3)]
-  result = gen.run(prompts, decode.Sampling(max_new_tokens=ref["greedy_0"].size))
-  for j in range(3):
-    assert result.ids[j][:result.counts[j]].tolist() == ref[f"greedy_{j}"].tolist(), f"{arch} prompt {j}"
-
-
-def _train_batch(tokens):
-  """transformers' batch (labels = the tokens) as shardax's: every token routed (its router
-  sees all of them), the last position's target masked (transformers predicts l - 1 tokens)."""
-  b, l = tokens.shape
-  mask = np.ones((b, l), np.float32)
-  mask[:, -1] = 0
-  return {"inputs": jnp.asarray(tokens), "targets": jnp.asarray(np.roll(tokens, -1, axis=1)),
-          "loss_mask": jnp.asarray(mask)}
+  assert_greedy_matches(setup, params, arch)
 
 
 def _loss(setup, params, tokens):
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    loss, metrics = jax.jit(lambda p, b: setup.model(p).loss_and_metrics(b))(params, _train_batch(tokens))
-  return float(loss), float(metrics["ce_loss"]), float(metrics["moe/aux_loss"]) * setup.exp.model.moe.top_k
+  """(loss, cross entropy, balance loss as transformers weighs it: moe/aux_loss x k) of
+  transformers' training batch `tokens` (hf_helpers.train_batch)."""
+  loss, metrics = train_loss(setup, params, tokens)
+  return loss, metrics["ce_loss"], metrics["moe/aux_loss"] * setup.exp.model.moe.top_k
 
 
 def test_training_loss_matches_transformers(arch_model):
@@ -138,18 +113,8 @@ def test_export_is_bit_exact_and_config_round_trips(arch_model, tmp_path):
   left out) and a config.json with every key of the source's."""
   arch, setup, params = arch_model
   src = os.path.join(FIXTURES, arch)
-  exporter.export_params(params, setup.exp.model, "qwen3_moe", str(tmp_path), np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(str(tmp_path))
-  tied = setup.exp.model.tied_embedding
-  assert [n for n in a.names() if not (tied and n == "lm_head.weight")] == b.names()
-  for name in b.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
-  src_cfg = hf_models.read(src)
-  qwen3_moe.check_exportable(setup.exp.model, "qwen3_moe")
-  out = qwen3_moe.to_hf(setup.exp.model, "qwen3_moe", src_cfg)
-  assert {k: out.get(k) for k in src_cfg} == src_cfg
-  assert qwen3_moe.model_fields(out) == qwen3_moe.model_fields(src_cfg)
-  assert qwen3_moe.moe_fields(out) == qwen3_moe.moe_fields(src_cfg)
+  assert_export_bit_exact(params, setup.exp.model, "qwen3_moe", src, tmp_path)
+  assert_config_round_trips(qwen3_moe, setup.exp.model, "qwen3_moe", src)
 
 
 @pytest.mark.slow   # a train-state checkpoint saved and restored on 8 devices: ~35 s on 2 busy cores
@@ -163,10 +128,7 @@ def test_checkpoint_round_trip_with_experts_split(tmp_path):
   job, out = str(tmp_path / "job"), str(tmp_path / "out")
   importer.run(exp, job)
   exporter.run(exp, job, out)
-  a, b = safetensors.Reader(src), safetensors.Reader(out)
-  assert a.names() == b.names() and "model.layers.5.mlp.experts.3.down_proj.weight" in b.names()
-  for name in a.names():
-    assert a.get(name).tobytes() == b.get(name).tobytes(), name
+  assert "model.layers.5.mlp.experts.3.down_proj.weight" in assert_same_tensors(src, out)
   assert hf_models.read(out)["mlp_only_layers"] == [1]
 
 
@@ -226,7 +188,7 @@ def test_walk_maps_first_dense_layers_and_units_of_every_2(tmp_path, scan):
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = _write_config(str(tmp_path / "m"), "qwen3_moe", **changes)
+  d = write_config(str(tmp_path / "m"), "qwen3_moe", **changes)
   with pytest.raises(ConfigError, match=message):
     configs.get(f"hf:{d}")
 
