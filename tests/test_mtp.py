@@ -80,12 +80,15 @@ def loss_by_hand(params, batch, t):
   table = p["embed"]["embedding"]
   emb = lambda tokens: table[tokens] * np.sqrt(t.d_model)             # scale_embedding
   head = lambda x, w: rms(x, w) @ table.T                              # tied output head
-  x, pos, seg = emb(batch["inputs"]), batch["positions"], batch["segment_ids"]
+  b, l = batch["inputs"].shape
+  plain = np.broadcast_to(np.arange(l), (b, l))      # an unpacked batch: one document a row, all kept
+  pos, seg = batch.get("positions", plain), batch.get("segment_ids", np.zeros((b, l), np.int64))
+  loss_mask = batch.get("loss_mask", np.ones((b, l)))
+  x = emb(batch["inputs"])
   for i in range(t.num_layers):
     x = block(jax.tree.map(lambda a: a[i], p["layers"]["blocks"]), x, pos, seg, t.rope_theta)
-  main = mean_ce(head(x, p["final_norm"]["scale"]), batch["targets"], batch["loss_mask"])
+  main = mean_ce(head(x, p["final_norm"]["scale"]), batch["targets"], loss_mask)
   h = rms(x, p["final_norm"]["scale"])                                 # h^0: what the main head reads
-  b, l = batch["inputs"].shape
   ces = []
   for k in range(1, t.mtp.depth + 1):
     m = p["mtp"][k - 1]
@@ -95,19 +98,26 @@ def loss_by_hand(params, batch, t):
     for r in range(b):
       for i in range(l - k):
         nxt[r, i], tgt[r, i] = batch["inputs"][r, i + k], batch["targets"][r, i + k]
-        keep[r, i] = float(seg[r, i + k] == seg[r, i]) * batch["loss_mask"][r, i + k]
+        keep[r, i] = float(seg[r, i + k] == seg[r, i]) * loss_mask[r, i + k]
     merged = np.concatenate([rms(emb(nxt), m["enorm"]["scale"]), rms(h, m["hnorm"]["scale"])], -1)
     h = block(m["block"], merged @ m["eh_proj"]["kernel"].reshape(2 * t.d_model, t.d_model), pos, seg, t.rope_theta)
     ces.append(mean_ce(head(h, m["head_norm"]["scale"]), tgt, keep))
   return main, ces, main + t.mtp.loss_weight / t.mtp.depth * sum(ces)
 
 
-@pytest.fixture(scope="module")
-def dense():
-  exp = tiny_lm(2, 4, ici=(1, 1), extra=PACKED + MTP2)
+@pytest.fixture(scope="module", params=["packed", "plain"])
+def dense(request):
+  """A dense lm.tiny with two MTP depths, its params and a batch: packed (3 documents a row, the
+  last row padded) or plain (inputs and targets only: every position past L - k masked by that)."""
+  source = PACKED if request.param == "packed" else ["data.source='synthetic'"]
+  exp = tiny_lm(2, 4, ici=(1, 1), extra=source + MTP2)
   setup = setup_for(exp, jax.devices()[:1])
   params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+  rng = np.random.default_rng(2)   # norm scales away from 1, so each norm's place shows
+  params = jax.tree.map(lambda a: (a * (1 + 0.3 * rng.standard_normal(a.shape))).astype(a.dtype), params)
   batch = packed_batch(np.random.default_rng(1), 4, 16)
+  if request.param == "plain":
+    batch = {k: batch[k] for k in ("inputs", "targets")}
   return setup, params, batch
 
 
@@ -124,13 +134,29 @@ def test_loss_is_the_papers_equations_by_hand(dense):
     assert all(float(np.abs(g).max()) > 0 for g in jax.tree.leaves(grads["mtp"][k])), k
 
 
-def test_eval_loss_and_logits_do_not_run_mtp(dense):
-  """Evaluation reports the main cross entropy only; the forward's logits never touch MTP."""
+def eval_flops(setup) -> float:
+  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+    compiled = jax.jit(lambda p, x: step_lib.eval_loss_fn(setup)(p, x)[0]).lower(
+        setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
+  cost = compiled.cost_analysis()
+  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
+
+
+def test_evaluation_reports_the_main_loss_and_runs_no_mtp(dense):
+  """Evaluation reports the main cross entropy only, and its compiled program does the work of
+  the model without MTP (the modules are not run and thrown away: not run at all)."""
   setup, params, batch = dense
   main, _, _ = loss_by_hand(params, batch, setup.exp.model)
   with jax.set_mesh(setup.mesh), use_rules(setup.rules):
     value, _ = jax.jit(step_lib.eval_loss_fn(setup))(params, batch)
   assert float(value) == pytest.approx(main, rel=1e-5)
+  off = setup_for(_without_mtp(setup.exp), jax.devices()[:1])
+  assert eval_flops(setup) == eval_flops(off)
+
+
+def _without_mtp(exp):
+  import dataclasses
+  return dataclasses.replace(exp, model=dataclasses.replace(exp.model, mtp=None))
 
 
 def compiled_forward_flops(exp) -> float:
@@ -154,7 +180,7 @@ def test_param_and_flop_counts_are_what_the_mtp_modules_run(dense):
   t, s, b = setup.exp.model, setup.exp.data.seq_len, setup.exp.train.global_batch
   mtp = sum(np.size(a) for a in jax.tree.leaves(params["mtp"]))
   assert flops.mtp_params(t) == mtp and t.param_count() == sum(np.size(a) for a in jax.tree.leaves(params))
-  counted = compiled_forward_flops(setup.exp) - compiled_forward_flops(tiny_lm(2, 4, ici=(1, 1), extra=PACKED))
+  counted = compiled_forward_flops(setup.exp) - compiled_forward_flops(_without_mtp(setup.exp))
   depth = t.mtp.depth
   masked_half = depth * s * t.num_heads * 2 * t.dim_per_head * b * s
   lookup = depth * 2 * b * s * t.vocab_size * t.d_model
