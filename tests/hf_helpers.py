@@ -12,6 +12,7 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from shardax import configs
 from shardax.models import hf as hf_models
@@ -139,6 +140,24 @@ def assert_config_round_trips(adapter, model, hf_arch, source):
   assert adapter.model_fields(out) == adapter.model_fields(src_cfg)
   assert adapter.moe_fields(out) == adapter.moe_fields(src_cfg)
   return out
+
+
+def through_checkpoint(exp, tmp_path):
+  """The checkpoint `exp` names imported into a step-0 checkpoint of a fresh job under `tmp_path`,
+  then exported from it: the export's directory."""
+  job, out = str(tmp_path / "job"), str(tmp_path / "out")
+  importer.run(exp, job)
+  exporter.run(exp, job, out)
+  return out
+
+
+def assert_config_refused(tmp_path, message, base="llama", **changes):
+  """The fixture `base`'s config.json with `changes` (write_config) is refused on reading with a
+  ConfigError matching `message`."""
+  from shardax.configs.schema import ConfigError
+  d = write_config(str(tmp_path / "m"), base, **changes)
+  with pytest.raises(ConfigError, match=message):
+    configs.get(f"hf:{d}")
 
 
 def write_config(d, base="llama", **changes):

@@ -28,8 +28,9 @@ from shardax.trainer.data import packing, tokenizers
 from shardax.models import hf as hf_models
 from shardax.models.hf import llama as hf_llama
 from shardax.trainer.hf import exporter, importer, safetensors
-from hf_helpers import (FIXTURES, assert_export_bit_exact, assert_logits_match, assert_same_tensors, experiment,
-                        imported, reference, write_config)
+from hf_helpers import (FIXTURES, assert_config_refused, assert_export_bit_exact, assert_logits_match,
+                        assert_same_tensors, experiment, imported, reference, through_checkpoint,
+                        write_config)
 
 ARCHS = ("llama", "llama3", "mistral", "qwen2", "qwen3", "mixtral", "mistral_window", "mixtral_llama3")
 
@@ -102,10 +103,7 @@ def test_mixtral_round_trip_with_experts_split_is_bit_exact(tmp_path):
   every key of the source's (transformers reads it as the same model: the fixture script's
   --check-export loads such an export in transformers, no missing or unexpected keys)."""
   src = os.path.join(FIXTURES, "mixtral")
-  exp = experiment("mixtral", "mesh.ici=(4, 2)", "sharding.preset='expert'")
-  job, out = str(tmp_path / "job"), str(tmp_path / "out")
-  importer.run(exp, job)
-  exporter.run(exp, job, out)
+  out = through_checkpoint(experiment("mixtral", "mesh.ici=(4, 2)", "sharding.preset='expert'"), tmp_path)
   assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in assert_same_tensors(src, out)
   src_cfg, out_cfg = hf_models.read(src), hf_models.read(out)
   assert {k: out_cfg.get(k) for k in src_cfg} == src_cfg
@@ -149,9 +147,7 @@ def test_tokenizer_encodes_like_transformers():
     ({"use_sliding_window": True}, "sliding-window"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = write_config(str(tmp_path / "m"), **changes)
-  with pytest.raises(ConfigError, match=message):
-    configs.get(f"hf:{d}")
+  assert_config_refused(tmp_path, message, **changes)
 
 
 def test_mixtral_config_maps_onto_the_moe_lm():
@@ -262,9 +258,7 @@ def test_mixtral_with_attention_biases_and_llama3_rope_round_trips(tmp_path):
   exp = configs.build(configs.get(f"hf:{d}"))
   t = exp.model
   assert (t.qkv_bias, t.out_bias, t.rope_scaling.kind) == (True, True, "llama3")
-  job, out = str(tmp_path / "job"), str(tmp_path / "out")
-  importer.run(exp, job)
-  exporter.run(exp, job, out)
+  out = through_checkpoint(exp, tmp_path)
   b = safetensors.Reader(out)
   assert sorted(b.names()) == sorted(tensors)
   for name in b.names():

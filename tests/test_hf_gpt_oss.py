@@ -18,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from shardax import configs
 from shardax.configs.attention import LayerKind
 from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import ConfigError
@@ -26,9 +25,9 @@ from shardax.models import hf as hf_models
 from shardax.models.hf import gpt_oss, mxfp4
 from shardax.sharding import use_rules
 from shardax.trainer.hf import importer, safetensors
-from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
-                        assert_logits_match, experiment, imported, reference, train_loss, worst_logit_error,
-                        write_config)
+from hf_helpers import (FIXTURES, assert_config_refused, assert_config_round_trips, assert_export_bit_exact,
+                        assert_greedy_matches, assert_logits_match, experiment, imported, reference,
+                        train_loss, worst_logit_error)
 
 ARCH = "gpt_oss"
 
@@ -206,9 +205,7 @@ def test_mxfp4_checkpoint_imports_as_its_float_weights(tmp_path):
     ({"attention_dropout": 0.1}, "attention_dropout"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = write_config(str(tmp_path / "m"), ARCH, **changes)
-  with pytest.raises(ConfigError, match=message):
-    configs.get(f"hf:{d}")
+  assert_config_refused(tmp_path, message, ARCH, **changes)
 
 
 def test_export_refuses_what_gpt_oss_cannot_express():

@@ -22,10 +22,9 @@ from shardax.configs.moe import MoEConfig
 from shardax.configs.schema import ConfigError
 from shardax.models import hf as hf_models
 from shardax.models.hf import common, llama4
-from shardax.trainer.hf import exporter, importer
 from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
-                        assert_logits_match, assert_same_tensors, experiment, imported, reference, train_loss,
-                        worst_logit_error)
+                        assert_logits_match, assert_same_tensors, experiment, imported, reference,
+                        through_checkpoint, train_loss, worst_logit_error)
 
 ARCH = "llama4"
 
@@ -121,10 +120,7 @@ def test_checkpoint_round_trip_with_experts_split(tmp_path):
   """Through a step-0 checkpoint on a (4, 2) mesh with the 'expert' rules and back out: the
   same tensors bit for bit (make_hf_fixtures.py --check-export OUT llama4 loads such an export
   in transformers with no missing or unexpected tensor and the recorded logits)."""
-  exp = experiment(ARCH, "mesh.ici=(4, 2)", "sharding.preset='expert'")
-  job, out = str(tmp_path / "job"), str(tmp_path / "out")
-  importer.run(exp, job)
-  exporter.run(exp, job, out)
+  out = through_checkpoint(experiment(ARCH, "mesh.ici=(4, 2)", "sharding.preset='expert'"), tmp_path)
   assert_same_tensors(os.path.join(FIXTURES, ARCH), out)
   assert hf_models.read(out)["no_rope_layers"] == [1, 1, 1, 0, 1, 1]
 

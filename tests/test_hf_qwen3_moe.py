@@ -21,9 +21,9 @@ from shardax.models.hf import qwen3_moe
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import model_setup
 from shardax.trainer.hf import exporter, importer, safetensors
-from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact, assert_greedy_matches,
-                        assert_logits_match, assert_same_tensors, experiment, imported, reference, train_loss,
-                        write_config)
+from hf_helpers import (FIXTURES, assert_config_refused, assert_config_round_trips, assert_export_bit_exact,
+                        assert_greedy_matches, assert_logits_match, assert_same_tensors, experiment, imported,
+                        reference, through_checkpoint, train_loss)
 
 ARCHS = ("qwen3_moe", "qwen3_moe_sparse")
 
@@ -124,10 +124,7 @@ def test_checkpoint_round_trip_with_experts_split(tmp_path):
   and the config.json transformers reads (make_hf_fixtures.py --check-export OUT
   qwen3_moe_sparse loads such an export with no missing or unexpected tensor)."""
   src = os.path.join(FIXTURES, "qwen3_moe_sparse")
-  exp = experiment("qwen3_moe_sparse", "mesh.ici=(4, 2)", "sharding.preset='expert'")
-  job, out = str(tmp_path / "job"), str(tmp_path / "out")
-  importer.run(exp, job)
-  exporter.run(exp, job, out)
+  out = through_checkpoint(experiment("qwen3_moe_sparse", "mesh.ici=(4, 2)", "sharding.preset='expert'"), tmp_path)
   assert "model.layers.5.mlp.experts.3.down_proj.weight" in assert_same_tensors(src, out)
   assert hf_models.read(out)["mlp_only_layers"] == [1]
 
@@ -188,9 +185,7 @@ def test_walk_maps_first_dense_layers_and_units_of_every_2(tmp_path, scan):
     ({"hidden_act": "gelu"}, "hidden_act"),
 ])
 def test_config_keys_we_do_not_implement_are_errors(tmp_path, changes, message):
-  d = write_config(str(tmp_path / "m"), "qwen3_moe", **changes)
-  with pytest.raises(ConfigError, match=message):
-    configs.get(f"hf:{d}")
+  assert_config_refused(tmp_path, message, "qwen3_moe", **changes)
 
 
 def test_export_refuses_what_qwen3_moe_cannot_express():
