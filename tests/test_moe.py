@@ -118,9 +118,10 @@ def tiny_moe(preset, ici, axes, *more):
   return configs.build(cfg)
 
 
-@pytest.fixture(scope="module")
-def reference():
-  setup = setup_for(tiny_moe("dp", (1,), ("data",)), jax.devices()[:1])
+def one_device_run(exp):
+  """(params, batch, loss, grads, metrics), all on host, of `exp` on one device: params from
+  init with key 0, a batch of 8 random rows of 16 tokens."""
+  setup = setup_for(exp, jax.devices()[:1])
   params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
   tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
   batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -128,15 +129,24 @@ def reference():
   return jax.device_get(params), batch, float(loss), jax.device_get(grads), jax.device_get(metrics)
 
 
+def sharded_run(mode, exp, reference):
+  """(mode, expert shards, setup, loss, grads, metrics, compiled) of `exp` (built for MODES[mode])
+  on its mesh, from the params and batch of `reference` (one_device_run's)."""
+  setup = setup_for(exp)
+  params_host, batch, *_ = reference
+  (loss, grads, metrics), compiled = loss_and_grads(setup, params_host, batch)
+  return mode, MODES[mode][2], setup, float(loss), jax.device_get(grads), metrics, compiled
+
+
+@pytest.fixture(scope="module")
+def reference():
+  return one_device_run(tiny_moe("dp", (1,), ("data",)))
+
+
 @pytest.fixture(scope="module", params=list(MODES))
 def sharded(request, reference):
-  ici, axes, expert_shards = MODES[request.param]
-  setup = setup_for(tiny_moe(request.param, ici, axes))
-  params_host, batch, *_ = reference
-  params = jax.device_put(params_host, setup.shardings["params"])
-  (loss, grads, metrics), compiled = loss_and_grads(
-      setup, params, jax.device_put(batch, setup.batch_sharding))
-  return request.param, expert_shards, setup, float(loss), jax.device_get(grads), metrics, compiled
+  ici, axes, _ = MODES[request.param]
+  return sharded_run(request.param, tiny_moe(request.param, ici, axes), reference)
 
 
 def test_expert_parallel_equals_single_device(sharded, reference):

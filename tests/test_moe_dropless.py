@@ -141,8 +141,8 @@ from shardax import configs  # noqa: E402
 from shardax.sharding import report  # noqa: E402
 from shardax.trainer import state as state_lib  # noqa: E402
 from meshtools import loss_and_grads, setup_for  # noqa: E402
+from test_moe import MODES, one_device_run, sharded_run  # noqa: E402
 
-MODES = {"expert": ((8,), ("data",), 8), "expert_axis": ((2, 4), ("data", "expert"), 4)}
 DROPLESS = ["model.moe.dispatch='dropless'", "model.moe.top_k=2", "model.moe.num_shared_experts=1",
             "model.moe.first_dense_layers=1", "model.num_layers=3", "model.moe.every=1"]
 
@@ -159,21 +159,13 @@ def tiny_dropless(preset, ici, axes, *more):
 
 @pytest.fixture(scope="module")
 def reference_run():
-  setup = setup_for(tiny_dropless("dp", (1,), ("data",)), jax.devices()[:1])
-  params = state_lib.init_fn(setup)(jax.random.key(0))["params"]
-  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
-  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
-  (loss, grads, metrics), _ = loss_and_grads(setup, params, batch)
-  return jax.device_get(params), batch, float(loss), jax.device_get(grads), jax.device_get(metrics)
+  return one_device_run(tiny_dropless("dp", (1,), ("data",)))
 
 
-@pytest.fixture(scope="module", params=list(MODES))
-def sharded_run(request, reference_run):
-  ici, axes, expert_shards = MODES[request.param]
-  setup = setup_for(tiny_dropless(request.param, ici, axes))
-  params_host, batch, *_ = reference_run
-  (loss, grads, metrics), compiled = loss_and_grads(setup, params_host, batch)
-  return request.param, expert_shards, setup, float(loss), jax.device_get(grads), metrics, compiled
+@pytest.fixture(scope="module", params=list(MODES), name="sharded_run")
+def sharded_run_fixture(request, reference_run):
+  ici, axes, _ = MODES[request.param]
+  return sharded_run(request.param, tiny_dropless(request.param, ici, axes), reference_run)
 
 
 def test_dropless_expert_parallel_equals_single_device(sharded_run, reference_run):
