@@ -247,11 +247,17 @@ def test_sharded_pattern_model_equals_one_device(one_device, preset, ici):
 def test_context_parallel_pattern_model_equals_one_device(mode):
   """Windowed, NoPE + temperature and own-base layers (no chunk: refused under context
   parallelism) on (data 2, context 4) with packed rows: loss and grads equal one device's."""
-  kinds = ["model.layer_pattern=({'window': 3}, {'rope': False, 'temperature_tuning': True}, "
-           "{'rope_theta': 100.0})", "model.temperature_floor_scale=4.0", "data.source='stdlib'",
-           f"model.context_parallel={mode!r}"]
-  one = tiny_lm(4, 8, extra=kinds)
-  cp = tiny_lm(4, 8, ici=(2, 4), axes=("data", "context"), preset="dp_cp", extra=kinds)
+  assert_context_parallel_equals_one_device([
+      "model.layer_pattern=({'window': 3}, {'rope': False, 'temperature_tuning': True}, {'rope_theta': 100.0})",
+      "model.temperature_floor_scale=4.0", f"model.context_parallel={mode!r}"])
+
+
+def assert_context_parallel_equals_one_device(overrides):
+  """A 4-layer tiny LM with `overrides` and random params on (data 2, context 4) with packed
+  rows (3 documents a row): loss and every gradient equal one device's."""
+  overrides = [*overrides, "data.source='stdlib'"]
+  one = tiny_lm(4, 8, extra=overrides)
+  cp = tiny_lm(4, 8, ici=(2, 4), axes=("data", "context"), preset="dp_cp", extra=overrides)
   graphdef, state = random_state(lambda: TransformerLM(one.model, rngs=nnx.Rngs(0)))
   params = nnx.to_pure_dict(state)
   batch = packed_batch(np.random.default_rng(8), 8, 16)

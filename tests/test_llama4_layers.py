@@ -8,13 +8,11 @@ microbatches, and context parallelism (all-gather, ring) equals one device.
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
 from shardax import pipeline
-from shardax.layers.transformer import TransformerLM
 from shardax.trainer import state as state_lib
-from meshtools import loss_and_grads, packed_batch, setup_for, tiny_lm
-from test_layers import random_state
+from meshtools import loss_and_grads, setup_for
+from test_layer_pattern import assert_context_parallel_equals_one_device
 from test_pipeline_moe import BATCH, M, experiment
 
 LLAMA4 = ["model.rope_interleave=True", "model.qk_l2_norm=True", "model.temperature_floor_scale=4.0",
@@ -58,14 +56,5 @@ def test_context_parallel_llama4_attention_equals_one_device(mode):
   """Interleaved RoPE and the q/k norm on RoPE layers beside a NoPE layer with the temperature
   (no chunk: refused under context parallelism) on (data 2, context 4) with packed rows: loss
   and grads equal one device's."""
-  kinds = LLAMA4 + ["model.layer_pattern=({}, {'rope': False, 'temperature_tuning': True})",
-                    "data.source='stdlib'", f"model.context_parallel={mode!r}"]
-  one = tiny_lm(4, 8, extra=kinds)
-  cp = tiny_lm(4, 8, ici=(2, 4), axes=("data", "context"), preset="dp_cp", extra=kinds)
-  graphdef, state = random_state(lambda: TransformerLM(one.model, rngs=nnx.Rngs(0)))
-  params = nnx.to_pure_dict(state)
-  batch = packed_batch(np.random.default_rng(8), 8, 16)
-  (loss1, grads1, _), _ = loss_and_grads(setup_for(one, jax.devices()[:1]), params, batch)
-  (loss8, grads8, _), _ = loss_and_grads(setup_for(cp), params, batch)
-  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), grads8, grads1)
+  assert_context_parallel_equals_one_device(LLAMA4 + [
+      "model.layer_pattern=({}, {'rope': False, 'temperature_tuning': True})", f"model.context_parallel={mode!r}"])
