@@ -15,7 +15,8 @@ from shardax.perf import hlo as perf_hlo
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
 
-class _Exp:   # what from_costs reads of an experiment
+class StubExperiment:
+  """What stepmodel.from_costs reads of an experiment: no model FLOPs, one token, batch 1."""
   class model:
     @staticmethod
     def flops_per_example(data): return 0
@@ -24,14 +25,15 @@ class _Exp:   # what from_costs reads of an experiment
   data, train = None, type("T", (), {"global_batch": 1})
 
 
-def _one_chip(name: str = "v6e:2x2"):
+def one_chip(name: str = "v6e:2x2"):
+  """A one-device mesh (axis 'd') of the first chip of TPU topology `name` (AOT compiles)."""
   return jax.sharding.Mesh(np.array(topology.devices(name)[:1]), ("d",))
 
 
 def _two_matmuls() -> str:
   """tanh(x @ w1) @ w2 on one v6e chip: the compiler prefetches w2 into on-chip memory with an
   async copy and runs both matmuls as one fusion (the tanh stays on chip)."""
-  mesh = _one_chip()
+  mesh = one_chip()
   spec = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   f = lambda x, w1, w2: jnp.tanh(x @ w1) @ w2
   return jax.jit(f).lower(spec(1024, 1024), spec(1024, 4096), spec(4096, 1024)).compile().as_text()
@@ -53,10 +55,10 @@ def test_hbm_traffic_counts_a_prefetch_once_and_nothing_read_from_on_chip_memory
   assert piece.bytes_accessed == pytest.approx(52 * mib, rel=1e-3)   # XLA's count
   assert piece.hbm_bytes == pytest.approx(20 * mib, rel=1e-3)
   chip = hardware.lookup("TPU v6 lite")
-  pr = stepmodel.from_costs(c, _one_chip(), _Exp, chip)
+  pr = stepmodel.from_costs(c, one_chip(), StubExperiment, chip)
   assert pr.breakdown["memory_seconds"] == pytest.approx(20 * mib / chip.hbm_bandwidth, rel=1e-3)
   h100 = hardware.lookup("NVIDIA H100 80GB HBM3")   # timed as a GPU (a stand-in): no on-chip buffers there
-  stand_in = stepmodel.from_costs(c, _one_chip(), _Exp, h100)
+  stand_in = stepmodel.from_costs(c, one_chip(), StubExperiment, h100)
   assert stand_in.breakdown["memory_seconds"] == pytest.approx(52 * mib / h100.hbm_bandwidth, rel=1e-3)
 
 

@@ -13,12 +13,13 @@ from shardax.sharding import topology
 from shardax.perf import hardware, costs, error_bar, mxu, stepmodel
 from shardax.perf import hlo as perf_hlo
 from shardax.perf.hlo import matmuls
+from test_moe_pricing import StubExperiment, one_chip
 
 needs_libtpu = pytest.mark.skipif(not topology.available(), reason="needs libtpu (the test extra)")
 
 
 def _tpu_matmul(k: int) -> str:
-  mesh = jax.sharding.Mesh(np.array(topology.devices("v6e:2x2")[:1]), ("d",))
+  mesh = one_chip()
   x = jax.ShapeDtypeStruct((2048, k), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   w = jax.ShapeDtypeStruct((k, 1024), jnp.bfloat16, sharding=NamedSharding(mesh, P()))
   return jax.jit(lambda a, b: a @ b).lower(x, w).compile().as_text()
@@ -39,19 +40,11 @@ def test_the_step_model_prices_padded_dots_on_the_chip_whose_mxu_pads_them():
   hlo = _tpu_matmul(128)
   c = costs.of_hlo_text(hlo)
   use = mxu.by_piece(hlo, c.owner)
-
-  class Exp:   # what from_costs reads of an experiment
-    class model:
-      @staticmethod
-      def flops_per_example(data): return 0
-      @staticmethod
-      def tokens_per_example(data): return 1
-    data, train = None, type("T", (), {"global_batch": 1})
-  mesh = jax.sharding.Mesh(np.array(topology.devices("v6e:2x2")[:1]), ("d",))
+  mesh = one_chip()
   for name, slower in (("TPU v6 lite", 2.0), ("TPU v5 lite", 1.0)):
     chip = hardware.lookup(name)
-    padded = stepmodel.from_costs(c, mesh, Exp, chip, use).breakdown["compute_seconds"]
-    plain = stepmodel.from_costs(c, mesh, Exp, chip, None).breakdown["compute_seconds"]
+    padded = stepmodel.from_costs(c, mesh, StubExperiment, chip, use).breakdown["compute_seconds"]
+    plain = stepmodel.from_costs(c, mesh, StubExperiment, chip, None).breakdown["compute_seconds"]
     assert padded == pytest.approx(slower * plain), name
 
 
