@@ -217,27 +217,29 @@ def test_adafactor_trains_lm_tiny(stdlib_batches):
   assert np.all(np.isfinite(losses)) and losses[-5:].mean() < losses[0] - 1.5
 
 
+def adafactor_steps(params, axes, grads):
+  """(the updates of param `w` at each of the steps `grads`, stacked; the last state) of a
+  factored Adafactor without clipping, warm-up or decay, so a weight's steps depend on it alone."""
+  cfg = OptimizerConfig(name="adafactor", factored_min_dim=4, clip_norm=None, warmup_steps=0,
+                        weight_decay=0.0)
+  tx = optimizer.make(cfg, 10, params, axes)
+  state, out = tx.init(params), []
+  for g in grads:
+    updates, state = jax.jit(tx.update)(g, state, params)
+    out.append(updates["w"])
+  return np.stack(out), state
+
+
 def test_adafactor_sees_one_layer_of_a_stack_at_a_time():
   """A [layers, embed, mlp] stack takes the steps its layers would take one by one, even
   when the layers' scales differ (Adafactor's clipping and step size use a weight's RMS)."""
-  cfg = OptimizerConfig(name="adafactor", factored_min_dim=4, clip_norm=None, warmup_steps=0,
-                        weight_decay=0.0)
   rng = np.random.default_rng(0)
   scales = np.array([1.0, 30.0, 0.01], np.float32)[:, None, None]
   params = {"w": rng.normal(size=(3, 8, 16)).astype(np.float32) * scales}
   grads = [{"w": rng.normal(size=(3, 8, 16)).astype(np.float32) * scales} for _ in range(3)]
-
-  def run(params, axes, grads):
-    tx = optimizer.make(cfg, 10, params, axes)
-    state, out = tx.init(params), []
-    for g in grads:
-      updates, state = jax.jit(tx.update)(g, state, params)
-      out.append(updates["w"])
-    return np.stack(out)
-
-  stacked = run(params, {"w": ("layers", "embed", "mlp")}, grads)
+  stacked, _ = adafactor_steps(params, {"w": ("layers", "embed", "mlp")}, grads)
   for i in range(3):
-    alone = run({"w": params["w"][i]}, {"w": ("embed", "mlp")}, [{"w": g["w"][i]} for g in grads])
+    alone, _ = adafactor_steps({"w": params["w"][i]}, {"w": ("embed", "mlp")}, [{"w": g["w"][i]} for g in grads])
     np.testing.assert_allclose(stacked[:, i], alone, rtol=1e-5, atol=1e-9, err_msg=f"layer {i}")
 
 
@@ -315,27 +317,16 @@ def test_adafactor_factors_each_expert_matrix_on_its_own():
   """MoE expert weights [layers, expert, embed, mlp]: every expert's [embed, mlp] matrix is
   one weight to Adafactor (its steps are the ones it would take alone), and the factored
   moments keep the expert dim, so expert parallelism splits them (moe.gshard_1t)."""
-  cfg = OptimizerConfig(name="adafactor", factored_min_dim=4, clip_norm=None, warmup_steps=0,
-                        weight_decay=0.0)
   rng = np.random.default_rng(0)
   scales = np.array([1.0, 30.0, 0.01], np.float32)[None, :, None, None]
   params = {"w": rng.normal(size=(2, 3, 8, 16)).astype(np.float32) * scales}
   grads = [{"w": rng.normal(size=(2, 3, 8, 16)).astype(np.float32) * scales} for _ in range(3)]
-
-  def run(params, axes, grads):
-    tx = optimizer.make(cfg, 10, params, axes)
-    state, out = tx.init(params), []
-    for g in grads:
-      updates, state = jax.jit(tx.update)(g, state, params)
-      out.append(updates["w"])
-    return np.stack(out), state
-
   axes = {"w": ("layers", "expert", "embed", "mlp")}
-  stacked, state = run(params, axes, grads)
+  stacked, state = adafactor_steps(params, axes, grads)
   for layer in range(2):
     for e in range(3):
-      alone, _ = run({"w": params["w"][layer, e]}, {"w": ("embed", "mlp")},
-                     [{"w": g["w"][layer, e]} for g in grads])
+      alone, _ = adafactor_steps({"w": params["w"][layer, e]}, {"w": ("embed", "mlp")},
+                                 [{"w": g["w"][layer, e]} for g in grads])
       np.testing.assert_allclose(stacked[:, layer, e], alone, rtol=1e-5, atol=1e-9,
                                  err_msg=f"layer {layer} expert {e}")
   moments = {}
