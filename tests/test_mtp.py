@@ -184,10 +184,28 @@ def test_param_and_flop_counts_are_what_the_mtp_modules_run(dense):
   depth = t.mtp.depth
   masked_half = depth * s * t.num_heads * 2 * t.dim_per_head * b * s
   lookup = depth * 2 * b * s * t.vocab_size * t.d_model
-  ratio = counted / (flops.mtp_flops_per_token(t, s) * s * b / 3 + masked_half + lookup)
+  model_flops = flops.per_token(t, s) - flops.per_token(_without_mtp(setup.exp).model, s)   # what MFU counts
+  assert model_flops == flops.mtp_flops_per_token(t, s) > 0
+  ratio = counted / (model_flops * s * b / 3 + masked_half + lookup)
   assert 1.0 <= ratio <= 1.10, (counted, ratio)
   line = explain.mtp_line(t, s)
   assert line.startswith(f"multi-token prediction: 2 module(s), {mtp:,} params ("), line
+
+
+def test_fp8_delayed_scaling_reaches_the_mtp_projections():
+  """model.quantization reaches the MTP modules: with fp8 delayed scaling eh_proj and the
+  block's projections carry amax histories, and the step's next history of each holds this
+  step's amax (what the train step writes over the params)."""
+  from shardax.layers import quantization
+  exp = tiny_lm(2, 4, ici=(1, 1), extra=PACKED + MTP2 + ["model.quantization='fp8_delayed'"])
+  setup = setup_for(exp, jax.devices()[:1])
+  params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+  (_, grads, _), _ = loss_and_grads(setup, params, packed_batch(np.random.default_rng(1), 4, 16))
+  _, written = quantization.take_histories(jax.device_get(grads))
+  for k in range(2):
+    for layer in (written["mtp"][k]["eh_proj"], written["mtp"][k]["block"]["attn"]["query"],
+                  written["mtp"][k]["block"]["mlp"]["down"]):
+      assert float(np.asarray(layer[quantization.HISTORY])[:, 0].min()) > 0, k
 
 
 # ---- DeepSeek-V3-shaped: sharded == one device -------------------------------------------------
@@ -264,6 +282,9 @@ def test_main_logits_and_greedy_decode_equal_the_model_without_mtp(v3_reference)
   assert jax.tree.structure(drawn) == jax.tree.structure(main)
   for a, b in zip(jax.tree.leaves(drawn), jax.tree.leaves(main)):
     np.testing.assert_array_equal(a, b)
+  rng = np.random.default_rng(3)   # norm scales away from 1: a main norm swapped for an MTP one shows
+  params = jax.tree.map(lambda a: (a * (1 + 0.3 * rng.standard_normal(a.shape))).astype(a.dtype), params)
+  main = {k: v for k, v in params.items() if k != "mtp"}
   tokens = jnp.asarray(batch["inputs"])
   logits, ids = {}, {}
   prompts = [batch["inputs"][0, :5].tolist(), batch["inputs"][1, :9].tolist()]
