@@ -14,6 +14,7 @@ import os
 import shutil
 import sys
 
+import jax
 import numpy as np
 import pytest
 
@@ -49,6 +50,16 @@ def test_the_mtp_layer_is_read_into_model_mtp(model):
                                 r.get(MTP + "mlp.experts.5.gate_proj.weight").T)
   # transformers' own save of a DeepSeek-V3 (num_nextn_predict_layers 1, no MTP tensors): no MTP
   assert hf_fixture_mtp("deepseek_v3") is None
+
+
+def test_expert_parallel_import_reads_the_same_mtp_layer(model):
+  """On (4, 2) with the 'expert' rules the MTP block's experts split over data like the stack's,
+  and every MTP param is the one-device import's, bit for bit."""
+  _, params = model
+  _, sharded = imported(ARCH, (4, 2), "sharding.preset='expert'")
+  assert sharded["mtp"][0]["block"]["moe"]["wi_gate"].sharding.spec[0] == "data"
+  for a, b in zip(jax.tree.leaves(sharded["mtp"]), jax.tree.leaves(params["mtp"])):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def hf_fixture_mtp(arch):
