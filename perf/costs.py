@@ -25,6 +25,7 @@ Collectives come from the HLO with the same loop multipliers (`report.collective
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 
@@ -45,6 +46,7 @@ class Loop:
   flops: float             # one iteration of the body, nested loops included
   bytes_accessed: float
   stacked: int = -1        # arrays in the loop state whose leading dim is the trip count (-1: unknown)
+  leading: tuple = ()      # (leading dim, arrays of the loop state with it) pairs; () in costs cached before
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,13 +107,14 @@ class _Module:
   callees: dict[str, list[str]]        # computation -> computations it names
   whiles: dict[str, list[tuple[str, str, int]]]  # computation -> (cond, body, trip)
   stacked: dict[str, int] = dataclasses.field(default_factory=dict)  # loop body -> Loop.stacked
+  leading: dict[str, tuple] = dataclasses.field(default_factory=dict)  # loop body -> Loop.leading
   records: hlo.Module | None = None    # the parsed module
 
 
 def _split(hlo_text: str) -> _Module:
   mod = hlo.parse(hlo_text)
   blocks = {name: comp.lines for name, comp in mod.computations.items() if name}
-  callees, whiles, stacked = {}, {}, {}
+  callees, whiles, stacked, leading = {}, {}, {}, {}
   for name in blocks:
     insts = mod.computations[name].instructions
     # Single calls (calls=, to_apply=, body=, ...) in text order, then the listed ones.
@@ -124,7 +127,9 @@ def _split(hlo_text: str) -> _Module:
     trip = 1 if w.trip_count is None else w.trip_count
     whiles.setdefault(w.computation, []).append((w.condition, w.body, trip))
     stacked[w.body] = w.stacked(trip)
-  return _Module(mod.prefix, blocks, mod.entry, callees, whiles, stacked, mod)
+    dims = collections.Counter(a.dims[0] for a in w.instruction.results if len(a.dims) > 1)
+    leading[w.body] = tuple(sorted(dims.items()))
+  return _Module(mod.prefix, blocks, mod.entry, callees, whiles, stacked, leading, mod)
 
 
 def _reachable(mod: _Module, root: str) -> list[str]:
@@ -207,7 +212,7 @@ def of_hlo_text(hlo_text: str) -> Costs:
       inner_body = total(body, runs * trip, trips + (trip,), around + (body,))
       inner_cond = total(cond, runs * trip, trips + (trip,), around + (body,))
       loops.append(Loop(body, trip, runs * trip, inner_body["flops"], inner_body["bytes accessed"],
-                        mod.stacked.get(body, -1)))
+                        mod.stacked.get(body, -1), mod.leading.get(body, ())))
       for k in _KEYS:
         out[k] += (trip - 1) * whole(body)[k] + (trip - 1) * whole(cond)[k]
         out[k] += trip * ((inner_body[k] - whole(body)[k]) + (inner_cond[k] - whole(cond)[k]))
@@ -242,42 +247,76 @@ def of_compiled(compiled) -> Costs:
 # A layer loop carries the stacked weights (and their gradients, moments) as [L, ...] arrays;
 # the TPU compiler's windowed-einsum loops carry 4-5 chunks, whose leading dim may equal L.
 _MIN_STACKED = 4
+# Iterations of a layer loop the TPU compiler may run outside it (seen: the first backward
+# layer of a host-offloading stack, at every depth).
+_MAX_PEELED = 2
+
+
+def layer_loop_trips(costs: Costs, shallow: int) -> dict[str, int]:
+  """{body: trip count} of the loops that run once per layer of a `shallow`-layer compile.
+
+  A trip count of `shallow` is not proof (a windowed einsum over a 4-way axis loops 4
+  times too), nor is one below it: the TPU compiler may peel a layer loop, running its
+  first iteration outside it (the backward loop of a stack that offloads its layer inputs
+  to host memory runs L - 1 times, at 3 layers and at 80). A scan over layers carries the
+  stacked weights: at least `_MIN_STACKED` arrays of its state have `shallow` as their
+  leading dim, and it is not the compiler's windowed einsum. Its trip count is `shallow`,
+  or `shallow` less at most `_MAX_PEELED` peeled iterations; then it carries more
+  [shallow, ...] arrays than arrays led by its own trip count (a loop over the first dense
+  layers of an MoE stack, 2 of them, passes the MoE units' [4, ...] stacks through but
+  carries more of its own [2, ...] ones). Costs cached before the state's leading
+  dims were read (`leading` empty) fall back to the trip count (and `stacked`, -1 before
+  that was read).
+  """
+  out = {}
+  for l in costs.loops:
+    if "windowed_dot_general" in l.body:
+      continue
+    if l.leading:
+      carried = dict(l.leading)
+      layers, own = carried.get(shallow, 0), carried.get(l.trip_count, 0)
+      if l.trip_count == shallow and layers >= _MIN_STACKED:
+        out[l.body] = l.trip_count
+      elif shallow - _MAX_PEELED <= l.trip_count < shallow and layers >= _MIN_STACKED and layers > own:
+        out[l.body] = l.trip_count
+    elif l.trip_count == shallow and (l.stacked < 0 or l.stacked >= _MIN_STACKED):
+      out[l.body] = l.trip_count
+  return out
 
 
 def layer_loops(costs: Costs, shallow: int) -> set[str]:
-  """Bodies of the loops that run once per layer of a `shallow`-layer compile.
-
-  A trip count of `shallow` is not proof (a windowed einsum over a 4-way axis loops 4
-  times too). A scan over layers also carries the stacked weights: at least
-  `_MIN_STACKED` arrays of its state have the trip count as their leading dim, and it is
-  not the compiler's windowed einsum. Costs cached before the state was read
-  (`stacked` -1) fall back to the trip count alone.
-  """
-  return {l.body for l in costs.loops if l.trip_count == shallow and "windowed_dot_general" not in l.body
-          and (l.stacked < 0 or l.stacked >= _MIN_STACKED)}
+  """Bodies of the loops that run once per layer of a `shallow`-layer compile (`layer_loop_trips`)."""
+  return set(layer_loop_trips(costs, shallow))
 
 
 def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs:
   """The costs of the same program with `deep` layers, from a compile with `shallow`.
 
   A scanned stack makes per-layer costs exactly linear in depth: every piece inside a
-  layer loop (`layer_loops`) runs deep/shallow times as often. Outside every loop, the
-  memory traffic (the optimizer update reads and writes every parameter and its
-  moments) and the collectives (gradient reductions of the stacked weights) scale by
-  `outside_scale`, the caller's ratio of parameter counts; the FLOPs there (embedding,
-  head, loss: independent of depth) do not. Other loops (windowed einsums, accumulation)
-  keep their counts. This is the one way a shallow compile is deepened: the calibration
-  (benchmarks/calibrate.py) and `--shallow` dry runs (extrapolate.py) both price time with it.
+  layer loop (`layer_loop_trips`) runs as often as that loop's body does at `deep` layers:
+  deep/shallow times as often, or, for a loop whose first iterations the compiler peeled
+  (trip t < shallow, the other shallow - t run outside it, at every depth), (deep -
+  shallow + t) / t times. Outside every loop, the memory traffic (the optimizer update
+  reads and writes every parameter and its moments) and the collectives (gradient
+  reductions of the stacked weights) scale by `outside_scale`, the caller's ratio of
+  parameter counts; the FLOPs there (embedding, head, loss, a peeled layer: independent of
+  depth) do not. Other loops (windowed einsums, accumulation) keep their counts. This is the
+  one way a shallow compile is deepened: the calibration (benchmarks/calibrate.py) and
+  `--shallow` dry runs (extrapolate.py) both price time with it.
   """
-  layers = layer_loops(costs, shallow)
+  trips = layer_loop_trips(costs, shallow)
+  factor = {body: (deep - shallow + t) / t for body, t in trips.items()}
 
-  def in_layer_loop(p: Piece) -> bool:
-    return bool(layers & set(p.loops)) if p.loops else shallow in p.trips and bool(layers)
+  def scale(p: Piece) -> float | None:
+    """How much more often piece `p` runs at `deep` layers; None: not in a layer loop."""
+    if p.loops:
+      return next((factor[b] for b in p.loops if b in factor), None)
+    return deep / shallow if shallow in p.trips and factor else None
 
   pieces = []
   for p in costs.pieces:
-    if in_layer_loop(p):
-      pieces.append(dataclasses.replace(p, executions=round(p.executions * deep / shallow)))
+    if (f := scale(p)) is not None:
+      pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
     elif not p.trips:  # outside every loop: per-parameter traffic scales, it still runs once
       pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale,
                                         onchip_bytes=p.onchip_bytes * outside_scale))
@@ -289,14 +328,14 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
     p = by_name.get(costs.owner.get(c.computation, ""))
     if p is None or not p.trips:
       collectives.append(dataclasses.replace(c, bytes=int(c.bytes * outside_scale)))
-    elif in_layer_loop(p):
-      collectives.append(dataclasses.replace(c, executions=round(c.executions * deep / shallow)))
+    elif (f := scale(p)) is not None:
+      collectives.append(dataclasses.replace(c, executions=round(c.executions * f)))
     else:
       collectives.append(c)
   total = lambda key: sum(getattr(p, key) * p.executions for p in pieces)
   flops = sum((p.flops + sum(f for _, _, f in p.ops)) * p.executions for p in pieces)
-  loops = tuple(dataclasses.replace(l, executions=round(l.executions * deep / shallow))
-                if l.body in layers else l for l in costs.loops)
+  loops = tuple(dataclasses.replace(l, executions=round(l.executions * factor[l.body]))
+                if l.body in factor else l for l in costs.loops)
   return Costs(flops, total("transcendentals"), total("bytes_accessed"), tuple(collectives),
                loops, costs.flops_loop_bodies_once, tuple(pieces), costs.owner)
 

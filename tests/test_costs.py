@@ -144,7 +144,7 @@ def test_a_trip_count_equal_to_the_depth_is_not_proof_of_a_layer_loop():
   assert deep.flops == pytest.approx(c.flops) and [l.executions for l in deep.loops] == [l.executions for l in c.loops]
   # ... unless the costs predate the state check (stacked unknown): the trip count decides
   legacy = costs.Costs(c.flops, c.transcendentals, c.bytes_accessed, c.collectives,
-                       tuple(dataclasses.replace(l, stacked=-1) for l in c.loops), c.flops_loop_bodies_once,
+                       tuple(dataclasses.replace(l, stacked=-1, leading=()) for l in c.loops), c.flops_loop_bodies_once,
                        tuple(dataclasses.replace(p, loops=()) for p in c.pieces), c.owner)
   assert costs.deepen(legacy, shallow=5, deep=20, outside_scale=3.0).flops == pytest.approx(4 * c.flops, rel=0.01)
 

@@ -1,0 +1,90 @@
+"""What the largest dense rows showed mispriced (docs/results/dense_large_pricing.md), priced from
+the chips' physics: the splash kernel's matmuls on the MXU tile, host offload transfers on the
+host link, and the depth extrapolation of what lies outside the layer loop."""
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import os
+
+import pytest
+
+from shardax.perf import hardware, mxu, ops, stepmodel
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _calibrate():
+  spec = importlib.util.spec_from_file_location("calibrate", os.path.join(ROOT, "benchmarks", "calibrate.py"))
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def _llama70b_8k(**model):
+  """The Llama-3.1-70B 8k row kept aside from the calibration (128-wide heads, remat)."""
+  cal = _calibrate()
+  row = copy.deepcopy(next(r for r in json.load(open(os.path.join(ROOT, "benchmarks", "heldout_runs.json")))
+                           if r["id"] == "tpu-recipes-llama3.1-70b-8k-v6e-128"))
+  row["model"].update(model)
+  return cal._build(row, None)
+
+
+def test_the_flash_kernel_runs_its_head_width_contractions_at_the_mxu_fill_of_the_chip():
+  """By hand, for 128-wide heads on v6e's 256 x 256 MXU: of the kernel's matmul work per block
+  pair (in units of 2 bq bkv 128 FLOPs) the forward runs S = QK^T (1 unit, contracting over the
+  head: half the array, 2 units of time) and PV (1 unit, full); the backward S again (2 of
+  time), dP = dO V^T (2 of time) and dV, dQ, dK (1 each). With remat the forward runs twice:
+  9 units of work take 13 units of time. On a 128 MXU (v5e) every shape fills it; a 256-wide
+  head fills v6e's too."""
+  exp = _llama70b_8k()
+  v6e, v5e = hardware.lookup("TPU v6 lite"), hardware.lookup("TPU v5 lite")
+  flops = stepmodel.flash_kernel_flops(exp, 128)
+  at_rate = lambda chip: flops / (ops.peak(chip, "bf16") * ops.efficiency(chip, "attention"))
+  assert stepmodel.flash_kernel_mxu_fill(exp, 256) == pytest.approx(9 / 13)
+  assert stepmodel.flash_kernel_seconds(exp, 128, v6e) == pytest.approx(at_rate(v6e) * 13 / 9)
+  assert stepmodel.flash_kernel_seconds(exp, 128, v5e) == pytest.approx(at_rate(v5e))
+  wide = _llama70b_8k(head_dim=256, num_heads=32, num_kv_heads=4)
+  assert stepmodel.flash_kernel_seconds(wide, 128, v6e) == pytest.approx(
+      stepmodel.flash_kernel_flops(wide, 128) / (ops.peak(v6e, "bf16") * ops.efficiency(v6e, "attention")))
+  # the same rule as the program's own dots (perf/mxu.py): S on a 256 MXU at half
+  assert mxu.utilization(512, 128, 512, 256) == 0.5 and mxu.utilization(512, 512, 128, 256) == 1.0
+
+
+FIXTURES = os.path.join(ROOT, "tests", "fixtures", "peeled_offload")
+
+
+def _costs(layers: int):
+  import gzip
+  from shardax.perf import costs
+  with gzip.open(os.path.join(FIXTURES, f"layers_{layers}.hlo.gz"), "rt") as f:
+    return costs.of_hlo_text(f.read())
+
+
+def test_a_layer_loop_the_compiler_peels_is_deepened_to_the_deep_programs_count():
+  """The TPU compiler runs the first backward layer of a stack that offloads its layer inputs to
+  host memory outside the backward loop, at every depth: the 3-layer program's backward loop
+  runs 2 times, the 6-layer one's 5 (tests/fixtures/peeled_offload: compiled v6e programs).
+  Deepened from 3 to 6 layers, the backward loop runs 5 times and the step's FLOPs are the
+  6-layer program's; read by the trip count alone, neither loop was a layer loop (the backward
+  runs 2 != 3 times) and the deepened step kept the 3-layer FLOPs."""
+  from shardax.perf import costs
+  c3, c6 = _costs(3), _costs(6)
+  assert sorted(l.trip_count for l in c3.loops) == [2, 3] and sorted(l.trip_count for l in c6.loops) == [5, 6]
+  assert costs.layer_loop_trips(c3, 3) == {l.body: l.trip_count for l in c3.loops}
+  deep = costs.deepen(c3, 3, 6, outside_scale=2.0)
+  assert sorted(l.executions for l in deep.loops) == [5, 6]
+  assert deep.flops == pytest.approx(c6.flops, rel=1e-3)
+  assert deep.flops > 1.9 * c3.flops
+
+
+def test_costs_cached_before_the_loop_state_was_read_deepen_as_before():
+  """A cached Loop without `leading` (every calibration cache): a layer loop is one that runs
+  `shallow` times and carries the stacked weights, as before."""
+  from shardax.perf import costs
+  old = costs._record(costs.Loop, {"body": "layers", "trip_count": 3, "executions": 3, "flops": 1.0,
+                                   "bytes_accessed": 1.0, "stacked": 12})
+  peeled = dataclasses.replace(old, body="backward", trip_count=2, executions=2, stacked=0)
+  c = costs.Costs(0.0, 0.0, 0.0, (), (old, peeled), 0.0)
+  assert costs.layer_loop_trips(c, 3) == {"layers": 3}
