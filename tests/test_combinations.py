@@ -16,8 +16,21 @@ a max expert load one token copy off the one-device run's, and every gradient up
 the MoE layer moves 4-8%; unquantized MoE cells are exact to the tight tolerances). fp8
 histories start seen (`with_seen_histories`): the amax history's next values must then match.
 
-The default suite runs a diagonal that reaches every model, layout and mode at least once
-(`DIAGONAL`); `-m slow` runs every cell. docs/combinations.md is the table of the full run.
+The options the 2026 families brought (issue 49) are models of the matrix too, each a tiny
+version of its family's attention or router on the same LM (`OPTION_MODELS`): attention sinks
+beside a sliding window (gpt-oss), chunked-RoPE beside NoPE layers with temperature tuning
+(Llama 4), Gemma's local/global kinds with post norms and soft-caps, multi-head latent attention
+(DeepSeek-V3, alone and under its group-limited sigmoid router), gpt-oss's biased router with
+biased, clamped experts and the balance loss pooled over layers, and group-limited routing under
+GShard's capacity dispatch. Their sinks and biases start random (init puts them at 0, where a
+path that dropped them would still agree). A cell that a path cannot run is refused by name
+(`REFUSED`), at config time or when the step is traced. Greedy decode on a (2, 4) mesh is one
+more cell per model (`DECODE_CELLS`).
+
+The default suite runs a diagonal that reaches every model of the first three, every layout and
+mode, and the cheaper option cells at least once (`DIAGONAL`); `-m slow` runs every cell, the
+option models' heavier ones first (`OPTION_SLOW`). docs/combinations.md is the table of the full run
+(before the option models).
 """
 
 import jax
@@ -28,7 +41,7 @@ from jax.flatten_util import ravel_pytree
 from shardax import configs, pipeline
 from shardax.configs.schema import ConfigError
 from shardax.layers import quantization
-from shardax.sharding import report
+from shardax.sharding import report, use_rules
 from shardax.trainer import state as state_lib
 import meshtools
 from meshtools import loss_and_grads, setup_for
@@ -43,6 +56,28 @@ MODELS = {
     "moe_capacity": ["model.moe.num_experts=4", "model.moe.d_ff=32", "model.moe.every=2",
                      "model.moe.capacity_factor=1.0", "model.moe.second_expert='random'"],
 }
+_MLA = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=16", "model.mla.qk_nope_head_dim=8",
+        "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6"]
+_GPT_OSS_MOE = ["model.moe.router_bias=True", "model.moe.expert_bias=True", "model.moe.swiglu_limit=0.5"]
+OPTION_MODELS = {
+    "sinks_window": ["model.attention_sinks=True", "model.layer_pattern=({'window': 5}, {})",
+                     "model.qkv_bias=True", "model.out_bias=True"],
+    "chunk_nope": ["model.layer_pattern=({'chunk': 8}, {'rope': False, 'temperature_tuning': True})",
+                   "model.temperature_floor_scale=4.0", "model.temperature_scale=0.5", "model.rope_interleave=True",
+                   "model.qk_l2_norm=True"],
+    "gemma": ["model.layer_pattern=({'window': 5, 'rope_theta': 100.0}, {})", "model.norm='rms_plus_one'",
+              "model.post_norms=True", "model.qk_norm=True", "model.query_pre_attn_scalar=8.0",
+              "model.attention_softcap=4.0", "model.final_logit_softcap=3.0", "model.activation='gelu'"],
+    "mla": _MLA,
+    "deepseek": [*_MLA, *MODELS["moe"], "model.moe.score='sigmoid'", "model.moe.n_group=2", "model.moe.topk_group=1",
+                 "model.moe.renormalize=True", "model.moe.gate_scale=2.5", "model.moe.bias_update_rate=0.01",
+                 "model.moe.num_shared_experts=1"],
+    "moe_gpt_oss": [*MODELS["moe"], *_GPT_OSS_MOE, "model.moe.aux_loss_pooling='over_layers'"],
+    "moe_group_capacity": ["model.moe.num_experts=4", "model.moe.d_ff=32", "model.moe.every=2",
+                           "model.moe.capacity_factor=1.0", "model.moe.second_expert='all'", "model.moe.n_group=2",
+                           "model.moe.topk_group=1", *_GPT_OSS_MOE],
+}
+MODELS.update(OPTION_MODELS)
 # name -> (mesh.ici, mesh.axes, preset, extra overrides)
 LAYOUTS = {
     "fsdp": ((8,), ("data",), "fsdp", []),
@@ -54,15 +89,30 @@ LAYOUTS = {
     "expert": ((2, 4), ("data", "expert"), "expert_axis", []),
 }
 QUANT = ("none", "int8", "fp8_delayed")
+CAPACITY = ("moe_capacity", "moe_group_capacity")
+
+
+def has_moe(model) -> bool:
+  return any(o.startswith("model.moe.") for o in MODELS[model])
+
+
 CELLS = [(m, lay, q) for m in MODELS for lay in LAYOUTS for q in QUANT
-         if not (m == "dense" and lay == "expert") and not (m == "moe_capacity" and q != "none")]
+         if not (not has_moe(m) and lay == "expert") and not (m in CAPACITY and q != "none")]
 DIAGONAL = [("dense", "fsdp", "int8"), ("moe", "2d", "none"), ("dense", "dp_cp_ring", "fp8_delayed"),
             ("moe", "dp_cp_allgather", "int8"), ("moe", "dp_cp_ring", "none"),
             ("dense", "pipeline_2", "fp8_delayed"), ("moe", "expert", "fp8_delayed"),
-            ("moe", "pipeline_2", "none"), ("moe_capacity", "dp_cp_ring", "none")]
-# Cells refused at config time: the words their error must hold.
-# A pipeline stage draws no gating keys: GShard's random second expert is refused there.
-REFUSED = {("moe_capacity", "pipeline_2"): "second_expert='all' or dispatch='dropless'"}
+            ("moe", "pipeline_2", "none"), ("moe_capacity", "dp_cp_ring", "none"),
+            ("sinks_window", "2d", "int8"), ("chunk_nope", "dp_cp_ring", "none"),
+            ("moe_gpt_oss", "pipeline_2", "none"), ("moe_group_capacity", "expert", "none")]
+# The option models' heavier cells (two to three times a cell above) run with `-m slow`, these first.
+OPTION_SLOW = [("chunk_nope", "pipeline_2", "none"), ("gemma", "dp_cp_allgather", "fp8_delayed"),
+               ("mla", "dp_cp_allgather", "int8"), ("deepseek", "expert", "none")]
+# Refused cells: (exception, the words its error must hold).
+# A pipeline stage draws no gating keys: GShard's random second expert is refused there (config).
+# Chunked attention under context parallelism: refused when the attention is traced.
+CHUNK_CP = (ValueError, "chunked attention .* with context parallelism")
+REFUSED = {("moe_capacity", "pipeline_2"): (ConfigError, "second_expert='all' or dispatch='dropless'"),
+           ("chunk_nope", "dp_cp_allgather"): CHUNK_CP, ("chunk_nope", "dp_cp_ring"): CHUNK_CP}
 
 
 def experiment(model, quant, ici=(1,), axes=("data",), preset="dp", extra=()):
@@ -90,34 +140,57 @@ def with_seen_histories(params: dict) -> dict:
           (np.full_like(v, 4.0) if k == quantization.HISTORY else v) for k, v in params.items()}
 
 
+def with_random_sinks_and_biases(params: dict, seed: int = 1) -> dict:
+  """params with every sink logit and bias (attention, router, expert and balance biases) drawn
+  from N(0, 0.5^2): at init they are 0, where a path that left one out would agree."""
+  rng = np.random.default_rng(seed)
+  return jax.tree_util.tree_map_with_path(
+      lambda p, a: (0.5 * rng.standard_normal(a.shape)).astype(a.dtype)
+      if jax.tree_util.keystr(p).endswith(("['sinks']", "_bias']", "['bias']")) else a, params)
+
+
 def reference(model, quant, extra=()):
   """(params, batch, loss, grads) of one device, cached per (model, quant, extra) across
   cells; extra: model overrides."""
   key = (model, quant, tuple(extra))
   if key not in _REFERENCES:
     setup = setup_for(experiment(model, quant, extra=extra), jax.devices()[:1])
-    params = with_seen_histories(jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"]))
+    params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+    params = with_seen_histories(with_random_sinks_and_biases(params))
     batch = packed_batch(np.random.default_rng(0))
     (loss, grads, _), _ = loss_and_grads(setup, params, batch)
     _REFERENCES[key] = params, batch, float(loss), jax.device_get(grads)
   return _REFERENCES[key]
 
 
+def pipeline_extra(model) -> list[str]:
+  """The overrides a model takes in the 2-stage pipeline. An MoE model or a 2-kind layer
+  pattern: 2 units (4 layers) for 2 stages. An MoE model's per-layer balance and router z
+  losses are per microbatch (as with accumulation microbatches), its cross entropy over the
+  whole packed batch (unlike them): with those losses' weights 0, one device's run is the
+  reference; tests/test_pipeline_moe.py checks them against accumulation microbatches. A
+  balance loss pooled over the layers ('over_layers') pools the expert shares, which are means
+  over equal microbatches: it stays on, and must equal one device's."""
+  if not has_moe(model):
+    return ["model.num_layers=4"] if any(o.startswith("model.layer_pattern=") for o in MODELS[model]) else []
+  zeroed = ["model.moe.z_loss_weight=0.0"]
+  if "model.moe.aux_loss_pooling='over_layers'" not in MODELS[model]:
+    zeroed.append("model.moe.aux_loss_weight=0.0")
+  return ["model.num_layers=4", *zeroed]
+
+
 def check_cell(model, layout, quant):
   ici, axes, preset, extra = LAYOUTS[layout]
+  stages = 2 if layout == "pipeline_2" else 1
+  model_extra = pipeline_extra(model) if stages > 1 else []
   refused = REFUSED.get((model, layout))
   if refused is not None:
-    with pytest.raises(ConfigError, match=refused):
-      experiment(model, quant, ici, axes, preset, extra)
+    error, words = refused
+    with pytest.raises(error, match=words):
+      setup = setup_for(experiment(model, quant, ici, axes, preset, [*model_extra, *extra]))
+      with jax.set_mesh(setup.mesh), use_rules(setup.rules):
+        meshtools.grads_fn(setup).lower(setup.abstract_params, packed_batch(np.random.default_rng(0)))
     return
-  stages = 2 if layout == "pipeline_2" else 1
-  # An MoE model in the pipeline: 2 units (4 layers) for 2 stages. Its balance and router z
-  # losses are per microbatch (as with accumulation microbatches), its cross entropy over the
-  # whole packed batch (unlike them): with those losses' weights 0, one device's run is the
-  # reference; tests/test_pipeline_moe.py checks them against accumulation microbatches.
-  moe_pp = stages > 1 and model != "dense"
-  model_extra = (["model.num_layers=4", "model.moe.aux_loss_weight=0.0", "model.moe.z_loss_weight=0.0"]
-                 if moe_pp else [])
   params, batch, ref_loss, ref_grads = reference(model, quant, model_extra)
   if stages > 1:
     params = dict(params, layers=pipeline.stage_params(params["layers"], stages, 1))
@@ -138,7 +211,7 @@ def check_cell(model, layout, quant):
       np.testing.assert_allclose(g, r, rtol=2e-4, atol=2e-6, err_msg=name)
     return
   np.testing.assert_allclose(float(loss), ref_loss, rtol=5e-4, err_msg=name)
-  bound = 0.05 if model == "dense" else 0.15
+  bound = 0.15 if has_moe(model) else 0.05
   grads, histories = quantization.take_histories(grads)           # fp8_delayed: next amax histories
   ref_grads, ref_histories = quantization.take_histories(ref_grads)
   for h, r in zip(jax.tree.leaves(histories), jax.tree.leaves(ref_histories)):
@@ -153,7 +226,7 @@ def test_diagonal_cell_equals_one_device_or_is_refused(model, layout, quant):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model,layout,quant", [c for c in CELLS if c not in DIAGONAL])
+@pytest.mark.parametrize("model,layout,quant", OPTION_SLOW + [c for c in CELLS if c not in DIAGONAL + OPTION_SLOW])
 def test_every_cell_equals_one_device_or_is_refused(model, layout, quant):
   check_cell(model, layout, quant)
 
@@ -161,9 +234,11 @@ def test_every_cell_equals_one_device_or_is_refused(model, layout, quant):
 # model.remat='moe_matmuls' (layers/blocks.py) saves what it finds under the names
 # 'expert_matmul' and the attention projections' names: in these cells those names sit on
 # 8-bit matmul outputs, inside the expert-parallel and ring-attention shard_maps and inside a
-# pipeline stage. A policy changes what is recomputed, never a value: each cell must equal
-# the one-device run without remat. The first runs by default, the others with `-m slow`.
-REMAT_CELLS = [("moe", "expert", "int8"), ("moe", "dp_cp_ring", "fp8_delayed"), ("dense", "pipeline_2", "int8")]
+# pipeline stage, also on MLA's projections beside a group-limited router and beside sinks. A
+# policy changes what is recomputed, never a value: each cell must equal the one-device run
+# without remat. The first runs by default, the others with `-m slow`.
+REMAT_CELLS = [("moe", "expert", "int8"), ("moe", "dp_cp_ring", "fp8_delayed"), ("dense", "pipeline_2", "int8"),
+               ("deepseek", "expert", "int8"), ("sinks_window", "dp_cp_ring", "int8")]
 
 
 @pytest.mark.parametrize("model,layout,quant", [
@@ -181,3 +256,30 @@ def test_moe_returned_remat_cell_equals_one_device(monkeypatch):
   ici, axes, preset, extra = LAYOUTS["expert"]
   monkeypatch.setitem(LAYOUTS, "expert", (ici, axes, preset, [*extra, "model.remat='moe_returned'"]))
   check_cell("moe", "expert", "int8")
+
+
+# Greedy decode (prefill, then the cache one token at a time) on a (2, 4) mesh with the 2d rules
+# (cache rows over data, heads and MLP over model) gives the tokens of one device recomputing the
+# whole forward at each step (no cache): the sinks in every step's softmax, the window and chunk
+# masks and the NoPE temperature at the cache's positions, the soft-caps, the MLA latent cache,
+# the routers with their biases. Prompts of 3 to 13 tokens and 12 new ones outrun the window (5)
+# and the chunk (8).
+DECODE_CELLS = ["sinks_window", "chunk_nope", "gemma", "deepseek", "moe_gpt_oss"]
+
+
+@pytest.mark.parametrize("model", [m if i == 0 else pytest.param(m, marks=pytest.mark.slow)
+                                   for i, m in enumerate(DECODE_CELLS)])
+def test_decode_cell_equals_one_device(model):
+  from shardax.trainer import decode
+  params = reference(model, "none")[0]
+  params = jax.tree.map(lambda a: a * 2.0, params)   # sharp attention: the tokens depend on the context
+  prompts = [np.arange(1, n + 1, dtype=np.int32) * 7 % 255 + 1 for n in (3, 13, 9, 6)]
+  ids = {}
+  for ici, axes, preset, cache in (((1,), ("data",), "dp", False), ((2, 4), ("data", "model"), "2d", True)):
+    exp = experiment(model, "none", ici, axes, preset)
+    setup = setup_for(exp, jax.devices()[:int(np.prod(ici))])
+    gen = decode.Generator(exp.model, jax.device_put(params, setup.shardings["params"]), setup.mesh, setup.rules,
+                           use_cache=cache)
+    ids[cache] = np.asarray(gen.run(prompts, decode.Sampling(max_new_tokens=12)).ids)
+  np.testing.assert_array_equal(ids[True], ids[False], err_msg=model)
+  assert len({tuple(r) for r in ids[False].tolist()}) > 1
