@@ -64,6 +64,9 @@ class Piece:
   loops: tuple[str, ...] = ()      # bodies of the loops around it, outermost first
   onchip_bytes: float = 0.0        # of bytes_accessed, what never crosses HBM (perf/hbm.py); 0 in
                                    # costs cached before it was read
+  host_bytes: float = 0.0          # moved between device and host memory by async transfers (an
+                                   # offload remat policy), on the host link (perf/hbm.py)
+  host_sync_bytes: float = 0.0     # the same by synchronous ones
 
   @property
   def hbm_bytes(self) -> float:
@@ -204,8 +207,9 @@ def of_hlo_text(hlo_text: str) -> Costs:
     # 8-bit dots: XLA counted their FLOPs; the piece keeps them apart, at their own rate.
     dots8 = tuple(ops.eight_bit_dots(mod.records, insts))
     onchip = min(own["bytes accessed"], hbm.onchip_bytes(mod.records, inside))
+    host = hbm.host_bytes(mod.records, [c for c in mod.blocks if c in inside])
     pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
-                        own["transcendentals"], trips, calls + dots8, around, onchip))
+                        own["transcendentals"], trips, calls + dots8, around, onchip, *host))
     for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:

@@ -42,7 +42,8 @@ import jax
 from shardax.perf import hlo
 
 ON_CHIP = 1            # XLA's alternate memory space: TPU on-chip memory
-HBM = (0, 2)           # default and pinned-default memory spaces (host memory is 5)
+HBM = (0, 2)           # default and pinned-default memory spaces
+HOST = 5               # host memory (pinned_host): what an offload remat policy parks there
 _SKIP = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast")
 # Ops that run other computations in sequence: their instructions are read one by one (loop
 # bodies as pieces of their own), so the op itself adds nothing (alone, XLA would price its callees).
@@ -162,3 +163,41 @@ def onchip_bytes(mod: hlo.Module, computations: Iterable[str]) -> float:
   inner = _reachable(mod, inner)
   return sum(_instruction_onchip(mod, i) for c in computations if c not in inner and c in mod.computations
              for i in mod.computations[c].instructions)
+
+
+# Ops that move data between device and host memory when one end is a host (S(5)) buffer.
+_HOST_MOVES = {"dynamic-update-slice-start": True, "dynamic-slice-start": True, "copy-start": True,
+               "dynamic-update-slice": False, "dynamic-slice": False, "copy": False}
+
+
+def _host_move(mod: hlo.Module, inst: hlo.Instruction) -> float:
+  """Bytes `inst` moves across the host link: the update a dynamic-update-slice writes into a
+  host buffer, the slice a dynamic-slice reads out of one, a copy between host and device;
+  0 for anything else."""
+  if inst.opcode not in _HOST_MOVES or any(o not in mod.instructions for o in inst.operands[:2]):
+    return 0.0
+  operands = [mod.instructions[o] for o in inst.operands]
+  if not operands or HOST not in hlo.memory_spaces(operands[0].shape) + (
+      hlo.memory_spaces(inst.shape)[:1] if inst.opcode.startswith("copy") else []):
+    return 0.0
+  if inst.opcode.startswith("dynamic-update-slice"):
+    return float(operands[1].result_bytes) if len(operands) > 1 else 0.0
+  if inst.opcode.endswith("-start"):   # the landed slice or copy is the done's result
+    done = mod.instructions.get(mod.async_done.get(inst.name, ""))
+    return float(done.result_bytes) if done is not None else 0.0
+  return float(inst.result_bytes)
+
+
+def host_bytes(mod: hlo.Module, computations: Iterable[str]) -> tuple[float, float]:
+  """(asynchronous, synchronous) bytes the instructions of `computations` (a piece) move between
+  device and host memory: an offload remat policy's layer inputs and projections written to
+  host buffers in the forward pass and read back in the backward pass. Their time is on the
+  chip's host link (hardware.Chip.host_bandwidth), not on HBM's; the `-start`/`-done` forms run
+  beside the piece's compute (perf/stepmodel.py)."""
+  inner = _reachable(mod, {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called})
+  moved = [0.0, 0.0]
+  for c in computations:
+    for inst in mod.computations[c].instructions if c in mod.computations and c not in inner else ():
+      if n := _host_move(mod, inst):
+        moved[0 if _HOST_MOVES[inst.opcode] else 1] += n
+  return moved[0], moved[1]

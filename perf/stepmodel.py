@@ -51,6 +51,10 @@ Assumptions
      permute as one synchronous op, as on v3). Other synchronous collectives sit on
      the critical path. So a piece costs
         max(max(compute, memory), async collectives) + sync collectives.
+  4b. Host transfers. The layer inputs and projections an offload remat policy parks in host
+     memory (perf/hbm.py `host_bytes`: dynamic-update-slices into and dynamic-slices out of
+     host buffers, host copies) cross the chip's host link at `host_bandwidth`, beside the
+     piece's work: a piece costs max(its time above, host transfers) + synchronous ones.
   5. Recompute is not a constant: rematerialized layers appear in the compiled program
      as extra FLOPs, and the ratio hardware FLOPs / model FLOPs says how much.
   6. Pipeline bubble: in shardax's pipeline (pipeline/), idle stages compute on
@@ -208,9 +212,13 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: hardware.Chip, mxu: dict
     async_t += span_t  # permutes around loops hide behind this piece and, beyond it, those loops
     budget = local + min(span_t, sum(spare.get(b, 0.0) for b in spans) / p.executions)
     hidden = min(async_t, budget)
-    t = local + async_t - hidden + sync_t
+    # host transfers (offloaded activations) run on the host link beside the piece's work
+    host_t, host_sync = _host_seconds(p, chip)
+    busy = local + async_t - hidden
+    t = max(busy, host_t) + sync_t + host_sync
     for key, value in (("compute", compute), ("memory", memory), ("hidden", hidden),
-                       ("exposed", async_t + sync_t - hidden), ("step", t)):
+                       ("exposed", async_t + sync_t - hidden), ("step", t), ("host", host_t + host_sync),
+                       ("host_exposed", max(0.0, host_t - busy) + host_sync)):
       totals[key] += p.executions * value
     pieces.append({"computation": p.computation, "executions": p.executions,
                    "seconds_each": t, "compute_seconds_each": compute,
@@ -225,6 +233,8 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: hardware.Chip, mxu: dict
                       "by_link": dict(comm["by_link"]),
                       "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},
       "bubble_seconds": bubble,
+      "host_transfer": {"seconds": totals["host"], "exposed_seconds": totals["host_exposed"],
+                        "host_bandwidth": chip.host_bandwidth},
       "recompute_factor": recompute_factor(costs.flops, n, model_flops),
       "matmul_efficiency": chip.matmul_efficiency,
       "mxu_utilization": totals["mxu_flops"] / totals["mxu_spent"] if totals["mxu_spent"] else 1.0,
@@ -332,6 +342,16 @@ def _overlaps(c) -> bool:
   return c.is_async
 
 
+def _host_seconds(p: costs_lib.Piece, chip: hardware.Chip) -> tuple[float, float]:
+  """(async, sync) seconds of one execution of a piece's transfers between device and host memory
+  (an offload remat policy's: perf/hbm.py `host_bytes`) on the chip's host link, one way at
+  `host_bandwidth`. The async ones run beside the piece's compute, memory traffic and
+  collectives (another link, another DMA queue): a piece lasts the longer of the two."""
+  if not chip.host_bandwidth:
+    return 0.0, 0.0
+  return p.host_bytes / chip.host_bandwidth, p.host_sync_bytes / chip.host_bandwidth
+
+
 def _own_seconds(p: costs_lib.Piece, chip: hardware.Chip, use: float = 1.0) -> tuple[float, float]:
   """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2); `use`: the
   share of the MXU its dots fill (perf/mxu.py)."""
@@ -412,7 +432,8 @@ def offload_seconds(host_bytes: int, compute_seconds: float, chip: hardware.Chip
   the forward pass, back in the backward pass) at `chip.host_bandwidth`. The copies are
   asynchronous (copy-start/copy-done the scheduler overlaps with the layer's matmuls), so
   they hide when they take less than the step's compute; the rest is exposed. Not folded
-  into `step_seconds`: reported beside it."""
+  into `step_seconds`: the step prices the transfers the program itself runs, piece by
+  piece (assumption 4b); this is the compiler's host memory, reported beside it."""
   if not host_bytes or not chip.host_bandwidth:
     return {"bytes": int(host_bytes or 0), "seconds": 0.0, "hidden": True, "exposed_seconds": 0.0}
   seconds = 2 * host_bytes / chip.host_bandwidth

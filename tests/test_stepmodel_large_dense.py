@@ -88,3 +88,38 @@ def test_costs_cached_before_the_loop_state_was_read_deepen_as_before():
   peeled = dataclasses.replace(old, body="backward", trip_count=2, executions=2, stacked=0)
   c = costs.Costs(0.0, 0.0, 0.0, (), (old, peeled), 0.0)
   assert costs.layer_loop_trips(c, 3) == {"layers": 3}
+
+
+class _Exp:   # what from_costs reads of an experiment
+  class model:
+    @staticmethod
+    def flops_per_example(data): return 0
+    @staticmethod
+    def tokens_per_example(data): return 1
+  data, train = None, type("T", (), {"global_batch": 1})
+
+
+def test_offloaded_layer_inputs_cross_the_host_link_and_the_step_waits_for_them():
+  """The 3-layer fixture offloads each layer's input, a [2048, 1024] bf16 slice per chip (4 MiB):
+  read from the program, 4 dynamic-update-slices into the host buffer (one per forward layer, one
+  more in the entry) and 3 dynamic-slices back (two in the backward loop, one for its peeled
+  layer): 28 MiB a step over the host link. On a chip whose host link moves 100 MB/s the step
+  cannot be shorter than those 0.29 s; before the transfers were read the step model left them
+  out (a few ms)."""
+  import numpy as np
+  from shardax.sharding import topology
+  if not topology.available():
+    pytest.skip("needs libtpu (the test extra)")
+  import jax
+  c = _costs(3)
+  moved = sum(p.executions * (p.host_bytes + p.host_sync_bytes) for p in c.pieces)
+  assert moved == 28 * 2**20
+  mesh = jax.sharding.Mesh(np.array(topology.devices("v6e:2x2")), ("d",))
+  v6e = hardware.lookup("TPU v6 lite")
+  slow = dataclasses.replace(v6e, host_bandwidth=1e8)
+  fast = stepmodel.from_costs(c, mesh, _Exp, dataclasses.replace(v6e, host_bandwidth=1e15))
+  pr = stepmodel.from_costs(c, mesh, _Exp, slow)
+  assert moved / 1e8 <= pr.step_seconds <= moved / 1e8 + fast.step_seconds
+  assert pr.breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1e8)
+  # at v6e's own host link (15 GB/s a chip) the 28 MiB take 2 ms
+  assert stepmodel.from_costs(c, mesh, _Exp, v6e).breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1.5e10)
