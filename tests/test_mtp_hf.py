@@ -26,7 +26,7 @@ from shardax.configs.mtp import MTPConfig  # noqa: E402
 from shardax.configs.schema import ConfigError  # noqa: E402
 from shardax.models.hf import deepseek_v3  # noqa: E402
 from shardax.trainer import decode  # noqa: E402
-from shardax.trainer.hf import safetensors  # noqa: E402
+from shardax.trainer.hf import exporter, safetensors  # noqa: E402
 
 ARCH, HF_ARCH = "deepseek_v3_mtp", "deepseek_v3"
 SOURCE = os.path.join(FIXTURES, ARCH)
@@ -91,6 +91,23 @@ def test_export_writes_the_mtp_layer_back_bit_exact(model, tmp_path):
                             "mlp.experts.7.down_proj.weight", "self_attn.kv_b_proj.weight")} <= set(names)
   out = assert_config_round_trips(deepseek_v3, setup.exp.model, HF_ARCH, SOURCE)
   assert out["num_nextn_predict_layers"] == 1
+
+
+def test_an_fp8_block_scaled_checkpoint_brings_its_mtp_layer_dequantized(tmp_path):
+  """As DeepSeek-V3 publishes it: every projection in fp8 with per-block inverse scales, the MTP
+  layer's eh_proj and block included; it imports dequantized and exports as the dequantized
+  values, the copies of the embedding and head as they are."""
+  from test_hf_deepseek_v3 import fp8_checkpoint
+  d = str(tmp_path / "fp8")
+  want = fp8_checkpoint(SOURCE, d)
+  assert MTP + "eh_proj.weight" in want and MTP + "mlp.experts.3.up_proj.weight" in want
+  setup, params = _import(d)
+  out = str(tmp_path / "out")
+  exporter.export_params(params, setup.exp.model, HF_ARCH, out, np.float32, 1 << 30)
+  a, b = safetensors.Reader(SOURCE), safetensors.Reader(out)
+  assert a.names() == b.names()
+  for name in b.names():
+    np.testing.assert_array_equal(b.get(name), want.get(name, a.get(name)), err_msg=name)
 
 
 def rewritten(tmp_path, change):
