@@ -37,13 +37,21 @@ Packed documents: with `segment_ids[b, l]` (1, 2, ... per document in a row, 0 f
 padding) a query attends only to keys of its own segment, on both paths: the causal
 mask and the segment mask are combined, so attention never crosses a document boundary.
 
-Decoding (`Attention.cached`) keeps a KV cache {'k', 'v'}: [b, S, k, d] per layer,
-logical axes (`cache_batch`, `cache_length`, `kv_heads`, `kv`), so the rules split it
-like any tensor (batch over data, kv heads over model). Prompts are right-padded:
-slot j of row b holds that sequence's position j. Prefill (positions 0..l-1) writes
-slots 0..l-1 and attends causally within the block; a generate step (l = 1) writes
-each row's slot `positions[b]` and attends to the slots j <= positions[b]. Slots past
-a sequence's length (padding, or not yet written) are masked, never read.
+Decoding (`Attention.cached`) keeps a KV cache per layer, logical axes (`cache_batch`,
+`cache_length`, `kv_heads`, `kv`), so the rules split it like any tensor (batch over data, kv
+heads over model). Prompts are right-padded; a prefill's positions are 0..l-1 on a row's
+prompt tokens and -1 on its padding (trainer/decode.py). Two layouts (`kv_cache_spec`):
+  full   {'k', 'v'}: [b, S, k, d], S = the decode length; slot j holds position j. Prefill
+         writes slots 0..l-1 (padding too: those slots are rewritten before any query sees
+         them); a generate step (l = 1) writes each row's slot `positions[b]` and attends to
+         the slots j <= positions[b] (and its window or chunk).
+  ring   {'k', 'v', 'held'}: [b, R, k, d] with R = the layer's window w (or chunk c) < S, and
+         held[b, s] = 1 + the position slot s holds (0 = empty, so a zero cache is an empty
+         one). A layer that never looks more than R - 1 positions back needs only the last R:
+         position p lives in slot p mod R. Prefill keeps each row's last R prompt positions;
+         a generate step overwrites the slot of the position R back and attends to the held
+         positions its mask admits. Memory per layer is bounded by w (or c), not by S.
+A prefill's own attention runs over the block's fresh keys (causal from 0), never the cache.
 """
 
 from __future__ import annotations
@@ -343,24 +351,26 @@ class Attention(nnx.Module):
 
   def cached(self, x: jax.Array, positions: jax.Array, cache: dict) -> tuple[jax.Array, dict]:
     """(out, cache after writing this block's k/v): a prefill (x[b, l > 1], positions
-    0..l-1) or one generate step (x[b, 1] at positions[b, 0]); see the module docstring."""
+    0..l-1, -1 on padding) or one generate step (x[b, 1] at positions[b, 0]), on a full or a
+    ring cache (`kv_cache_spec`); see the module docstring."""
     q = self._query(x, positions)
     k = self._rotated(self.key, self.k_norm, x, positions)
     v = self.value(x)
-    cache = {"k": shard(write_cache(cache["k"], k, positions), CACHE_AXES),
-             "v": shard(write_cache(cache["v"], v, positions), CACHE_AXES)}
+    cache = write_kv(cache, k, v, positions)
     if x.shape[1] > 1:  # prefill: the block's own keys are all it may see (causal from 0)
       k = shard(k, ("batch", "length", "kv_heads", "kv"))
       v = shard(v, ("batch", "length", "kv_heads", "kv"))
       o = attend(q, k, v, options=self.options, sinks=self._sinks())
     else:
       o = cached_attention(q, cache["k"], cache["v"], positions, window=self.options.window,
-                           softcap=self.options.softcap, chunk=self.options.chunk, sinks=self._sinks())
+                           softcap=self.options.softcap, chunk=self.options.chunk, sinks=self._sinks(),
+                           held=cache.get("held"))
     o = shard(o, ("batch", "length", "heads", "kv"))
     return self.out(o), cache
 
 
 CACHE_AXES = ("cache_batch", "cache_length", "kv_heads", "kv")
+HELD_AXES = ("cache_batch", "cache_length")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,10 +385,28 @@ class CacheSpec:
     return CacheSpec((num,) + self.shape, self.dtype, (axis,) + self.axes)
 
 
-def kv_cache_spec(batch: int, length: int, kv_heads: int, head_dim: int, dtype) -> dict:
-  """{'k', 'v'}: CacheSpec [batch, length, kv_heads, head_dim] of one attention layer."""
-  one = CacheSpec((batch, length, kv_heads, head_dim), jnp.dtype(dtype), CACHE_AXES)
-  return {"k": one, "v": one}
+def kv_cache_spec(batch: int, length: int, kv_heads: int, head_dim: int, dtype,
+                  span: int | None = None) -> dict:
+  """The decode cache of one attention layer for `length` positions. `span`: the most
+  positions one query sees (the layer's window or chunk; None = all). With span < length, a
+  ring of `span` slots {'k', 'v': [batch, span, kv_heads, head_dim], 'held': int32 [batch,
+  span]}; else the full {'k', 'v': [batch, length, kv_heads, head_dim]}."""
+  slots = length if span is None else min(span, length)
+  one = CacheSpec((batch, slots, kv_heads, head_dim), jnp.dtype(dtype), CACHE_AXES)
+  if slots == length:
+    return {"k": one, "v": one}
+  return {"k": one, "v": one, "held": CacheSpec((batch, slots), jnp.dtype(jnp.int32), HELD_AXES)}
+
+
+def write_kv(cache: dict, k: jax.Array, v: jax.Array, positions: jax.Array) -> dict:
+  """The cache {'k', 'v'[, 'held']} with k/v[b, l, kv, d] at `positions`[b, l] written: into
+  slots by position (`write_cache`) for a full cache, into a ring (`write_ring`) for one with
+  'held'."""
+  if "held" in cache:
+    cache = write_ring(cache, k, v, positions)
+  else:
+    cache = {"k": write_cache(cache["k"], k, positions), "v": write_cache(cache["v"], v, positions)}
+  return {name: shard(a, HELD_AXES if name == "held" else CACHE_AXES) for name, a in cache.items()}
 
 
 def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.Array:
@@ -395,19 +423,49 @@ def write_cache(cache: jax.Array, new: jax.Array, positions: jax.Array) -> jax.A
   return jnp.where(hit, new, cache)
 
 
+def write_ring(cache: dict, k: jax.Array, v: jax.Array, positions: jax.Array) -> dict:
+  """A ring cache {'k', 'v': [b, R, kv, d], 'held': [b, R]} with k/v[b, l, kv, d] written.
+
+  Prefill (l > 1, positions 0..l-1 with -1 on padding): slot s of row b takes the row's latest
+  prompt position p = last - (last - s) mod R (last = the row's largest position), read from
+  the block at index p; p < 0 or a padding token leaves the slot empty. A generate step (l = 1)
+  writes slot positions[b] mod R, as an elementwise select (splits over any cache sharding)."""
+  size = cache["k"].shape[1]
+  slots = jnp.arange(size, dtype=jnp.int32)[None, :]
+  if k.shape[1] > 1:
+    last = jnp.max(positions, axis=1, keepdims=True)                              # [b, 1]
+    src = last - jnp.mod(last - slots, size)                                      # [b, R]
+    index = jnp.clip(src, 0, k.shape[1] - 1)
+    held = jnp.where(src >= 0, jnp.take_along_axis(positions, index, axis=1) + 1, 0)
+    keep = (held > 0)[:, :, None, None]
+    take = lambda a, into: jnp.where(keep, jnp.take_along_axis(a, index[:, :, None, None], axis=1),
+                                     0).astype(into.dtype)
+    return {"k": take(k, cache["k"]), "v": take(v, cache["v"]), "held": held.astype(jnp.int32)}
+  hit = slots == jnp.mod(positions[:, :1], size)                                  # [b, R]
+  put = lambda new, old: jnp.where(hit[:, :, None, None], new.astype(old.dtype), old)
+  return {"k": put(k, cache["k"]), "v": put(v, cache["v"]),
+          "held": jnp.where(hit, positions[:, :1] + 1, cache["held"]).astype(jnp.int32)}
+
+
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, positions: jax.Array, *,
                      window: int | None = None, softcap: float | None = None,
-                     chunk: int | None = None, sinks: jax.Array | None = None) -> jax.Array:
-  """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: slots j <= position
-  (and j > position - window with a sliding window, j // chunk == position // chunk with
-  chunked attention), logits soft-capped as in training."""
+                     chunk: int | None = None, sinks: jax.Array | None = None,
+                     held: jax.Array | None = None) -> jax.Array:
+  """q[b,l,n,d] at `positions`[b,l] against the cache k/v[b,S,k,d]: the slots whose position
+  p satisfies p <= position (and p > position - window with a sliding window, p // chunk ==
+  position // chunk with chunked attention), logits soft-capped as in training. `held`
+  [b, S]: a ring's 1 + position of each slot (0 = empty, never seen); None: slot j holds
+  position j (a full cache)."""
   logits = grouped_logits(q, k, softcap)
-  slots = jnp.arange(k.shape[1], dtype=jnp.int32)
-  visible = slots[None, None, :] <= positions[:, :, None]
+  if held is None:
+    held = jnp.arange(k.shape[1], dtype=jnp.int32)[None, :] + 1
+  p = (held - 1)[:, None, :]                                             # [b|1, 1, S]
+  at = positions[:, :, None]                                             # [b, l, 1]
+  visible = (p >= 0) & (p <= at)
   if window is not None:
-    visible = visible & (slots[None, None, :] > positions[:, :, None] - window)
+    visible = visible & (p > at - window)
   if chunk is not None:
-    visible = visible & (slots[None, None, :] // chunk == positions[:, :, None] // chunk)
+    visible = visible & (p // chunk == at // chunk)
   return masked_output(logits, visible[:, None, None], v, sinks)   # visible [b,1,1,l,S]
 
 

@@ -278,20 +278,27 @@ def make_unit(cfg: TransformerConfig, rngs: nnx.Rngs) -> Block | Unit | PatternU
   return Block(cfg, rngs=rngs) if cfg.moe is None else Unit(cfg, rngs=rngs)
 
 
-def block_cache_spec(cfg: TransformerConfig, batch: int, length: int) -> dict:
-  """The decode cache of one Block: its attention's KV cache, or MLA's latent and RoPE key
-  (in the compute dtype)."""
+def block_cache_spec(cfg: TransformerConfig, batch: int, length: int, kind: LayerKind | None = None,
+                     bounded: bool = True) -> dict:
+  """The decode cache of one Block of attention `kind` (None: the model's uniform fields): its
+  attention's KV cache, a ring of window (or chunk) slots when that is below `length` and
+  `bounded` (layers/attention.py `kv_cache_spec`), or MLA's latent and RoPE key; in the
+  compute dtype."""
   if cfg.mla is not None:
     return mla_cache_spec(batch, length, cfg.mla, cfg.dtype)
-  return kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype)
+  options = cfg.attention_options(kind)
+  span = (options.window or options.chunk) if bounded else None
+  return kv_cache_spec(batch, length, cfg.kv_heads, cfg.dim_per_head, cfg.dtype, span)
 
 
-def unit_cache_spec(cfg: TransformerConfig, batch: int, length: int):
+def unit_cache_spec(cfg: TransformerConfig, batch: int, length: int, bounded: bool = True):
   """The decode cache of one unit: a Block's, {'dense': [...], 'moe': ...}, or a
-  PatternUnit's list of its blocks' caches."""
-  one = block_cache_spec(cfg, batch, length)
+  PatternUnit's list of its blocks' caches, each its kind's (so stacking units stacks each
+  kind's cache with its own length)."""
   if cfg.layer_pattern:
-    return [one] * cfg.layers_per_unit
+    return [block_cache_spec(cfg, batch, length, cfg.layer_kind(i), bounded)
+            for i in range(cfg.layers_per_unit)]
+  one = block_cache_spec(cfg, batch, length, bounded=bounded)
   return one if cfg.moe is None else {"dense": [one] * (cfg.moe.every - 1), "moe": one}
 
 

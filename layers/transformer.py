@@ -176,12 +176,14 @@ class LayerStack(nnx.Module):
       return scan_units(graphdef, state, x, positions, remat=self.remat, segment_ids=segment_ids)[0]
     return _run_list(self.first_dense, x, positions, segment_ids, self.remat)[0]
 
-  def cache_spec(self, cfg: TransformerConfig, batch: int, length: int):
+  def cache_spec(self, cfg: TransformerConfig, batch: int, length: int, bounded: bool = True):
     """The decode cache: one per unit (stacked [L, ...] for scanned and pipelined stacks);
     with first dense layers {'first_dense': theirs, 'units': the units'}; with a pattern's
-    tail {'units': the units', 'tail': [one per tail block]}."""
-    one = unit_cache_spec(cfg, batch, length)
-    block = block_cache_spec(cfg, batch, length)
+    tail {'units': the units', 'tail': [one per tail block]}. `bounded`: windowed and chunked
+    layers keep a ring of window (chunk) slots (layers/attention.py); False: every layer
+    `length` slots."""
+    one = unit_cache_spec(cfg, batch, length, bounded)
+    block = block_cache_spec(cfg, batch, length, bounded=bounded)
     k, n = cfg.num_first_dense, cfg.num_stack_units
     if self.schedule is None and not self.scan_layers:
       units, first = [one] * n, [block] * k
@@ -189,7 +191,9 @@ class LayerStack(nnx.Module):
       units = jax.tree.map(lambda c: c.stacked(n), one)
       first = jax.tree.map(lambda c: c.stacked(k), block) if k else None
     if self.tail is not None:   # a pattern has no first dense layers (config check)
-      return {"units": units, "tail": [block] * cfg.num_tail_layers}
+      start = n * cfg.layers_per_unit
+      return {"units": units, "tail": [block_cache_spec(cfg, batch, length, cfg.layer_kind(start + i), bounded)
+                                       for i in range(cfg.num_tail_layers)]}
     return {"first_dense": first, "units": units} if k else units
 
   def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object, jax.Array]:
@@ -280,9 +284,10 @@ class TransformerLM(nnx.Module):
                segment_ids: jax.Array | None = None) -> jax.Array:
     return self.forward(tokens, positions, segment_ids)[0]
 
-  def cache_spec(self, batch: int, length: int):
-    """Tree of `CacheSpec` (shape, dtype, logical axes) of the decode cache."""
-    return self.layers.cache_spec(self.cfg, batch, length)
+  def cache_spec(self, batch: int, length: int, bounded: bool = True):
+    """Tree of `CacheSpec` (shape, dtype, logical axes) of the decode cache; `bounded`: ring
+    caches on windowed and chunked layers (LayerStack.cache_spec)."""
+    return self.layers.cache_spec(self.cfg, batch, length, bounded)
 
   def cached(self, tokens: jax.Array, positions: jax.Array, cache
              ) -> tuple[jax.Array, object, jax.Array]:

@@ -2,7 +2,9 @@
 
     prompts --tokenizer()--> ids, right-padded to [b, P] (b rounded up to the data-parallel
       degree with empty rows, P to a multiple of 8, so few shapes compile)
-    prefill:  one pass over [b, P] fills the cache [.., b, S = P + max_new, kv_heads, d]
+    prefill:  one pass over [b, P] (positions 0.. on each row's prompt, -1 on its padding)
+              fills the cache [.., b, S = P + max_new, kv_heads, d] (a ring of window or
+              chunk slots instead of S on windowed and chunked layers: layers/attention.py)
               and returns the logits of each row's last prompt token
     generate: a `lax.while_loop` inside one jit, one token per row per step: sample
               (greedy / temperature / top-k / top-p, a key per row and step), stop rows that
@@ -161,6 +163,13 @@ def check_dropped(model_cfg, dropped, phase: str) -> None:
       f"Generator builds unless that is overridden")
 
 
+def prefill_positions(shape: tuple[int, int], lengths: jax.Array) -> jax.Array:
+  """int32 [rows, P]: 0..P-1, and -1 past each row's `lengths` (padding: a ring cache never
+  keeps it; layers/attention.py `write_ring`)."""
+  positions = default_positions(*shape)
+  return jnp.where(positions < lengths[:, None], positions, -1)
+
+
 def cache_bytes(spec) -> int:
   """Total bytes of a cache described by a tree of `CacheSpec`."""
   leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, CacheSpec))
@@ -174,15 +183,24 @@ def cache_bytes_per_device(spec, shardings) -> int:
              for c, sh in zip(leaves, jax.tree.leaves(shardings), strict=True))
 
 
+def cache_bytes_per_sequence(model, length: int) -> tuple[int, int]:
+  """(bytes of one sequence's decode cache for `length` positions as decoding builds it, the
+  same with `length` slots on every layer): the two differ where windowed or chunked layers
+  keep a ring (layers/attention.py). `model`: a built (or abstract) model with `cache_spec`."""
+  return (cache_bytes(model.cache_spec(1, length)), cache_bytes(model.cache_spec(1, length, bounded=False)))
+
+
 def cache_summary(exp, mesh, rules) -> str | None:
   """One line for explain / dry-run reports: the decode cache for train.global_batch rows
-  of model.max_len slots, its split and bytes per device (None for models without one)."""
+  of model.max_len slots, its split and bytes per device, and the bytes per sequence against
+  a full-length cache on every layer (None for models without one)."""
   cfg = decode_config(exp.model)
   model = nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(0)))
   if not hasattr(model, "cache_spec"):
     return None
   rows, length = exp.train.global_batch, cfg.max_len
   spec = model.cache_spec(rows, length)
+  ring, full = cache_bytes_per_sequence(model, length)
   shape = dict(mesh.shape)
   shardings = jax.tree.map(
       lambda c: NamedSharding(mesh, rules_lib.logical_to_spec(c.axes, rules, shape, c.shape, "KV cache",
@@ -190,7 +208,8 @@ def cache_summary(exp, mesh, rules) -> str | None:
       spec, is_leaf=lambda x: isinstance(x, CacheSpec))
   specs = sorted({str(s.spec) for s in jax.tree.leaves(shardings)})
   return (f"decode KV cache ({rows} rows x {length} slots): {cache_bytes(spec):,} bytes, "
-          f"{cache_bytes_per_device(spec, shardings):,} per device, split {', '.join(specs)}")
+          f"{cache_bytes_per_device(spec, shardings):,} per device, split {', '.join(specs)}; "
+          f"per sequence {ring:,} bytes ({full:,} with {length} slots on every layer)")
 
 
 class Generator:
@@ -202,8 +221,12 @@ class Generator:
   """
 
   def __init__(self, model_cfg, params, mesh=None, rules: rules_lib.Rules | None = None,
-               allow_uneven: bool = False, use_cache: bool = True, tok: tokenizers.Tokenizer | None = None):
+               allow_uneven: bool = False, use_cache: bool = True, tok: tokenizers.Tokenizer | None = None,
+               bounded_cache: bool = True):
+    """`bounded_cache=False`: every layer caches all positions, windowed and chunked ones too
+    (no ring; the reference a ring decode is checked against)."""
     self.model_cfg = decode_config(model_cfg)
+    self.bounded_cache = bounded_cache
     self.params, self.mesh, self.rules = params, mesh, rules
     self.allow_uneven, self.use_cache = allow_uneven, use_cache
     self.tokenizer = tok or tokenizer()
@@ -225,7 +248,7 @@ class Generator:
 
   def cache_spec(self, batch: int, length: int):
     """Tree of `CacheSpec` for `batch` rows and `length` slots."""
-    return self._abstract_model.cache_spec(batch, length)
+    return self._abstract_model.cache_spec(batch, length, self.bounded_cache)
 
   def _spec(self, logical, shape, name):
     return rules_lib.logical_to_spec(logical, self.rules, dict(self.mesh.shape), shape,
@@ -263,7 +286,7 @@ class Generator:
       cache = jax.tree.map(lambda c: shard(jnp.zeros(c.shape, c.dtype), c.axes), spec,
                            is_leaf=lambda x: isinstance(x, CacheSpec))
       model = nnx.merge(self.graphdef, params)
-      positions = default_positions(*tokens.shape)
+      positions = prefill_positions(tokens.shape, lengths)
       logits, cache, dropped = model.cached(tokens, positions, cache)
       last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]
       return cache, last, dropped
