@@ -67,6 +67,9 @@ class Piece:
   host_bytes: float = 0.0          # moved between device and host memory by async transfers (an
                                    # offload remat policy), on the host link (perf/hbm.py)
   host_sync_bytes: float = 0.0     # the same by synchronous ones
+  stacked: tuple = ()              # outside every loop: (L, share) pairs, the share of its HBM traffic in
+                                   # ops on [L, ...] arrays a layer loop carries (hbm.stacked_share); ()
+                                   # in costs cached before it was read
 
   @property
   def hbm_bytes(self) -> float:
@@ -208,8 +211,10 @@ def of_hlo_text(hlo_text: str) -> Costs:
     dots8 = tuple(ops.eight_bit_dots(mod.records, insts))
     onchip = min(own["bytes accessed"], hbm.onchip_bytes(mod.records, inside))
     host = hbm.host_bytes(mod.records, [c for c in mod.blocks if c in inside])
+    stacked = () if trips else tuple((d, hbm.stacked_share(mod.records, [c for c in mod.blocks if c in inside], d))
+                                     for d in _layer_dims(mod))
     pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
-                        own["transcendentals"], trips, calls + dots8, around, onchip, *host))
+                        own["transcendentals"], trips, calls + dots8, around, onchip, *host, stacked))
     for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:
@@ -228,6 +233,12 @@ def of_hlo_text(hlo_text: str) -> Costs:
   return Costs(result["flops"], result["transcendentals"], result["bytes accessed"],
                tuple(report.collectives(hlo_text)), tuple(loops), whole(mod.entry)["flops"],
                tuple(pieces), owner)
+
+
+def _layer_dims(mod: _Module) -> list[int]:
+  """Leading dims that some loop's state carries at least `_MIN_STACKED` arrays of: the depth of
+  a scanned stack, if the program has one (its [L, ...] weights, gradients and moments)."""
+  return sorted({d for lead in mod.leading.values() for d, n in lead if n >= _MIN_STACKED and d > 1})
 
 
 def _inside(mod: _Module, comp: str) -> set[str]:
@@ -306,7 +317,11 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
   parameter counts; the FLOPs there (embedding, head, loss, a peeled layer: independent of
   depth) do not. Other loops (windowed einsums, accumulation) keep their counts. This is the
   one way a shallow compile is deepened: the calibration (benchmarks/calibrate.py) and
-  `--shallow` dry runs (extrapolate.py) both price time with it.
+  `--shallow` dry runs (extrapolate.py) both price time with it. Where the costs read which
+  part of the entry's traffic is on the stack's [shallow, ...] arrays (`Piece.stacked`), only
+  that part grows, by deep/shallow; the embedding, head, loss and a peeled layer stay as
+  they are (outside_scale scaled them all: 92% of a 3-layer 70B-shaped entry's traffic is
+  the head and loss).
   """
   trips = layer_loop_trips(costs, shallow)
   factor = {body: (deep - shallow + t) / t for body, t in trips.items()}
@@ -323,7 +338,8 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
       pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
     elif not p.trips:  # outside every loop: per-parameter traffic scales, it still runs once
       pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale,
-                                        onchip_bytes=p.onchip_bytes * outside_scale))
+                                        onchip_bytes=p.onchip_bytes * outside_scale)
+                    if shallow not in dict(p.stacked) else _deepened_outside(p, dict(p.stacked)[shallow], deep / shallow))
     else:
       pieces.append(p)
   by_name = {p.computation: p for p in costs.pieces}
@@ -342,6 +358,15 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
                 if l.body in factor else l for l in costs.loops)
   return Costs(flops, total("transcendentals"), total("bytes_accessed"), tuple(collectives),
                loops, costs.flops_loop_bodies_once, tuple(pieces), costs.owner)
+
+
+def _deepened_outside(p: Piece, share: float, layers: float) -> Piece:
+  """A piece outside every loop at `layers` times the depth: the share of its traffic in ops on the
+  stack's [L, ...] arrays (the optimizer update of the stacked weights and moments, their
+  gradients) grows with the depth; the rest (embedding, head and loss, a layer the compiler
+  peeled out of its loop) does not. Its HBM bytes (bytes accessed less on-chip) are split so."""
+  grown = p.hbm_bytes * share * (layers - 1)
+  return dataclasses.replace(p, bytes_accessed=p.bytes_accessed + grown)
 
 
 def to_json(costs: Costs) -> dict:

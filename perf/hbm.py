@@ -201,3 +201,24 @@ def host_bytes(mod: hlo.Module, computations: Iterable[str]) -> tuple[float, flo
       if n := _host_move(mod, inst):
         moved[0 if _HOST_MOVES[inst.opcode] else 1] += n
   return moved[0], moved[1]
+
+
+def stacked_share(mod: hlo.Module, computations: Iterable[str], depth: int) -> float:
+  """Of the HBM traffic of the instructions run in `computations` (operand and result leaves
+  not in on-chip or host memory, logical bytes), the share in instructions that read or write
+  an array led by `depth` (ndim > 1): a scanned stack's [L, ...] weights, gradients and optimizer
+  moments outside its loops. What depends on the depth there, as opposed to the embedding,
+  head and loss (perf/costs.py `deepen`)."""
+  inner = _reachable(mod, {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called})
+  leaves = lambda shape: [a for a, s in zip(hlo.arrays(shape), hlo.memory_spaces(shape)) if s in HBM]
+  stack = total = 0
+  for c in computations:
+    for inst in mod.computations[c].instructions if c in mod.computations and c not in inner else ():
+      if inst.opcode in _SKIP or inst.opcode in _SEQUENCES:
+        continue
+      arrays = [a for o in inst.operands if o in mod.instructions for a in leaves(mod.instructions[o].shape)]
+      arrays += leaves(inst.shape)
+      n = sum(a.nbytes for a in arrays)
+      total += n
+      stack += n if any(len(a.dims) > 1 and a.dims[0] == depth for a in arrays) else 0
+  return stack / total if total else 0.0

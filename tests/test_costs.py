@@ -129,7 +129,8 @@ def test_deepen_scales_the_layer_loops_and_what_lies_outside_them(twins):
   outside = scanned.flops - inside
   assert deep.flops == pytest.approx(outside + 3 * inside, rel=1e-6)
   entry = scanned.pieces[0]
-  assert deep.pieces[0].bytes_accessed == 3.0 * entry.bytes_accessed and deep.pieces[0].executions == 1
+  # the entry here is the optimizer update of the stacked weights: its HBM traffic grows with them
+  assert deep.pieces[0].hbm_bytes == pytest.approx(3.0 * entry.hbm_bytes, rel=0.02) and deep.pieces[0].executions == 1
   assert sorted(p.executions for p in deep.pieces if p.trips) == sorted(
       3 * p.executions for p in scanned.pieces if p.trips)
   assert deep.collective_bytes > scanned.collective_bytes

@@ -123,3 +123,21 @@ def test_offloaded_layer_inputs_cross_the_host_link_and_the_step_waits_for_them(
   assert pr.breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1e8)
   # at v6e's own host link (15 GB/s a chip) the 28 MiB take 2 ms
   assert stepmodel.from_costs(c, mesh, _Exp, v6e).breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1.5e10)
+
+
+def test_outside_the_layer_loops_only_the_stacks_traffic_grows_with_depth():
+  """The entry of the 3-layer fixture runs the stack's [3, ...] arrays (gradients assembled,
+  weights copied) beside depth-independent work (the loss, the peeled backward layer): about
+  half of its HBM traffic each. Deepened to 6 layers by growing only the stack's share, its
+  traffic is within 12% of the compiled 6-layer entry's; scaled whole by the parameter ratio
+  (2x here, as before the split was read) it is 19% over, and further off than the split."""
+  from shardax.perf import costs
+  c3, c6 = _costs(3), _costs(6)
+  share = dict(c3.pieces[0].stacked)[3]
+  assert 0.3 < share < 0.7
+  split = costs.deepen(c3, 3, 6, outside_scale=2.0).pieces[0].hbm_bytes
+  legacy = dataclasses.replace(c3, pieces=(dataclasses.replace(c3.pieces[0], stacked=()),) + c3.pieces[1:])
+  whole = costs.deepen(legacy, 3, 6, outside_scale=2.0).pieces[0].hbm_bytes
+  truth = c6.pieces[0].hbm_bytes
+  assert split == pytest.approx(truth, rel=0.12)
+  assert abs(split - truth) < abs(whole - truth) and whole > 1.15 * truth
