@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 
 from shardax.configs.attention import LayerKind
+from shardax.configs.mla import MLAConfig
 from shardax.configs.moe import MoEConfig
 from shardax.configs.rope import RopeScaling
 from shardax.configs.schema import TransformerConfig
@@ -81,15 +82,20 @@ GSHARD_1T = TransformerConfig(num_layers=40, d_model=1024, num_heads=16, d_ff=81
 MIXTRAL_8X7B = TransformerConfig(
     num_layers=32, d_model=4096, num_heads=32, num_kv_heads=8, d_ff=14336, vocab_size=32000,
     rope_theta=1e6, tied_embedding=False, moe=MoEConfig(num_experts=8, d_ff=14336, every=1, top_k=2))
-# DeepSeek-V3 (arXiv 2412.19437): 61 layers, the first 3 dense (d_ff 18432), then 256 experts of
-# 2048, sigmoid top-8 renormalized x2.5, 1 shared expert, bias balancing; 675B parameters. Not its
-# MLA attention (128 heads of 128 with 8 KV heads stand in) nor multi-token prediction.
+# DeepSeek-V3 (arXiv 2412.19437; deepseek-ai/DeepSeek-V3 config.json, transformers' DeepseekV3Config):
+# 61 layers, the first 3 dense (d_ff 18432), then 256 experts of 2048, sigmoid top-8 within the best
+# 4 of 8 expert groups, renormalized x2.5, 1 shared expert, bias balancing (and the paper's
+# sequence-wise balance loss, alpha 1e-4); multi-head latent attention with the MLAConfig defaults
+# (128 heads, q rank 1536, kv rank 512, 128 + 64 RoPE dims, v 128), RoPE of adjacent pairs; YaRN x40
+# over 4096 positions with mscale and mscale_all_dim 1 (163,840 positions); untied; 671B parameters.
+# Multi-token prediction (its one MTP module, loss weight 0.3) is a step setting: moe.deepseek_v3.
 DEEPSEEK_V3 = TransformerConfig(
-    num_layers=61, d_model=7168, num_heads=128, num_kv_heads=8, head_dim=128, d_ff=18432,
-    vocab_size=129280, tied_embedding=False,
+    num_layers=61, d_model=7168, num_heads=128, d_ff=18432, vocab_size=129280, max_len=163840,
+    tied_embedding=False, mla=MLAConfig(), rope_interleave=True,
+    rope_scaling=RopeScaling("yarn", factor=40.0, original_max_len=4096, mscale=1.0, mscale_all_dim=1.0),
     moe=MoEConfig(num_experts=256, d_ff=2048, every=1, first_dense_layers=3, top_k=8, num_shared_experts=1,
-                  score="sigmoid", gate_scale=2.5, bias_update_rate=1e-3, aux_loss_weight=1e-4,
-                  dispatch="dropless"))
+                  score="sigmoid", gate_scale=2.5, n_group=8, topk_group=4, bias_update_rate=1e-3,
+                  aux_loss_weight=1e-4, dispatch="dropless"))
 # Llama 4 Maverick (meta-llama config.json text_config, transformers' Llama4TextConfig): 48 layers
 # alternating dense (d_ff 16384) and MoE (128 experts of 8192, the top-1 logit's sigmoid scaling the
 # expert's input, 1 shared expert); 40 heads of 128 with 8 KV heads; every 4th layer NoPE with

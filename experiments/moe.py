@@ -12,11 +12,17 @@ step-by-step predictions are in docs/results/moe_pods.md): a published shape on 
 import dataclasses
 
 from shardax.configs import register, shapes
+from shardax.configs.mtp import MTPConfig
 from shardax.configs.schema import CheckpointConfig, ShardingConfig
 from shardax.experiments import recipes
 from shardax.sharding import MeshConfig, libtpu_flags
 
 EXPERT = ShardingConfig(preset="expert")
+# Multi-head latent attention's weights on the pod MoE rules (moe.deepseek_v3): the up projections
+# [q_lora | kv_lora, heads, kv] have no embed dim, so their rank goes over `data` and their heads
+# over `expert`; in a weight or activation whose embed or batch dim took those axes first, the
+# rank and the heads stay whole.
+MLA_WEIGHTS = (("q_lora", "data"), ("kv_lora", "data"), ("heads", "expert"))
 
 
 @register("moe.tiny", "4-layer byte-level LM, 8-expert top-2 MoE FFN every 2nd layer; CPU, minutes")
@@ -72,23 +78,34 @@ def mixtral_8x7b():
   return recipes.every_expert_on_every_chip(shapes.MIXTRAL_8X7B, remat="moe_matmuls")
 
 
-@register("moe.deepseek_v3", "DeepSeek-V3-shaped MoE LM (675B params): 61 layers (3 dense), "
-          "256 fine-grained experts top-8 + 1 shared, sigmoid gates, bias balancing; TPU v5p-2048")
+@register("moe.deepseek_v3", "DeepSeek-V3 (671B params): 61 layers (3 dense), multi-head latent attention, "
+          "256 fine-grained experts top-8 in 4 of 8 groups + 1 shared, sigmoid gates x2.5, bias balancing, "
+          "YaRN, 1 multi-token prediction module; TPU v5p-2048")
 def deepseek_v3():
-  """configs/shapes.py DEEPSEEK_V3 on 1024 chips: 16 data x 64 expert, the experts over an
-  8 x 8 plane of the torus (both closed rings: fewer hops for an all-to-all than the 8 x 16
-  one; perf/links.py), four per chip and layer, their weights FSDP-split over `data`. What
+  """configs/shapes.py DEEPSEEK_V3 (the published config.json) with its one multi-token
+  prediction module (loss weight 0.3, the paper's for its first 10T tokens) on 1024 chips: 16 data x 64 expert, the experts over an 8 x 8 plane of
+  the torus (both closed rings: fewer hops for an all-to-all than the 8 x 16 one;
+  perf/links.py), four per chip and layer, their weights FSDP-split over `data`; every other
+  weight FSDP-split over all 1024 chips, MLA's up projections [q_lora | kv_lora, heads, kv]
+  (no embed dim) by their rank over `data` and their heads over `expert` (MLA_WEIGHTS). What
   each step setting buys is in docs/moe.md, the dry runs in docs/results/moe_pods.md:
     * the ragged exchange: only the rows that go travel, into a receive buffer of 1.25 fair
       shares of what the expert group sends (copies past it dropped and logged as
-      moe/dropped_copies; benchmarks/moe_drops.py measures how many on a trained router);
+      moe/dropped_copies; benchmarks/moe_drops.py measures how many, on a trained router and
+      over a run from step 0, and the dry run prints the latter beside the bet);
     * the splash kernel (`attention='flash'`): no [batch, heads, S, S] scores;
-    * remat 'moe_returned': the expert gate/up outputs and the returned expert outputs are
-      kept, so the backward recomputes the dispatch exchange but no expert matmul;
+    * remat 'moe_returned': kept for the backward are MLA's compact tensors (the low-rank
+      query [b, l, 1536], the latent with the RoPE key [b, l, 576]) and its output
+      projection, the expert gate/up outputs and the returned expert outputs; recomputed are
+      the per-head queries, keys and values (two up projections, a few % of a layer's
+      FLOPs, instead of keeping 0.5 GB a layer per chip) and the dispatch exchange, but no
+      expert matmul;
     * fp8 dispatch, as DeepSeek-V3: what travels to the experts goes in fp8, what comes back
       in bf16."""
   moe = {**recipes.PADDED_EXCHANGE, "expert_exchange": "ragged", "expert_buffer": 1.25, "fp8_dispatch": True}
   return recipes.pod_moe(
-      shapes.DEEPSEEK_V3, global_batch=1024, step=dict(attention="flash", remat="moe_returned"), moe=moe,
+      shapes.DEEPSEEK_V3, global_batch=1024, moe=moe,
+      step=dict(attention="flash", remat="moe_returned", mtp=MTPConfig(depth=1, loss_weight=0.3)),
+      rules=recipes.POD_MOE_RULES + MLA_WEIGHTS,
       mesh=MeshConfig(topology="v5p:8x8x16", ici=(16, 64), axes=("data", "expert"),
                       libtpu_flags=libtpu_flags.ASYNC_ALL_TO_ALL))

@@ -17,6 +17,14 @@ k, v through the attention core every other layer uses (`attend`, or context par
 so its implementations, windows, soft-cap and packed segments apply unchanged; cuDNN's
 fused path takes v padded to q's head size (jax.nn.dot_product_attention wants one size).
 
+Rematerialization: the layer names its compact tensors with the projection names the remat
+policies save (layers/blocks.py PROJECTIONS): 'query_proj' is the low-rank query before its
+norm [b,l,c] (without q_lora_rank, the per-head query), 'key_proj' the latent and RoPE key
+before their norm and rotation [b,l,r+e], 'out_proj' the output. The expanded q, k, v are
+not named: a policy that keeps the projections recomputes them in the backward (the two up
+projections) instead of keeping n (2 (p+e) + v) numbers per token and layer (64 K for
+DeepSeek-V3, against c + r + e = 2112).
+
 Decoding caches only `latent` [b,S,r] and the rotated `k_rope` [b,S,e] per layer (r + e
 numbers per token instead of n (p+e+v): 576 against 40960 for DeepSeek-V3). A generate step
 never expands them: W_uk is absorbed into the query (q_nope W_uk^T: [b,1,n,r]) and W_uv
@@ -112,14 +120,17 @@ class MultiHeadLatentAttention(nnx.Module):
 
   def _queries(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(q_nope [b,l,n,p], q_rope [b,l,n,e] rotated)."""
-    q = self.query(x) if self.query is not None else self.q_up(self.q_norm(self.q_down(x)))
+    if self.query is not None:   # one projection: the per-head query is what remat may keep
+      q = checkpoint_name(self.query(x), "query_proj")
+    else:                        # the low-rank query is kept, its up projection recomputed
+      q = self.q_up(self.q_norm(checkpoint_name(self.q_down(x), "query_proj")))
     q = shard(q, BLNK)
     p = self.mla.qk_nope_head_dim
     return q[..., :p], self._rope(q[..., p:], positions)
 
   def _latents(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array]:
     """(latent [b,l,r] normalized, k_rope [b,l,e] rotated)."""
-    down, r = self.kv_down(x), self.mla.kv_lora_rank
+    down, r = checkpoint_name(self.kv_down(x), "key_proj"), self.mla.kv_lora_rank
     latent = shard(self.kv_norm(down[..., :r]), ("batch", "length", "kv_lora"))
     k_rope = self._rope(down[:, :, None, r:], positions)[:, :, 0]
     return latent, shard(k_rope, ("batch", "length", "kv"))
@@ -141,7 +152,6 @@ class MultiHeadLatentAttention(nnx.Module):
     if positions is None:
       positions = default_positions(x.shape[0], x.shape[1])
     q, k, v = self._expanded(*self._queries(x, positions), *self._latents(x, positions))
-    q, k, v = (checkpoint_name(t, n) for t, n in zip((q, k, v), ("query_proj", "key_proj", "value_proj")))
     split = context_parallel.length_split()  # `length` on a mesh axis: context parallel
     if split is not None:
       o = context_parallel.attention(q, k, v, segment_ids, split, options=self.options)

@@ -25,19 +25,27 @@ Rules = tuple[Rule, ...]
 
 _MEGATRON = (("mlp", "model"), ("heads", "model"), ("kv_heads", "model"), ("vocab", "model"))
 
+
+def _LOW_RANK(axes) -> Rules:
+  """Multi-head latent attention's low-rank dims (layers/mla.py) FSDP-split like `embed`: the up
+  projections [q_lora | kv_lora, heads, kv] have no embed dim, and would else be whole on every
+  device. In a weight with an embed dim (the down projections) or an activation with a batch
+  dim, that dim takes the axis first and the rank stays whole."""
+  return (("q_lora", axes), ("kv_lora", axes))
+
 PRESETS: dict[str, Rules] = {
     # Batch split over `data`; weights replicated; one gradient all-reduce per step.
     "dp": (("batch", "data"),),
     # ZeRO-3 / weight-update sharding: weights and optimizer state also split over `data`
-    # (on their `embed` dim, which nearly every weight has); all-gather before use,
-    # reduce-scatter of gradients.
-    "fsdp": (("batch", "data"), ("embed", "data")),
+    # (on their `embed` dim, which nearly every weight has; MLA's up projections, which have
+    # none, on their rank dim: _LOW_RANK); all-gather before use, reduce-scatter of gradients.
+    "fsdp": (("batch", "data"), ("embed", "data")) + _LOW_RANK("data"),
     # Megatron tensor parallelism: hidden, heads and vocab split over `model`.
     "tp": (("batch", "data"),) + _MEGATRON,
     # The GSPMD paper's 2D recipe: weights [data, model], activations [data, None, model].
-    "2d": (("batch", "data"), ("embed", "data"), ("embed", "model")) + _MEGATRON,
+    "2d": (("batch", "data"), ("embed", "data"), ("embed", "model")) + _LOW_RANK("data") + _MEGATRON,
     # Three axes: plain data parallel over `data`, FSDP over `fsdp`, Megatron over `model`.
-    "dp_fsdp_tp": (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _MEGATRON,
+    "dp_fsdp_tp": (("batch", ("data", "fsdp")), ("embed", "fsdp")) + _LOW_RANK("fsdp") + _MEGATRON,
     # GShard expert parallelism: experts split over the same `data` axis as the batch, so
     # moving tokens from group-split to expert-split (and back) is an all-to-all.
     "expert": (("batch", "data"), ("expert", "data")),
@@ -216,4 +224,4 @@ def logical_to_spec(logical_axes: Sequence[str | None], rules: Rules,
 # each hold the data axis's whole weight shard).
 PRESETS.update({f"{name}_cp": PRESETS[name] + (("length", "context"),) for name in ("dp", "tp", "2d")})
 PRESETS["fsdp_cp"] = (("batch", "data"), ("embed", ("data", "context")), ("length", "context"),
-                      ("cache_batch", "data"))
+                      ("cache_batch", "data")) + _LOW_RANK(("data", "context"))

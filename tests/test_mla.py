@@ -142,7 +142,7 @@ def test_attention_paths_agree_with_a_narrower_v():
                                err_msg=options.implementation)
 
 
-MLA_LM = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=12", "model.mla.qk_nope_head_dim=8",
+MLA_LM = ["model.mla.kv_lora_rank=16", "model.mla.q_lora_rank=16", "model.mla.qk_nope_head_dim=8",
           "model.mla.qk_rope_head_dim=4", "model.mla.v_head_dim=6", "model.rope_scaling.kind='yarn'",
           "model.rope_scaling.factor=4.0", "model.rope_scaling.original_max_len=8", "model.rope_scaling.mscale=1.0",
           "model.rope_scaling.mscale_all_dim=0.5"]
@@ -276,7 +276,7 @@ def test_flop_and_param_counts_are_what_the_mla_model_runs():
     model = models.build(t, nnx.Rngs(0))
   total = sum(x.size for x in jax.tree.leaves(nnx.state(model, nnx.Param)))
   assert t.param_count() == total
-  norms = t.num_layers * (2 * t.d_model + 12 + 16) + t.d_model   # block norms + q/kv latent norms, final
+  norms = t.num_layers * (2 * t.d_model + 16 + 16) + t.d_model   # block norms + q/kv latent norms, final
   # the head is counted even when tied to the embedding table; an untied table is a lookup only
   assert flops.matmul_params(t) == total - norms - (0 if t.tied_embedding else t.vocab_size * t.d_model)
   counted = compiled_forward_flops(exp)
