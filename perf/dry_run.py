@@ -30,6 +30,8 @@ The report (`dry_run.json` in the job dir, and a table on stdout):
   balance_bet       for an MoE whose token copies past a finite capacity or expert buffer
                     are dropped (or stop the run): that bound and the field that changes it
                     (trainer/moe_drops.py `bet`); None when no routing can overflow.
+  balance_bet_measured  what that bet dropped over a small run from step 0
+                    (perf/measured_drops.py, benchmarks/moe_drops.py); None when not measured.
   predicted         the step-time model (perf/stepmodel.py, assumptions in its
                     docstring): step_seconds, mfu (model FLOPs), hfu (compiled FLOPs),
                     tokens_per_second_per_device, and a breakdown into compute, memory,
@@ -57,7 +59,8 @@ import numpy as np
 from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir, moe_drops
-from shardax.perf import buffers as buffers_lib, hardware, costs as costs_lib, levers, mxu as mxu_lib, stepmodel
+from shardax.perf import buffers as buffers_lib, hardware, costs as costs_lib, levers, measured_drops, mxu as mxu_lib
+from shardax.perf import stepmodel
 from shardax.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -150,6 +153,7 @@ def dry_run(exp: Experiment, job_dir: str | None = None, costs_out: list | None 
           exp.model.tokens_per_example(exp.data) * exp.train.global_batch,
       "hbm_bytes_per_device": usable_hbm_bytes(mesh, chip) or (chip.hbm_bytes if chip else None),
       "balance_bet": moe_drops.bet(exp, dict(mesh.shape), setup.rules), "error": None}
+  out["balance_bet_measured"] = out["balance_bet"] and measured_drops.line(getattr(exp.model, "moe", None))
   start, cpu_start = time.perf_counter(), time.process_time()
   compiled, buffers = compile_with_buffers(setup, top=24)  # the report prints 12 of each space
   out["buffers"] = [dataclasses.asdict(b) for b in buffers]
@@ -296,6 +300,8 @@ def format_report(r: dict) -> str:
     lines.append(f"  compiler: {r['error']}")
   if r.get("balance_bet"):
     lines.append(f"  {r['balance_bet']}")
+  if r.get("balance_bet_measured"):
+    lines.append(f"  {r['balance_bet_measured']}")
   copy = (r.get("shallow") or {}).get("layers") if r.get("compile_path") == "shallow" else None
   lines += buffers_lib.format_table([buffers_lib.Buffer(**b) for b in r.get("buffers") or []],
                                     source=f"the {copy[-1]}-layer shallow copy" if copy else None)

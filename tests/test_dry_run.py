@@ -22,7 +22,8 @@ KEYS = {"experiment", "topology", "device_kind", "num_devices", "mesh", "rules",
         "global_batch", "tokens_per_step", "compile_seconds", "compile_cpu_seconds", "bytes_per_device",
         "hbm_bytes_per_device", "fits", "flops_per_device", "flops_loop_bodies_once",
         "bytes_accessed_per_device", "model_flops_per_step", "flops_convention",
-        "collectives", "predicted", "prediction_refused", "balance_bet", "hint", "error", "buffers"}
+        "collectives", "predicted", "prediction_refused", "balance_bet", "balance_bet_measured", "hint", "error",
+        "buffers"}
 
 TINY = ["data.source='synthetic'", "model.num_layers=2", "model.num_heads=4",
         "data.seq_len=32", "model.max_len=32", "train.global_batch=8", "sharding.preset='2d'"]
