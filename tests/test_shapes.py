@@ -18,7 +18,7 @@ PUBLISHED = {
     "MIXTRAL_8X7B": 46.7e9,    # arXiv 2401.04088
     "GPT3_175B": 175e9,        # arXiv 2005.14165
     "MAVERICK": 400e9,         # Llama 4 Maverick model card
-    "DEEPSEEK_V3": 671e9,      # arXiv 2412.19437 (with MLA; GQA stands in here)
+    "DEEPSEEK_V3": 671e9,      # arXiv 2412.19437 (the main model; its MTP module is a step setting)
 }
 
 
