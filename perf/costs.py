@@ -67,9 +67,9 @@ class Piece:
   host_bytes: float = 0.0          # moved between device and host memory by async transfers (an
                                    # offload remat policy), on the host link (perf/hbm.py)
   host_sync_bytes: float = 0.0     # the same by synchronous ones
-  stacked: tuple = ()              # outside every loop: (L, share) pairs, the share of its HBM traffic in
-                                   # ops on [L, ...] arrays a layer loop carries (hbm.stacked_share); ()
-                                   # in costs cached before it was read
+  stacked: tuple = ()              # outside every loop: (L, traffic share, collective share), the shares
+                                   # of its HBM traffic and collective bytes in ops on [L, ...] arrays a
+                                   # layer loop carries (hbm.stacked_share); () in costs cached before
 
   @property
   def hbm_bytes(self) -> float:
@@ -211,7 +211,7 @@ def of_hlo_text(hlo_text: str) -> Costs:
     dots8 = tuple(ops.eight_bit_dots(mod.records, insts))
     onchip = min(own["bytes accessed"], hbm.onchip_bytes(mod.records, inside))
     host = hbm.host_bytes(mod.records, [c for c in mod.blocks if c in inside])
-    stacked = () if trips else tuple((d, hbm.stacked_share(mod.records, [c for c in mod.blocks if c in inside], d))
+    stacked = () if trips else tuple((d, *hbm.stacked_share(mod.records, [c for c in mod.blocks if c in inside], d))
                                      for d in _layer_dims(mod))
     pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
                         own["transcendentals"], trips, calls + dots8, around, onchip, *host, stacked))
@@ -321,10 +321,11 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
   part of the entry's traffic is on the stack's [shallow, ...] arrays (`Piece.stacked`), only
   that part grows, by deep/shallow; the embedding, head, loss and a peeled layer stay as
   they are (outside_scale scaled them all: 92% of a 3-layer 70B-shaped entry's traffic is
-  the head and loss).
+  the head and loss); its collectives likewise, by the share of their bytes on those arrays.
   """
   trips = layer_loop_trips(costs, shallow)
   factor = {body: (deep - shallow + t) / t for body, t in trips.items()}
+  shares = lambda p: next((tuple(x[1:]) for x in p.stacked if x[0] == shallow), None)
 
   def scale(p: Piece) -> float | None:
     """How much more often piece `p` runs at `deep` layers; None: not in a layer loop."""
@@ -339,14 +340,17 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
     elif not p.trips:  # outside every loop: per-parameter traffic scales, it still runs once
       pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale,
                                         onchip_bytes=p.onchip_bytes * outside_scale)
-                    if shallow not in dict(p.stacked) else _deepened_outside(p, dict(p.stacked)[shallow], deep / shallow))
+                    if shares(p) is None else _deepened_outside(p, shares(p)[0], deep / shallow))
     else:
       pieces.append(p)
   by_name = {p.computation: p for p in costs.pieces}
   collectives = []
   for c in costs.collectives:
     p = by_name.get(costs.owner.get(c.computation, ""))
-    if p is None or not p.trips:
+    if p is not None and not p.trips and shares(p) is not None:   # the stack's share grows with depth
+      grow = shares(p)[1]
+      collectives.append(dataclasses.replace(c, bytes=int(c.bytes * (1 + grow * (deep / shallow - 1)))))
+    elif p is None or not p.trips:
       collectives.append(dataclasses.replace(c, bytes=int(c.bytes * outside_scale)))
     elif (f := scale(p)) is not None:
       collectives.append(dataclasses.replace(c, executions=round(c.executions * f)))

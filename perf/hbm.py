@@ -203,22 +203,32 @@ def host_bytes(mod: hlo.Module, computations: Iterable[str]) -> tuple[float, flo
   return moved[0], moved[1]
 
 
-def stacked_share(mod: hlo.Module, computations: Iterable[str], depth: int) -> float:
-  """Of the HBM traffic of the instructions run in `computations` (operand and result leaves
-  not in on-chip or host memory, logical bytes), the share in instructions that read or write
-  an array led by `depth` (ndim > 1): a scanned stack's [L, ...] weights, gradients and optimizer
-  moments outside its loops. What depends on the depth there, as opposed to the embedding,
-  head and loss (perf/costs.py `deepen`)."""
+_COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "all-to-all", "collective-permute")
+
+
+def stacked_share(mod: hlo.Module, computations: Iterable[str], depth: int) -> tuple[float, float]:
+  """(of the HBM traffic, of the collective bytes) of the instructions run in `computations`,
+  the share in instructions that read or write an array led by `depth` (ndim > 1): a scanned
+  stack's [L, ...] weights, gradients and optimizer moments outside its loops. What depends on
+  the depth there, as opposed to the embedding, head and loss and a layer the compiler peeled
+  out of its loop (perf/costs.py `deepen`). Traffic: operand and result leaves not in on-chip or
+  host memory, logical bytes; collectives: each one's larger end."""
   inner = _reachable(mod, {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called})
   leaves = lambda shape: [a for a, s in zip(hlo.arrays(shape), hlo.memory_spaces(shape)) if s in HBM]
-  stack = total = 0
+  stack, total = [0, 0], [0, 0]
   for c in computations:
     for inst in mod.computations[c].instructions if c in mod.computations and c not in inner else ():
       if inst.opcode in _SKIP or inst.opcode in _SEQUENCES:
         continue
-      arrays = [a for o in inst.operands if o in mod.instructions for a in leaves(mod.instructions[o].shape)]
-      arrays += leaves(inst.shape)
+      ins = [a for o in inst.operands if o in mod.instructions for a in leaves(mod.instructions[o].shape)]
+      arrays = ins + leaves(inst.shape)
+      on_stack = any(len(a.dims) > 1 and a.dims[0] == depth for a in arrays)
       n = sum(a.nbytes for a in arrays)
-      total += n
-      stack += n if any(len(a.dims) > 1 and a.dims[0] == depth for a in arrays) else 0
-  return stack / total if total else 0.0
+      total[0] += n
+      stack[0] += n * on_stack
+      if inst.opcode.removesuffix("-start") in _COLLECTIVES:
+        moved = max(sum(a.nbytes for a in ins), inst.result_bytes - (sum(a.nbytes for a in ins)
+                                                                     if inst.opcode.endswith("-start") else 0))
+        total[1] += moved
+        stack[1] += moved * on_stack
+  return tuple(s / t if t else 0.0 for s, t in zip(stack, total))

@@ -130,10 +130,12 @@ def test_outside_the_layer_loops_only_the_stacks_traffic_grows_with_depth():
   weights copied) beside depth-independent work (the loss, the peeled backward layer): about
   half of its HBM traffic each. Deepened to 6 layers by growing only the stack's share, its
   traffic is within 12% of the compiled 6-layer entry's; scaled whole by the parameter ratio
-  (2x here, as before the split was read) it is 19% over, and further off than the split."""
+  (2x here, as before the split was read) it is 19% over, and further off than the split. Its
+  collectives (the peeled layer's gathers, the input's exchange) are on no [L, ...] array: they
+  stay, and the deepened step moves the 6-layer program's collective bytes (13% more before)."""
   from shardax.perf import costs
   c3, c6 = _costs(3), _costs(6)
-  share = dict(c3.pieces[0].stacked)[3]
+  share = dict((d, s) for d, s, _ in c3.pieces[0].stacked)[3]
   assert 0.3 < share < 0.7
   split = costs.deepen(c3, 3, 6, outside_scale=2.0).pieces[0].hbm_bytes
   legacy = dataclasses.replace(c3, pieces=(dataclasses.replace(c3.pieces[0], stacked=()),) + c3.pieces[1:])
@@ -141,3 +143,5 @@ def test_outside_the_layer_loops_only_the_stacks_traffic_grows_with_depth():
   truth = c6.pieces[0].hbm_bytes
   assert split == pytest.approx(truth, rel=0.12)
   assert abs(split - truth) < abs(whole - truth) and whole > 1.15 * truth
+  assert costs.deepen(c3, 3, 6, 2.0).collective_bytes == pytest.approx(c6.collective_bytes, rel=1e-3)
+  assert costs.deepen(legacy, 3, 6, 2.0).collective_bytes > 1.1 * c6.collective_bytes
