@@ -5,9 +5,8 @@ computes, on one device and sharded; the cache's size is the window's, not the d
 Ring against full cache: equal within float32 rounding, not bit for bit. The ring holds the same
 keys in another slot order and R instead of S slots, so the softmax's sum and the contraction of
 probabilities with values add the same terms in another order: one attention layer's outputs
-agree within 1e-6; a whole model's logits (magnitude up to ~10, the rounding carried through the
-layers and norms) within 1e-5 absolute and relative, below the 2e-5 the full cache itself is
-held to against the full forward.
+agree within 1e-6; a whole model's logits (the rounding carried through the layers, norms and
+head) within 4e-6 of the largest logit's magnitude (~1e-5 at the fixtures' logits of up to 10).
 """
 
 import jax
@@ -61,6 +60,11 @@ def stepped(call, spec, tokens, lengths):
   return np.asarray(jax.jit(run)(jnp.asarray(tokens), jnp.asarray(lengths)))
 
 
+def assert_within_rounding(ring, full):
+  """Logits of a ring decode within 4e-6 x the largest |logit| of the full cache's."""
+  np.testing.assert_allclose(ring, full, rtol=0, atol=4e-6 * float(np.abs(full).max()))
+
+
 def ring_and_full(call, make_spec, tokens, lengths):
   """`stepped` on the bounded spec (rings) and on the full-length one."""
   return tuple(stepped(call, make_spec(bounded), tokens, lengths) for bounded in (True, False))
@@ -85,8 +89,8 @@ def test_attention_layer_on_a_ring_equals_the_full_cache(mask):
 
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_ring_decode_steps_equal_the_full_cache_and_the_forward(name):
-  """A tiny LM with random weights: each generate step's logits on the rings within 1e-5 (absolute
-  and relative) of the full-length cache's, within 2e-5 of the full forward's (argmax equal),
+  """A tiny LM with random weights: each generate step's logits on the rings within rounding of
+  the full-length cache's (`assert_within_rounding`), within 2e-5 of the full forward's (argmax equal),
   4 padded rows, 30 positions."""
   exp = experiment(*SMALL, *MODELS[name], "mesh.ici=(1, 1)")
   graphdef, state = random_state(lambda: models.build(exp.model, nnx.Rngs(0)), seed=4)
@@ -96,7 +100,7 @@ def test_ring_decode_steps_equal_the_full_cache_and_the_forward(name):
                              lambda bounded: model.cache_spec(4, 30, bounded), tokens, LENGTHS)
   forward = np.asarray(jax.jit(lambda t: model(t))(tokens))
   forward = np.stack([forward[np.arange(4), LENGTHS - 1 + t] for t in range(len(ring))])
-  np.testing.assert_allclose(ring, full, rtol=1e-5, atol=1e-5)
+  assert_within_rounding(ring, full)
   np.testing.assert_allclose(ring, forward, rtol=0, atol=2e-5)
   np.testing.assert_array_equal(ring.argmax(-1), forward.argmax(-1))
 

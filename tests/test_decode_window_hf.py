@@ -2,8 +2,8 @@
 gpt-oss's sliding layers (window 6) and Llama 4's chunked ones (8 tokens) decode on rings, and
 teacher-forced on transformers' greedy continuations (3 prompts of 15, 24, 32 tokens + 48 new,
 far past 2x the window and the chunk), every step's argmax is transformers' next token and its
-logits are the full-length cache's within float32 rounding (tests/test_decode_window.py says why
-not bit for bit)."""
+logits are the full-length cache's within float32 rounding (`assert_within_rounding`;
+tests/test_decode_window.py says why not bit for bit)."""
 
 import jax
 import numpy as np
@@ -14,7 +14,7 @@ from shardax import models
 from shardax.sharding import use_rules
 from shardax.trainer import decode
 from hf_helpers import imported, reference
-from test_decode_window import is_leaf, ring_and_full
+from test_decode_window import assert_within_rounding, is_leaf, ring_and_full
 
 
 @pytest.mark.parametrize("arch,span", [("gemma3", 6), ("gpt_oss", 6), ("llama4", 8)])
@@ -38,4 +38,4 @@ def test_ring_decode_steps_equal_the_full_cache_and_transformers_greedy(arch, sp
                                lambda bounded: model.cache_spec(3, tokens.shape[1], bounded), tokens, lengths)
   greedy = np.stack([ref[f"greedy_{j}"] for j in range(3)], axis=1)      # [new, rows]
   np.testing.assert_array_equal(ring[:new].argmax(-1), greedy)
-  np.testing.assert_allclose(ring, full, rtol=1e-5, atol=1e-5)
+  assert_within_rounding(ring, full)
