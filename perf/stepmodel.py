@@ -471,11 +471,13 @@ def flash_kernel_mxu_fill(exp, tile: int) -> float:
   dK = dS^T Q (contracting over a block). Only S and dP contract over a head width; with dk =
   dv = 128 on a 256 MXU they run at half rate: 2/3 of the forward's peak, 5/7 of the backward's.
   1 on a chip without an MXU (tile 0: GPUs) or where every width and block fills it."""
+  if tile <= 1:
+    return 1.0
   from shardax.layers import flash
   t, seq = exp.model, exp.data.seq_len
   m = getattr(t, "mla", None)
   dk, dv = (t.dim_per_head, t.dim_per_head) if m is None else (m.qk_head_dim, m.v_head_dim)
-  bq, bkv = flash._block(t.flash_block_q, seq), flash._block(t.flash_block_kv, seq)
+  bq, bkv = (flash._block(getattr(t, f"flash_block_{b}", 512), seq) for b in ("q", "kv"))
   forward = [(bq, dk, bkv), (bq, bkv, dv)]
   backward = [(bq, dk, bkv), (bq, dv, bkv), (bkv, bq, dv), (bq, bkv, dk), (bkv, bq, dk)]
   shapes = forward * (1 + (t.remat != "none")) + backward
