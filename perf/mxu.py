@@ -70,3 +70,26 @@ def piece_utilization(mxu: dict | None, piece: str, tile: int) -> float:
     return 1.0
   per_tile = mxu[piece]
   return float(per_tile.get(tile, per_tile.get(str(tile), 1.0)))
+
+
+def flash_kernel_fill(exp, tile: int) -> float:
+  """The FLOP-weighted share of a `tile` x `tile` MXU the splash kernel's matmuls use (the rule
+  above, on the shapes the kernel multiplies: blocks of bq queries and bkv keys, a query/key head
+  width dk and a value width dv). Forward: S = Q K^T [bq, dk] x [dk, bkv] and P V [bq, bkv] x
+  [bkv, dv]; backward (fused): S again, dP = dO V^T [bq, dv] x [dv, bkv], dV = P^T dO, dQ = dS K,
+  dK = dS^T Q (contracting over a block). Only S and dP contract over a head width; with dk =
+  dv = 128 on a 256 MXU they run at half rate: 2/3 of the forward's peak, 5/7 of the backward's.
+  1 on a chip without an MXU (tile 0: GPUs) or where every width and block fills it."""
+  if tile <= 1:
+    return 1.0
+  from shardax.layers import flash
+  t, seq = exp.model, exp.data.seq_len
+  m = getattr(t, "mla", None)
+  dk, dv = (t.dim_per_head, t.dim_per_head) if m is None else (m.qk_head_dim, m.v_head_dim)
+  bq, bkv = (flash._block(getattr(t, f"flash_block_{b}", 512), seq) for b in ("q", "kv"))
+  forward = [(bq, dk, bkv), (bq, bkv, dv)]
+  backward = [(bq, dk, bkv), (bq, dv, bkv), (bkv, bq, dv), (bq, bkv, dk), (bkv, bq, dk)]
+  shapes = forward * (1 + (t.remat != "none")) + backward
+  flops = [m_ * k * n for m_, k, n in shapes]
+  spent = [f / utilization(*shape, tile) for f, shape in zip(flops, shapes)]
+  return sum(flops) / sum(spent)

@@ -42,7 +42,7 @@ def test_the_flash_kernel_runs_its_head_width_contractions_at_the_mxu_fill_of_th
   v6e, v5e = hardware.lookup("TPU v6 lite"), hardware.lookup("TPU v5 lite")
   flops = stepmodel.flash_kernel_flops(exp, 128)
   at_rate = lambda chip: flops / (ops.peak(chip, "bf16") * ops.efficiency(chip, "attention"))
-  assert stepmodel.flash_kernel_mxu_fill(exp, 256) == pytest.approx(9 / 13)
+  assert mxu.flash_kernel_fill(exp, 256) == pytest.approx(9 / 13)
   assert stepmodel.flash_kernel_seconds(exp, 128, v6e) == pytest.approx(at_rate(v6e) * 13 / 9)
   assert stepmodel.flash_kernel_seconds(exp, 128, v5e) == pytest.approx(at_rate(v5e))
   wide = _llama70b_8k(head_dim=256, num_heads=32, num_kv_heads=4)
