@@ -145,3 +145,19 @@ def test_outside_the_layer_loops_only_the_stacks_traffic_grows_with_depth():
   assert abs(split - truth) < abs(whole - truth) and whole > 1.15 * truth
   assert costs.deepen(c3, 3, 6, 2.0).collective_bytes == pytest.approx(c6.collective_bytes, rel=1e-3)
   assert costs.deepen(legacy, 3, 6, 2.0).collective_bytes > 1.1 * c6.collective_bytes
+
+
+@pytest.mark.slow   # one compile in a fresh process, ~45 s on a busy 2-core machine
+def test_the_fixture_is_what_this_libtpu_compiles(tmp_path):
+  """tests/fixtures/peeled_offload/make.py at 3 layers with the installed libtpu still peels one
+  backward layer out of its loop (2 of 3), as the fixtures were written."""
+  import subprocess
+  import sys
+  from shardax.perf import hlo
+  from shardax.sharding import topology
+  if not topology.available():
+    pytest.skip("needs libtpu (the test extra)")
+  out = tmp_path / "layers_3.hlo"
+  subprocess.run([sys.executable, os.path.join(FIXTURES, "make.py"), "3", str(out)], check=True,
+                 env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert sorted(w.trip_count for w in hlo.whiles(hlo.parse(out.read_text()))) == [2, 3]
