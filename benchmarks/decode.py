@@ -3,6 +3,7 @@
     JAX_PLATFORMS=cpu python benchmarks/decode.py                      # lm.tiny, 512 new tokens
     JAX_PLATFORMS=cpu python benchmarks/decode.py --batches=1,2,4,8 --new_tokens=128
     JAX_PLATFORMS=cpu python benchmarks/decode.py --devices=8 --set mesh.ici=(2,4) --set sharding.preset="'2d'"
+    JAX_PLATFORMS=cpu python benchmarks/decode.py --exp=lm.gemma3_27b --cache_only --context=32768
 
 Both paths are `trainer.decode.Generator` on the same params and prompts, greedy, no
 stop tokens, so both make exactly `--new_tokens` tokens per row (the script checks
@@ -19,7 +20,12 @@ For each batch size both are compiled and run once untimed, then timed alternate
   ms/token        generate-loop seconds / steps: the latency of one step (one new
                   token for every row)
   cache/device    bytes of the KV cache on one device (k and v, all layers)
-The params are freshly initialized (speed does not depend on training).
+  cache/sequence  bytes of one sequence's cache as decoding builds it (windowed and chunked
+                  layers: a ring of window / chunk slots, layers/attention.py), and with every
+                  layer caching all positions (the layout before rings)
+The params are freshly initialized (speed does not depend on training). `--cache_only`
+prints the two cache/sequence figures at `--context` positions from the cache specs alone
+(no params, no run), so pod-sized models (lm.gemma3_27b at 32k) are measured on a laptop.
 """
 
 from __future__ import annotations
@@ -43,6 +49,10 @@ def parse():
   p.add_argument("--devices", type=int, default=1, help="simulated CPU devices")
   p.add_argument("--no_uncached", action="store_true", help="time the cached path only")
   p.add_argument("--out", default=None, help="also write the figures here as JSON")
+  p.add_argument("--cache_only", action="store_true",
+                 help="print the decode cache's bytes per sequence (rings vs full) at --context, then stop")
+  p.add_argument("--context", type=int, default=None,
+                 help="positions of the --cache_only figures (default prompt_len + new_tokens)")
   return p.parse_args()
 
 
@@ -57,6 +67,8 @@ def main():
   from shardax.trainer import state as state_lib
 
   cfg = configs.get(args.exp)
+  if args.cache_only:
+    return print_cache_bytes(cfg, args)
   window = args.prompt_len + args.new_tokens
   configs.apply_overrides(cfg, [f"model.max_len={window}", f"data.seq_len={window}", "data.source='synthetic'",
                                 f"mesh.ici=({args.devices}, 1)", *args.set])
@@ -91,6 +103,8 @@ def main():
            "cached_gen_tok_s": b * best_c.steps / best_c.generate_s,
            "cached_ms_per_token": 1e3 * best_c.generate_s / best_c.steps,
            "cache_bytes_per_device": per_device}
+    row["cache_bytes_per_sequence"], row["full_cache_bytes_per_sequence"] = decode.cache_bytes_per_sequence(
+        cached._abstract_model, tokens.shape[1])
     if best_u is not None:
       row.update({"uncached_gen_tok_s": b * best_u.steps / best_u.generate_s,
                   "uncached_ms_per_token": 1e3 * best_u.generate_s / best_u.steps})
@@ -106,25 +120,49 @@ def main():
   print(format_table(result))
 
 
+def print_cache_bytes(cfg, args) -> None:
+  """The decode cache of one sequence at --context positions, from the specs: as decoding builds
+  it (rings on windowed / chunked layers) and with every layer caching every position."""
+  from flax import nnx
+  from shardax import configs, models
+  from shardax.trainer import decode
+  context = args.context or args.prompt_len + args.new_tokens
+  configs.apply_overrides(cfg, [f"model.max_len={context}", *args.set])
+  exp = configs.build(cfg)
+  model = nnx.eval_shape(lambda: models.build(decode.decode_config(exp.model), nnx.Rngs(0)))
+  ring, full = decode.cache_bytes_per_sequence(model, context)
+  date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+  print(f"decode cache {date}: {args.exp} {' '.join(args.set)} at {context} positions, one sequence: "
+        f"{ring:,} bytes ({ring / 2**30:.2f} GiB) with rings on the windowed/chunked layers, {full:,} "
+        f"({full / 2**30:.2f} GiB) with every layer caching all positions: {full / ring:.2f}x less")
+  if args.out:
+    with open(args.out, "w") as f:
+      json.dump({"date": date, "exp": args.exp, "overrides": args.set, "context": context,
+                 "cache_bytes_per_sequence": ring, "full_cache_bytes_per_sequence": full}, f, indent=1)
+
+
 def format_row(r) -> str:
   u = (f"  uncached {r['uncached_gen_tok_s']:.1f} tok/s {r['uncached_ms_per_token']:.2f} ms/token"
        f"  speedup {r['speedup']:.1f}x") if "speedup" in r else ""
   return (f"batch {r['batch']}: prefill {r['prefill_tok_s']:.0f} tok/s  cached {r['cached_gen_tok_s']:.1f} "
-          f"tok/s {r['cached_ms_per_token']:.2f} ms/token{u}  cache {r['cache_bytes_per_device']:,} B/device")
+          f"tok/s {r['cached_ms_per_token']:.2f} ms/token{u}  cache {r['cache_bytes_per_device']:,} B/device, "
+          f"{r['cache_bytes_per_sequence']:,} B/sequence ({r['full_cache_bytes_per_sequence']:,} without rings)")
 
 
 def format_table(result) -> str:
   lines = [f"decode benchmark {result['date']}: {result['exp']} {' '.join(result['overrides'])} on "
            f"{result['devices']} {result['backend']} device(s), greedy",
            "| batch | prompt | new | prefill tok/s | cached gen tok/s | cached ms/token | "
-           "uncached gen tok/s | uncached ms/token | cached/uncached | KV cache bytes/device |",
-           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+           "uncached gen tok/s | uncached ms/token | cached/uncached | KV cache bytes/device | "
+           "cache bytes/sequence (without rings) |",
+           "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
   for r in result["rows"]:
     u = (f"{r['uncached_gen_tok_s']:.1f} | {r['uncached_ms_per_token']:.2f} | {r['speedup']:.1f}x"
          if "speedup" in r else "- | - | -")
     lines.append(f"| {r['batch']} | {r['prompt_len']} | {r['new_tokens']} | {r['prefill_tok_s']:.0f} | "
                  f"{r['cached_gen_tok_s']:.1f} | {r['cached_ms_per_token']:.2f} | {u} | "
-                 f"{r['cache_bytes_per_device']:,} |")
+                 f"{r['cache_bytes_per_device']:,} | {r['cache_bytes_per_sequence']:,} "
+                 f"({r['full_cache_bytes_per_sequence']:,}) |")
   return "\n".join(lines)
 
 
