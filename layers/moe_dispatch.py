@@ -15,8 +15,8 @@ weights is a ragged_dot_general with the group dim on the contraction. XLA:CPU r
 as a dense matmul per group, so on CPU (`grouped_matmul='auto'`) the rows go through
 `tiled_grouped_ffn` instead: the same product as batched matmuls over one-expert tiles.
 
-The layer runs inside `shard_map` over the whole mesh whenever there is one: each
-device takes its own tokens, split over the mesh axes the rules give 'batch' and
+The layer runs in a manual region (sharding/manual.py: `shard_map` over the whole mesh,
+cut as the rules cut each logical dim) whenever there is one: each device takes its own tokens, split over the mesh axes the rules give 'batch' and
 'length' (context parallelism splits the sequence like every other per-token op; no
 device sees the whole sequence), and runs the FFN of those tokens only.
 
@@ -58,13 +58,11 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
-from jax.sharding import PartitionSpec as P
 
 from shardax.layers import glu as glu_lib
 from shardax.layers import quantization as quant
 from shardax.pipeline import in_stage_body
-from shardax.sharding import rules as rules_lib
-from shardax.sharding.annotate import current_mesh_shape
+from shardax.sharding import manual
 from shardax.sharding.target import target_platform
 
 EXCHANGES = ("auto", "ragged", "padded")
@@ -327,16 +325,6 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   return y, overflow
 
 
-def mesh_axes(logical: tuple, shape: tuple | None = None) -> tuple[tuple[str, ...], ...]:
-  """The mesh axes each logical dim maps to under the rules in force (() per dim without)."""
-  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
-  if rules is None or mesh_shape is None:
-    return tuple(() for _ in logical)
-  spec = rules_lib.logical_to_spec(logical, rules, mesh_shape, shape, name=f"MoE {logical}",
-                                   allow_uneven=rules_lib.allow_uneven())
-  return tuple(() if s is None else (s,) if isinstance(s, str) else tuple(s) for s in spec)
-
-
 def resolve_exchange(exchange: str) -> str:
   """'auto': ragged_all_to_all where the backend runs it (TPU, GPU), else padded blocks."""
   if exchange not in EXCHANGES:
@@ -386,25 +374,25 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
   b, l, m = x.shape
   e = weights[0].shape[0]
   impl = resolve_impl(impl, quantization)
-  mesh = jax.sharding.get_abstract_mesh()
-  if current_mesh_shape() is None or mesh.size == 1 or rules_lib.current_rules() is None:
+  if not manual.active():
     y = dropless_local(x.reshape(b * l, m), index.reshape(b * l, -1),
                        gates.reshape(b * l, -1), weights, act, impl, quantization)
     return y.reshape(x.shape), jnp.zeros((), jnp.int32)
-  batch, length = mesh_axes(("batch", "length"), (b, l))
+  lead, weight_dims = ("batch", "length"), ("expert", "embed", "mlp")
+  tokens = manual.layout(lead + (None,), x.shape, name=f"MoE {lead}")   # x, index and gates alike
+  batch, length = tokens.axes[:2]
   token_axes = batch + length                          # every device: its own tokens only
-  expert, embed, mlp = mesh_axes(("expert", "embed", "mlp"), weights[0].shape)
-  if m % math.prod(mesh.shape[a] for a in embed):
-    embed = ()                 # an uneven split (sharding.allow_uneven): the weights enter whole
+  w_in = manual.layout(weight_dims, weights[0].shape, name=f"MoE {weight_dims}")
+  if m % w_in.parts(1):
+    w_in = w_in.whole(1)       # an uneven split (sharding.allow_uneven): the weights enter whole
+  w_out, b_in = w_in.select(0, 2, 1), w_in.select(0, 2)   # wo [E, h, m]; biases [E, h]
+  expert, embed, mlp = w_in.axes
   if not set(expert) <= set(token_axes):
     raise ValueError(
         f"dropless MoE dispatch under expert parallelism needs the tokens split over the expert "
         f"mesh axes {expert} (the rules split 'batch' over {batch}, 'length' over {length}); "
         f"use a preset like 'expert' or 'expert_axis', or model.moe.dispatch='capacity'")
   mode = resolve_exchange(exchange)
-  tokens, w_in, w_out = P(batch or None, length or None, None), \
-      P(expert or None, embed or None, mlp or None), P(expert or None, mlp or None, embed or None)
-  b_in = P(expert or None, mlp or None)
 
   def body(x, index, gates, w_gate, w_up, wo, *bias):
     if embed:
@@ -426,7 +414,7 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
         raise ValueError(f"model.moe.dispatch_chunks={chunks} must divide each device's {t} tokens")
       pieces = [dropless_expert_parallel(*(a[j * t // chunks:(j + 1) * t // chunks] for a in args),
                                          (w_gate, w_up, wo, *bias), act, axes=expert,
-                                         n=math.prod(mesh.shape[a] for a in expert), num_experts=e,
+                                         n=w_in.parts(0), num_experts=e,
                                          buffer=buffer, exchange=mode, impl=impl, quantization=quantization,
                                          fp8_dispatch=fp8_dispatch)
                 for j in range(chunks)]
@@ -438,8 +426,8 @@ def dropless(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tuple, a
       y = jax.lax.psum(y, mlp)
     return y.reshape(bl, ll, m), overflow
 
-  y, count = jax.shard_map(body, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out) + (b_in,) * len(weights[3:]),
-                           out_specs=(tokens, P()), check_vma=False)(x, index, gates, *weights)
+  y, count = manual.run(body, in_layouts=(tokens,) * 3 + (w_in, w_in, w_out) + (b_in,) * len(weights[3:]),
+                        out_layouts=(tokens, manual.Layout(())))(x, index, gates, *weights)
   if overflow == "error":
     # Never a silent drop: the output (so the loss and the step) becomes NaN, which keeps the
     # update out of the weights, and the count reaches the metrics, where the loop raises.

@@ -68,7 +68,7 @@ from shardax.pipeline.circular import Queue
 from shardax.pipeline.schedule import PipelineError, Schedule
 from shardax.pipeline.stages import from_stages
 from shardax.sharding import rules as rules_lib
-from shardax.sharding import shard
+from shardax.sharding import manual, shard
 from shardax.sharding.annotate import current_mesh_shape
 
 # (stacked weights of some layers, x, positions[, segment_ids]) -> x: runs those layers in
@@ -136,10 +136,7 @@ def mesh_axes_of(logical: str) -> str | tuple[str, ...] | None:
   None without a mesh, without rules, or on one device: then the stage dim is not
   split and the pipeline runs its stages one after another on every device.
   """
-  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
-  if rules is None or mesh_shape is None or math.prod(mesh_shape.values()) == 1:
-    return None
-  return rules_lib.logical_to_spec((logical,), rules, mesh_shape)[0]
+  return manual.layout((logical,)).spec[0] if manual.active() else None
 
 
 def _check_data_split(rows: int, batch_axes: Sequence[str | None], m: int) -> None:

@@ -80,3 +80,20 @@ def test_a_dim_the_mesh_does_not_divide_is_named_with_the_fix(mesh24):
       manual.layout(("batch", "length", "heads", "kv"), (3, 8, 4, 2), name="flash attention q")
     with pytest.raises(ValueError, match=r"tokens: logical axes \('batch',\) name 1 dims.*\(3, 8\)"):
       manual.layout(("batch",), (3, 8), name="tokens")
+
+
+def test_a_transposed_weight_arrives_cut_like_its_weight_and_a_scalar_leaves_replicated(mesh24):
+  """An expert weight [expert, embed, mlp] and its down projection [expert, mlp, embed] given by
+  `select(0, 2, 1)` (layers/moe_dispatch.py): each device's blocks must line up (w + wo^T per
+  block is 2 w), and a count summed over every device leaves as one replicated scalar,
+  `Layout(())`, beside an output cut like w."""
+  rules = (("batch", "data"), ("expert", "data"), ("mlp", "model"))
+  w = np.random.default_rng(2).normal(size=(4, 3, 8)).astype(np.float32)
+  with jax.set_mesh(mesh24), use_rules(rules):
+    w_in = manual.layout(("expert", "embed", "mlp"), w.shape, name="expert weight")
+    body = lambda w, wo: (w + jnp.swapaxes(wo, 1, 2), jax.lax.psum(jnp.sum(w), ("data", "model")))
+    got, total = jax.jit(manual.run(body, (w_in, w_in.select(0, 2, 1)), (w_in, manual.Layout(()))))(
+        w, np.swapaxes(w, 1, 2))
+  assert w_in.select(0, 2, 1).spec == P("data", "model", None)
+  np.testing.assert_allclose(got, 2 * w, rtol=1e-6)
+  np.testing.assert_allclose(total, w.sum(), rtol=1e-5)
