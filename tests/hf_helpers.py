@@ -70,7 +70,7 @@ def worst_logit_error(setup, params, arch, rows=3) -> float:
 
 def assert_logits_match(setup, params, arch, rows=3, show=False):
   """Every recorded sequence's logits within 1e-4 of transformers'; `show` prints the worst
-  difference (docs/huggingface.md's table, with pytest -s)."""
+  difference (the table in docs/huggingface.md, with pytest -s)."""
   ref = reference(arch)
   got = logits_of(setup, params, ref, rows)
   worst = max(float(np.abs(g - ref[f"logits_{j}"]).max()) for j, g in enumerate(got))
