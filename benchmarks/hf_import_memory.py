@@ -306,8 +306,8 @@ def main() -> None:
                            capture_output=True, text=True).stdout.strip()
     head = (f"## {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}"
             f"{' (+ local changes)' if dirty else ''}\n\n`{' '.join(['python', *sys.argv])}`  \n"
-            f"machine: {machine()}; this benchmark's own peak RSS "
-            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB (writing the checkpoint); {load}\n")
+            f"machine: {machine()}; this script's own peak RSS "
+            f"{resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB; {load}\n")
     with open(args.results, "a") as f:
       f.write("\n" + head + "\n" + "\n\n".join(sections) + "\n")
 
