@@ -29,8 +29,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from shardax.layers.linear import fan_in_init
-from shardax.sharding import shard
-from shardax.sharding import rules as rules_lib
+from shardax.sharding import manual, shard
 from shardax.sharding.annotate import current_mesh_shape
 
 SPATIAL_AXES = {2: ("height", "width"), 3: ("depth", "height", "width")}
@@ -66,17 +65,14 @@ def check_partitioning(shape: tuple[int, ...], axes: tuple[str, ...], halo: bool
      size > 1: the kernel gradient comes out multiplied by that replication factor;
   2. two or more spatial dims are split and a shard of one holds a single row/column
      (convs with a halo): the input gradient is wrong.
-  No mesh or no rules: nothing to check (this reads the rules; it names no mesh axis).
+  No mesh or no rules: nothing to check (the split is `manual.layout`'s; no mesh axis is named here).
   """
-  rules, mesh = rules_lib.current_rules(), current_mesh_shape()
-  if rules is None or mesh is None:
-    return
-  spec = rules_lib.logical_to_spec(axes, rules, mesh)
-  used = {a for e in spec if e for a in ((e,) if isinstance(e, str) else e)}
-  split = {axes[i]: e for i, e in enumerate(spec) if e and axes[i] not in ("batch", "channels")}
+  layout = manual.layout(axes)
+  used = {a for cut in layout.axes for a in cut}
+  split = {axes[i]: e for i, e in enumerate(layout.spec) if e and axes[i] not in ("batch", "channels")}
   if not split:
     return
-  idle = sorted(a for a, n in mesh.items() if n > 1 and a not in used)
+  idle = sorted(a for a, n in current_mesh_shape().items() if n > 1 and a not in used)
   if idle:
     raise MiscompiledPartitionError(
         f"conv activation {axes} of shape {shape} splits {split} but is replicated over mesh "
@@ -84,8 +80,8 @@ def check_partitioning(shape: tuple[int, ...], axes: tuple[str, ...], halo: bool
         f"size > 1 to a dim of the activation in the sharding rules (e.g. add it to the "
         f"batch rule) or shrink it to 1")
   if halo and len(split) > 1:
-    for i, e in enumerate(spec):
-      parts = math.prod(mesh[a] for a in ((e,) if isinstance(e, str) else e)) if e else 1
+    for i in range(len(axes)):
+      parts = layout.parts(i)
       if axes[i] in split and -(-shape[i] // parts) < 2:
         raise MiscompiledPartitionError(
             f"conv activation {axes} of shape {shape}: dim {axes[i]!r} split {parts} ways leaves "

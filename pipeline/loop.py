@@ -53,7 +53,6 @@ from __future__ import annotations
 
 import contextvars
 import functools
-import math
 from typing import Any, Callable, Sequence
 
 import jax
@@ -69,7 +68,6 @@ from shardax.pipeline.schedule import PipelineError, Schedule
 from shardax.pipeline.stages import from_stages
 from shardax.sharding import rules as rules_lib
 from shardax.sharding import manual, shard
-from shardax.sharding.annotate import current_mesh_shape
 
 # (stacked weights of some layers, x, positions[, segment_ids]) -> x: runs those layers in
 # order, so the same function runs one stage's L/(S*R) layers or, unpipelined, all L of them.
@@ -141,12 +139,10 @@ def mesh_axes_of(logical: str) -> str | tuple[str, ...] | None:
 
 def _check_data_split(rows: int, batch_axes: Sequence[str | None], m: int) -> None:
   """Each microbatch must still split evenly over the batch dim's mesh axes."""
-  rules, mesh_shape = rules_lib.current_rules(), current_mesh_shape()
-  if rules is None or mesh_shape is None or rules_lib.allow_uneven():
+  if rules_lib.allow_uneven():
     return
-  axes = rules_lib.logical_to_spec(batch_axes[:1], rules, mesh_shape)[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  degree = math.prod(mesh_shape[a] for a in axes)
+  batch = manual.layout(batch_axes[:1])
+  axes, degree = batch.axes[0], batch.parts(0)
   if rows % degree:
     raise PipelineError(
         f"a microbatch has {rows} rows (batch / model.pipeline.microbatches={m}), which the "
