@@ -9,6 +9,7 @@ import json
 import os
 
 import pytest
+from test_moe_pricing import StubExperiment
 
 from shardax.perf import hardware, mxu, ops, stepmodel
 
@@ -90,15 +91,6 @@ def test_costs_cached_before_the_loop_state_was_read_deepen_as_before():
   assert costs.layer_loop_trips(c, 3) == {"layers": 3}
 
 
-class _Exp:   # what from_costs reads of an experiment
-  class model:
-    @staticmethod
-    def flops_per_example(data): return 0
-    @staticmethod
-    def tokens_per_example(data): return 1
-  data, train = None, type("T", (), {"global_batch": 1})
-
-
 def test_offloaded_layer_inputs_cross_the_host_link_and_the_step_waits_for_them():
   """The 3-layer fixture offloads each layer's input, a [2048, 1024] bf16 slice per chip (4 MiB):
   read from the program, 4 dynamic-update-slices into the host buffer (one per forward layer, one
@@ -117,12 +109,12 @@ def test_offloaded_layer_inputs_cross_the_host_link_and_the_step_waits_for_them(
   mesh = jax.sharding.Mesh(np.array(topology.devices("v6e:2x2")), ("d",))
   v6e = hardware.lookup("TPU v6 lite")
   slow = dataclasses.replace(v6e, host_bandwidth=1e8)
-  fast = stepmodel.from_costs(c, mesh, _Exp, dataclasses.replace(v6e, host_bandwidth=1e15))
-  pr = stepmodel.from_costs(c, mesh, _Exp, slow)
+  fast = stepmodel.from_costs(c, mesh, StubExperiment, dataclasses.replace(v6e, host_bandwidth=1e15))
+  pr = stepmodel.from_costs(c, mesh, StubExperiment, slow)
   assert moved / 1e8 <= pr.step_seconds <= moved / 1e8 + fast.step_seconds
   assert pr.breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1e8)
   # at v6e's own host link (15 GB/s a chip) the 28 MiB take 2 ms
-  assert stepmodel.from_costs(c, mesh, _Exp, v6e).breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1.5e10)
+  assert stepmodel.from_costs(c, mesh, StubExperiment, v6e).breakdown["host_transfer"]["seconds"] == pytest.approx(moved / 1.5e10)
 
 
 def test_outside_the_layer_loops_only_the_stacks_traffic_grows_with_depth():
