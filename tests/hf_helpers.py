@@ -130,6 +130,17 @@ def assert_export_bit_exact(params, model, hf_arch, source, out):
   return assert_same_tensors(source, out, ("lm_head.weight",) if model.tied_embedding else ())
 
 
+def assert_export_dequantized(params, model, hf_arch, source, out, want):
+  """`params`, imported from a quantized copy of `source`, exported to `out` in float32: the
+  tensors of `source` in the same order, each equal to its dequantized value in `want` where the
+  copy quantized it, else to the source's."""
+  exporter.export_params(params, model, hf_arch, str(out), np.float32, 1 << 30)
+  a, b = safetensors.Reader(source), safetensors.Reader(str(out))
+  assert a.names() == b.names()
+  for name in b.names():
+    np.testing.assert_array_equal(b.get(name), want.get(name, a.get(name)), err_msg=name)
+
+
 def assert_config_round_trips(adapter, model, hf_arch, source):
   """The adapter accepts `model` for export, and its config.json holds every key of the
   source's with the source's value and maps back to the same model (and MoE) fields."""

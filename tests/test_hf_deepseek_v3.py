@@ -19,9 +19,9 @@ from shardax.configs.rope import RopeScaling
 from shardax.models import hf as hf_models
 from shardax.models.hf import deepseek_v3
 from shardax.sharding import use_rules
-from shardax.trainer.hf import exporter, safetensors
+from shardax.trainer.hf import safetensors
 from hf_helpers import (FIXTURES, assert_config_refused, assert_config_round_trips, assert_export_bit_exact,
-                        assert_greedy_matches, assert_logits_match, experiment, imported, imported_from,
+                        assert_export_dequantized, assert_greedy_matches, assert_logits_match, experiment, imported, imported_from,
                         reference, worst_logit_error)
 
 ARCH = "deepseek_v3"
@@ -164,9 +164,4 @@ def test_fp8_block_scaled_checkpoint_imports_dequantized(tmp_path):
   want = fp8_checkpoint(src, d)
   assert len(want) == 3 * 5 + 3 + 2 * 8 * 3 + 2 * 3   # attention x 3 layers, dense MLP, experts, shared
   setup, params = _imported_from(configs.get(f"hf:{d}"), d)
-  out = str(tmp_path / "out")
-  exporter.export_params(params, setup.exp.model, ARCH, out, np.float32, 1 << 30)
-  a, b = safetensors.Reader(src), safetensors.Reader(out)
-  assert a.names() == b.names()
-  for name in b.names():
-    np.testing.assert_array_equal(b.get(name), want.get(name, a.get(name)), err_msg=name)
+  assert_export_dequantized(params, setup.exp.model, ARCH, src, tmp_path / "out", want)

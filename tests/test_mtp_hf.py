@@ -20,13 +20,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from hf_helpers import (FIXTURES, assert_config_round_trips, assert_export_bit_exact,  # noqa: E402
-                        assert_logits_match, experiment, imported, imported_from, reference, train_loss)
+                        assert_export_dequantized, assert_logits_match, experiment, imported,
+                        imported_from, reference, train_loss)
 
 from shardax.configs.mtp import MTPConfig  # noqa: E402
 from shardax.configs.schema import ConfigError  # noqa: E402
 from shardax.models.hf import deepseek_v3  # noqa: E402
 from shardax.trainer import decode  # noqa: E402
-from shardax.trainer.hf import exporter, safetensors  # noqa: E402
+from shardax.trainer.hf import safetensors  # noqa: E402
 
 ARCH, HF_ARCH = "deepseek_v3_mtp", "deepseek_v3"
 SOURCE = os.path.join(FIXTURES, ARCH)
@@ -102,12 +103,7 @@ def test_an_fp8_block_scaled_checkpoint_brings_its_mtp_layer_dequantized(tmp_pat
   want = fp8_checkpoint(SOURCE, d)
   assert MTP + "eh_proj.weight" in want and MTP + "mlp.experts.3.up_proj.weight" in want
   setup, params = _import(d)
-  out = str(tmp_path / "out")
-  exporter.export_params(params, setup.exp.model, HF_ARCH, out, np.float32, 1 << 30)
-  a, b = safetensors.Reader(SOURCE), safetensors.Reader(out)
-  assert a.names() == b.names()
-  for name in b.names():
-    np.testing.assert_array_equal(b.get(name), want.get(name, a.get(name)), err_msg=name)
+  assert_export_dequantized(params, setup.exp.model, HF_ARCH, SOURCE, tmp_path / "out", want)
 
 
 def rewritten(tmp_path, change):
