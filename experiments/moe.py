@@ -97,8 +97,8 @@ def deepseek_v3():
     * remat 'moe_returned': kept for the backward are MLA's compact tensors (the low-rank
       query [b, l, 1536], the latent with the RoPE key [b, l, 576]) and its output
       projection, the expert gate/up outputs and the returned expert outputs; recomputed are
-      the per-head queries, keys and values (two up projections, a few % of a layer's
-      FLOPs, instead of keeping 0.5 GB a layer per chip) and the dispatch exchange, but no
+      the per-head queries, keys and values (the two up projections, under 3% of a layer's
+      training FLOPs, instead of keeping 0.5 GB a layer per chip) and the dispatch exchange, but no
       expert matmul;
     * fp8 dispatch, as DeepSeek-V3: what travels to the experts goes in fp8, what comes back
       in bf16."""
