@@ -143,6 +143,17 @@ def _tpu(name: str, page: str, *, devices_per_chip: int, sources: dict[str, str]
               **figures)
 
 
+def _lite(name: str, page: str, *, sources: dict[str, str], **figures) -> Chip:
+  """A "lite" TPU row (v5e, v6e): what the generation shares, from its page: one TensorCore and
+  one jax device a chip, 4 ICI ports on a 2D torus that wraps from 16 chips a side, no fp8 and an
+  unpublished clock; `figures` and `sources` are the chip's own."""
+  return _tpu(name, page, devices_per_chip=1, peak_fp8_flops=0.0, ici_links_per_chip=4, torus_dims=2,
+              wraparound_from=16, cores_per_chip=1, clock_hz=0.0,
+              sources={"peak_fp8_flops": _NO_FP8, "clock_hz": _UNREAD,
+                       "cores_per_chip": _TPU + f"{page} ('each {page} chip contains one TensorCore')",
+                       "ici_links_per_chip": _TPU + f"{page} ('ICI ports per chip: 4')", **sources},
+              **figures)
+
 # Sources every GPU row shares: NVSwitch, no torus, no array to pad to, A3 High's network.
 _GPU_SOURCES = {
     "torus_dims": "n/a: NVSwitch (0)", "wraparound_from": "n/a (0)", "devices_per_chip": "one GPU, one device",
@@ -194,17 +205,12 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
          cores_per_chip=2, mxus_per_core=4, mxu_dim=128, clock_hz=1050e6,
          sources={"ici_link_bandwidth dcn_bandwidth": _TPU + "v4 / " + _SCALING_BOOK, "peak_fp8_flops": _NO_FP8,
                   "cores_per_chip mxus_per_core clock_hz ici_links_per_chip": _V4_PAPER}),
-    _tpu("TPU v5 lite", "v5e", devices_per_chip=1,
-         peak_bf16_flops=197e12, peak_int8_flops=393e12, peak_fp8_flops=0.0,
-         hbm_bytes=16 * GiB, hbm_bandwidth=819 * GB,
-         ici_bandwidth=400 * GB, ici_link_bandwidth=5e10, ici_links_per_chip=4, torus_dims=2, wraparound_from=16,
-         dcn_bandwidth=3.125e9, cores_per_chip=1, mxus_per_core=4, mxu_dim=128, clock_hz=0.0,
-         sources={"ici_link_bandwidth": _TPU + "v5e (400 GBps bidirectional ICI over 4 ports)",
-                  "dcn_bandwidth": _TPU + "v5e (2 x 100 Gbps NICs per host of 8 chips)",
-                  "peak_fp8_flops": _NO_FP8, "clock_hz": _UNREAD,
-                  "cores_per_chip": _TPU + "v5e ('each v5e chip contains one TensorCore')",
-                  "mxus_per_core": _TPU + "v5e ('four matrix-multiply units')",
-                  "ici_links_per_chip": _TPU + "v5e ('ICI ports per chip: 4')"}),
+    _lite("TPU v5 lite", "v5e", peak_bf16_flops=197e12, peak_int8_flops=393e12,
+          hbm_bytes=16 * GiB, hbm_bandwidth=819 * GB, ici_bandwidth=400 * GB, ici_link_bandwidth=5e10,
+          dcn_bandwidth=3.125e9, mxus_per_core=4, mxu_dim=128,
+          sources={"ici_link_bandwidth": _TPU + "v5e (400 GBps bidirectional ICI over 4 ports)",
+                   "dcn_bandwidth": _TPU + "v5e (2 x 100 Gbps NICs per host of 8 chips)",
+                   "mxus_per_core": _TPU + "v5e ('four matrix-multiply units')"}),
     # The v5p page says 95 GiB of HBM, but libtpu's compiler lets one device use 95.74 GiB.
     _tpu("TPU v5", "v5p", devices_per_chip=1,
          peak_bf16_flops=459e12, peak_int8_flops=918e12, peak_fp8_flops=0.0,
@@ -219,18 +225,13 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
                   "cores_per_chip": _TPU + "v5p (the topology table: 8 cores per 4 chips)",
                   "mxus_per_core": _TPU + "v5p ('each TensorCore has four MXUs')",
                   "ici_links_per_chip": _TPU + "v5p (3D torus: 6 neighbours)"}),
-    _tpu("TPU v6 lite", "v6e", devices_per_chip=1,   # Trillium
-         peak_bf16_flops=918e12, peak_int8_flops=1836e12, peak_fp8_flops=0.0,
-         hbm_bytes=32 * GiB, hbm_bandwidth=1638 * GB,
-         ici_bandwidth=800 * GB, ici_link_bandwidth=1e11, ici_links_per_chip=4, torus_dims=2, wraparound_from=16,
-         dcn_bandwidth=1.25e10, cores_per_chip=1, mxus_per_core=2, mxu_dim=256, clock_hz=0.0,
-         sources={"ici_link_bandwidth": _TPU + "v6e (800 GBps bidirectional ICI over 4 ports)",
-                  "dcn_bandwidth": _SCALING_BOOK + " (DCN per chip; the v6e page gives no NIC figure)",
-                  "peak_fp8_flops": _NO_FP8, "clock_hz": _UNREAD,
-                  "cores_per_chip": _TPU + "v6e ('each v6e chip contains one TensorCore')",
-                  "mxus_per_core": _TPU + "v6e ('two 256x256 matrix-multiply units')",
-                  "mxu_dim": _TPU + "v6e ('256x256 matrix-multiply units')",
-                  "ici_links_per_chip": _TPU + "v6e ('ICI ports per chip: 4')"}),
+    _lite("TPU v6 lite", "v6e", peak_bf16_flops=918e12, peak_int8_flops=1836e12,   # Trillium
+          hbm_bytes=32 * GiB, hbm_bandwidth=1638 * GB, ici_bandwidth=800 * GB, ici_link_bandwidth=1e11,
+          dcn_bandwidth=1.25e10, mxus_per_core=2, mxu_dim=256,
+          sources={"ici_link_bandwidth": _TPU + "v6e (800 GBps bidirectional ICI over 4 ports)",
+                   "dcn_bandwidth": _SCALING_BOOK + " (DCN per chip; the v6e page gives no NIC figure)",
+                   "mxus_per_core": _TPU + "v6e ('two 256x256 matrix-multiply units')",
+                   "mxu_dim": _TPU + "v6e ('256x256 matrix-multiply units')"}),
     # Ironwood, per device = half a chip: 2307 TFLOPs bf16, 4614 fp8, 192 GiB, 7.37 TB/s HBM, 1.2 TB/s ICI.
     _tpu("TPU7x", "tpu7x", devices_per_chip=2,
          peak_bf16_flops=2307e12 / 2, peak_int8_flops=0.0, peak_fp8_flops=4614e12 / 2,
