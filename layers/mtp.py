@@ -88,7 +88,10 @@ class MTPModule(nnx.Module):
 
   def combine(self, h: jax.Array, e: jax.Array) -> jax.Array:
     """M_k [RMSNorm_e(e); RMSNorm_h(h)]: [b, l, embed] x 2 -> [b, l, embed]."""
-    return shard(self.eh_proj(jnp.stack([self.enorm(e), self.hnorm(h)], axis=-2)), RESIDUAL)
+    # The pair keeps the residual's layout, so the projection gathers its weight (FSDP), never
+    # the whole batch (what the partitioner chose for moe.deepseek_v3 unconstrained: 56 GiB a chip).
+    pair = shard(jnp.stack([self.enorm(e), self.hnorm(h)], axis=-2), ("batch", "length", None, "embed"))
+    return shard(self.eh_proj(pair), RESIDUAL)
 
 
 def depths(modules, cfg: TransformerConfig, h0: jax.Array, embed: Callable, batch: dict,
