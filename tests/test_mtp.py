@@ -21,6 +21,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 from meshtools import loss_and_grads, packed_batch, setup_for, tiny_lm  # noqa: E402
+from test_mla import compiled_forward_flops  # noqa: E402
 
 from shardax import configs  # noqa: E402
 from shardax.configs.schema import ConfigError  # noqa: E402
@@ -157,16 +158,6 @@ def test_evaluation_reports_the_main_loss_and_runs_no_mtp(dense):
 def _without_mtp(exp):
   import dataclasses
   return dataclasses.replace(exp, model=dataclasses.replace(exp.model, mtp=None))
-
-
-def compiled_forward_flops(exp) -> float:
-  """The compiler's FLOP count of the training loss's forward pass (abstract shapes only)."""
-  setup = setup_for(exp, jax.devices()[:1])
-  with jax.set_mesh(setup.mesh), use_rules(setup.rules):
-    compiled = jax.jit(lambda p, x: step_lib.loss_fn(setup)(p, x)[0]).lower(
-        setup.abstract["params"], step_lib.abstract_batch(setup)).compile()
-  cost = compiled.cost_analysis()
-  return (cost[0] if isinstance(cost, (list, tuple)) else cost)["flops"]
 
 
 def test_param_and_flop_counts_are_what_the_mtp_modules_run(dense):
