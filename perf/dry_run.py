@@ -279,7 +279,8 @@ def _gib(b: int | None) -> str:
 def format_report(r: dict) -> str:
   """The human-readable table printed by `--mode=dry_run`."""
   m = r["bytes_per_device"]
-  fits = {True: "yes", False: "NO", None: "unknown (no chip table entry)"}[r["fits"]]
+  fits = {True: "yes", False: "NO", None: "unknown (" + (
+      "see below" if r.get("memory_unknown") else "no chip table entry") + ")"}[r["fits"]]
   stand_in = (r.get("predicted") or {}).get("stand_in_for")
   lines = [stepmodel.stand_in_line(stepmodel.Prediction(**r["predicted"]))] if stand_in else []
   lines += [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
@@ -296,6 +297,8 @@ def format_report(r: dict) -> str:
   usable = (f" (what the compiler allows of the chip's {_gib(chip.hbm_bytes)})"
             if chip and r["hbm_bytes_per_device"] not in (None, chip.hbm_bytes) else "")
   lines.append(f"    {'hbm':<16}{_gib(r['hbm_bytes_per_device']):>16}   fits: {fits}{usable}")
+  if r.get("memory_unknown"):
+    lines.append(f"  memory unknown: {r['memory_unknown']}")
   if r["error"]:
     lines.append(f"  compiler: {r['error']}")
   if r.get("balance_bet"):

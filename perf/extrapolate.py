@@ -247,11 +247,34 @@ def extrapolated(exp: Experiment, d: Depth, effort: float = 0.0) -> dict:
            "compile_cpu_seconds": a["compile_cpu_seconds"] + b["compile_cpu_seconds"]}
     return _with_exact(out, exp)
   out = affine(a, b, xa, xb, d.layers)  # memory; then the deepened times, the exact and derived fields
+  _refuse_falling_temp(out, shallow)
   out = _deepened(out, b, costs_b[0], exp, d, xb)
   out.update(compile_seconds=a["compile_seconds"] + b["compile_seconds"],
              compile_cpu_seconds=a["compile_cpu_seconds"] + b["compile_cpu_seconds"],
              compile_path="shallow", shallow=shallow)
   return _derive(_with_exact(out, exp), exp)
+
+
+TEMP_NOISE = 0.01  # a temp that falls by less between the copies is flat (compiler noise)
+
+
+def _refuse_falling_temp(out: dict, shallow: dict) -> None:
+  """Temp and total unknown when the deeper copy needs less temp than the shallower one.
+
+  A deeper stack keeps at least as much for the backward pass, so temp falling with depth
+  means the compiler planned the two copies differently, and the line through them says
+  nothing about the full depth: extended to 61 layers it went below zero (moe.deepseek_v3
+  with model.remat='full': 25.06 GB at 6 layers, 17.12 GB at 7), and a clamped 0 read as
+  "fits: yes". The exactly affine figures (params, optimizer state) stay.
+  """
+  ta, tb = shallow["temp_bytes"]
+  if ta is None or tb is None or tb >= ta * (1 - TEMP_NOISE):
+    return
+  xa, xb = shallow["layers"]
+  out["bytes_per_device"].update(temp=None, total=None)
+  out["memory_unknown"] = (f"temp fell with depth in the shallow copies ({ta / 2**30:.2f} GiB at "
+                           f"{xa} layers, {tb / 2**30:.2f} GiB at {xb}): the full depth's memory "
+                           f"cannot be extrapolated; run without --shallow to compile it")
 
 
 def _with_exact(out: dict, exp: Experiment) -> dict:

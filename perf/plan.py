@@ -260,7 +260,8 @@ class Base:
 
 def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort: float = -1.0,
              shallow: bool = False) -> dict[str, Any]:
-  """One candidate's row: status "ok" / "does not fit" / "rejected", the reason, the figures."""
+  """One candidate's row: status "ok" / "does not fit" / "memory unknown" (a shallow dry run
+  that cannot extrapolate memory) / "rejected", the reason, the figures."""
   row: dict[str, Any] = {"sets": list(sets), "set_line": set_line(sets), "status": "rejected",
                          "reason": None, "predicted_step_seconds": None, "bytes_per_device": None,
                          "fits": None, "seconds": 0.0}
@@ -289,7 +290,9 @@ def evaluate(name: str, overrides: Sequence[str], sets: Sequence[str], *, effort
   row.update(fits=report["fits"], bytes_per_device=total, compile_path=report["compile_path"],
              predicted_step_seconds=_predicted_seconds(report),
              compile_seconds=report["compile_seconds"], seconds=time.perf_counter() - start)
-  if report["fits"] is False:
+  if report.get("memory_unknown"):  # not ranked: a layout whose memory is unknown may not fit
+    row.update(status="memory unknown", reason=report["memory_unknown"])
+  elif report["fits"] is False:
     row.update(status="does not fit", reason=report["error"] or
                f"the compiler needs {total / 2**30:.2f} GiB per device > "
                f"{report['hbm_bytes_per_device'] / 2**30:.2f} GiB HBM")
@@ -363,11 +366,13 @@ def _gib(b: int | None) -> str:
 def format_plan(p: dict, top: int = 5) -> str:
   """The summary `--mode=plan` prints: counts, then the best layouts with their --set lines."""
   rows = p["candidates"]
-  count = {s: sum(1 for r in rows if r["status"] == s) for s in ("ok", "does not fit", "rejected")}
+  count = {s: sum(1 for r in rows if r["status"] == s)
+           for s in ("ok", "does not fit", "memory unknown", "rejected")}
   lines = [f"plan for {p['experiment']} on {p['topology'] or 'local devices'} "
            f"({p['num_devices']} x {p['device_kind']}): {len(rows)} candidates, {p['compiled']} "
-           f"compiled, {count['ok']} fit, {count['does not fit']} do not fit, {count['rejected']} "
-           f"rejected; {p['wall_seconds']:.0f} s",
+           f"compiled, {count['ok']} fit, {count['does not fit']} do not fit, "
+           + (f"{count['memory unknown']} memory unknown, " if count["memory unknown"] else "")
+           + f"{count['rejected']} rejected; {p['wall_seconds']:.0f} s",
            f"  {'#':>3} {'step':>9} {'memory':>10}  layout"]
   for i, idx in enumerate(p["ranked"][:top]):
     r = rows[idx]

@@ -163,3 +163,47 @@ def test_an_extrapolated_report_that_does_not_fit_ranks_no_levers_from_the_shall
          "buffers": [block((2, 2, seq, 128), 2**29), block((2, seq, exp.model.vocab_size), 2**28)]}
   hint = ex._derive(out, exp)["hint"]
   assert "GiB (" not in hint and "without --shallow" in hint, hint
+
+
+def test_temp_that_falls_with_depth_makes_memory_unknown_not_zero():
+  """moe.deepseek_v3 with model.remat='full': the 6- and 7-layer copies needed 25.06 and 17.12 GB
+  of temp; the line through them reached 0 long before 61 layers, the clamp made it 0 bytes and
+  the report said "fits: yes". Memory falling with depth says nothing about the full depth."""
+  from shardax.perf import dry_run as dry_run_lib
+  exp = build("lm.tiny", *SMALL, "model.num_layers=61")
+  gb = 10**9
+  copy = lambda temp: {"bytes_per_device": {"params": 2 * gb, "optimizer_state": 4 * gb, "temp": temp,
+                                            "total": 6 * gb + temp},
+                       "hbm_bytes_per_device": 100 * gb, "device_kind": "cpu", "predicted": None,
+                       "num_devices": 4, "fits": True, "error": None}
+  shallow = {"layers": [6, 7], "temp_bytes": [25 * gb, 17 * gb]}
+  out = ex.affine(copy(25 * gb), copy(17 * gb), 6, 7, 61)
+  ex._refuse_falling_temp(out, shallow)
+  out = ex._derive(out, exp)
+  assert out["fits"] is None and out["hint"] is None
+  mem = out["bytes_per_device"]
+  assert mem["temp"] is None and mem["total"] is None
+  assert (mem["params"], mem["optimizer_state"]) == (2 * gb, 4 * gb)  # exactly affine: kept
+  assert "without --shallow" in out["memory_unknown"]
+  # within compiler noise a flat temp is a temp, and a growing one is extrapolated as before
+  for temps in ([25 * gb, int(24.9 * gb)], [17 * gb, 25 * gb]):
+    out = ex.affine(copy(temps[0]), copy(temps[1]), 6, 7, 61)
+    ex._refuse_falling_temp(out, {"layers": [6, 7], "temp_bytes": temps})
+    assert "memory_unknown" not in out and out["bytes_per_device"]["total"] > 0
+  report = {**ex._derive(out, exp), "experiment": "x", "topology": "v5e:2x2", "num_params": 1,
+            "global_batch": 8, "tokens_per_step": 512, "compile_seconds": 1.0, "compile_cpu_seconds": 1.0,
+            "mesh": {}, "collectives": {}, "flops_per_device": None, "error": None, "fits": None,
+            "memory_unknown": "temp fell with depth ...; run without --shallow to compile it"}
+  text = dry_run_lib.format_report(report)
+  assert "fits: unknown (see below)" in text and "memory unknown: temp fell" in text, text
+
+
+def test_a_planned_layout_whose_memory_is_unknown_is_not_ranked(monkeypatch):
+  from shardax.perf import plan
+  report = {"bytes_per_device": {"total": None}, "fits": None, "compile_path": "shallow",
+            "compile_seconds": 1.0, "predicted": {"step_seconds": 0.5}, "error": None,
+            "memory_unknown": "temp fell with depth ...; run without --shallow to compile it"}
+  monkeypatch.setattr(plan.extrapolate, "dry_run", lambda *a, **k: report)
+  row = plan.evaluate("lm.tiny", SMALL, (), shallow=True)
+  assert row["status"] == "memory unknown" and "without --shallow" in row["reason"]
+  assert plan.rank([row]) == []
