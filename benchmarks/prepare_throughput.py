@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import preparation, tokenizers
 
 

@@ -4,7 +4,7 @@ replaying from the start (what other processes did before each saved its own sta
   .venv/bin/python benchmarks/resume_data_state.py
 """
 import json, tempfile, time
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import inputs, preparation
 d = tempfile.mkdtemp()
 preparation.prepare(DataConfig(source="stdlib", data_dir=d))

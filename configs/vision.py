@@ -23,7 +23,9 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from shardax.configs.schema import IMAGE_SOURCES, ConfigError, DataConfig, _require, spatial_shape
+from shardax.configs.data import IMAGE_SOURCES, DataConfig, spatial_shape
+from shardax.configs.errors import ConfigError
+from shardax.configs.errors import require as _require
 
 TRAIN_FLOPS_PER_FORWARD_MAC = 2 * 3  # 2 FLOPs per MAC, forward + backward = 3 x forward
 

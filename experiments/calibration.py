@@ -33,7 +33,8 @@ from __future__ import annotations
 import math
 
 from shardax.configs.moe import MoEConfig
-from shardax.configs.schema import DataConfig, ShardingConfig, TrainConfig, TransformerConfig
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import ShardingConfig, TrainConfig, TransformerConfig
 from shardax.experiments.recipes import experiment_of
 from shardax.sharding import MeshConfig
 

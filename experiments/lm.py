@@ -8,7 +8,8 @@ import dataclasses
 
 from shardax.configs import register, shapes
 from shardax.configs.registry import config_of
-from shardax.configs.schema import CheckpointConfig, DataConfig, OptimizerConfig, TrainConfig
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import CheckpointConfig, OptimizerConfig, TrainConfig
 from shardax.experiments import recipes
 
 

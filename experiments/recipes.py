@@ -15,7 +15,8 @@ import fiddle as fdl
 
 from shardax.configs import experiment
 from shardax.configs.registry import config_of
-from shardax.configs.schema import (CheckpointConfig, DataConfig, OptimizerConfig, ShardingConfig, TrainConfig,
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import (CheckpointConfig, OptimizerConfig, ShardingConfig, TrainConfig,
                                     TransformerConfig)
 from shardax.sharding import MeshConfig, libtpu_flags
 

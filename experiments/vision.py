@@ -3,7 +3,8 @@ partitioned) and a small CNN on scikit-learn's digits. All run on a laptop CPU."
 
 from shardax.configs import register
 from shardax.configs.registry import config_of
-from shardax.configs.schema import CheckpointConfig, DataConfig, OptimizerConfig, TrainConfig
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import CheckpointConfig, OptimizerConfig, TrainConfig
 from shardax.configs.vision import ClassifierConfig, UNet3DConfig
 from shardax.experiments import recipes
 from shardax.sharding import MeshConfig

@@ -10,7 +10,7 @@ import pytest
 
 from shardax import configs
 from shardax.configs import ConfigError
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import inputs, preparation, streaming
 
 

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import inputs, preparation, sources, store
 
 WORDS = [f"w{i:03d}" for i in range(300)]
@@ -28,7 +28,7 @@ def write_corpus(root, files=4, docs=60, seed=0):
 
 PREPARE = """
 import sys
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import preparation
 cfg = DataConfig(source=sys.argv[1], data_dir=sys.argv[2], num_shards=8, validation_fraction=0.2)
 p = preparation.prepare(cfg, process_index=int(sys.argv[3]), process_count=int(sys.argv[4]))

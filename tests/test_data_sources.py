@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shardax.configs import ConfigError
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import preparation, sources, streaming, tokenizers
 
 

@@ -9,7 +9,8 @@ import os
 import numpy as np
 import pytest
 
-from shardax.configs.schema import CheckpointConfig, DataConfig
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import CheckpointConfig
 from shardax.trainer import checkpoint
 from shardax.trainer.data import inputs, packing, preparation, record, resume, streaming
 

@@ -9,7 +9,8 @@ import sys
 import numpy as np
 import pytest
 
-from shardax.configs.schema import DataConfig, TrainConfig
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import TrainConfig
 from shardax.trainer.data import inputs, preparation, streaming
 
 WORDS = [f"w{i:03d}" for i in range(1000)]
@@ -87,7 +88,8 @@ def test_eval_covers_the_whole_validation_split_once(small):
 
 RSS_SCRIPT = """
 import json, resource, sys, time
-from shardax.configs.schema import DataConfig, TrainConfig
+from shardax.configs.data import DataConfig
+from shardax.configs.schema import TrainConfig
 from shardax.trainer.data import preparation, streaming
 
 def status_mb(key):

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardax.configs import ConfigError, apply_overrides, build, get
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import inputs, preparation, sources, tokenizers
 
 TEXT = "def f(x):\n    return {'héllo': x}  # ✓ 𝄞\n\n\tpass\n"

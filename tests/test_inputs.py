@@ -14,7 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
-from shardax.configs.schema import DataConfig
+from shardax.configs.data import DataConfig
 from shardax.trainer.data import inputs, layout, packing, preparation, sources, streaming, tokenizers
 
 SEQ = 32
@@ -267,7 +267,7 @@ def test_synthetic_is_deterministic_learnable_and_needs_no_files(tmp_path):
 
 
 def test_default_path_never_imports_tensorflow(data_dir):
-  code = ("import sys; from shardax.configs.schema import DataConfig; "
+  code = ("import sys; from shardax.configs.data import DataConfig; "
           "from shardax.trainer.data import inputs; "
           f"next(inputs.Batches(DataConfig(data_dir={data_dir!r}, seq_len=8), 'train', 2)); "
           "assert 'tensorflow' not in sys.modules, 'tensorflow was imported'")

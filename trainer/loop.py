@@ -18,7 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from shardax.configs.schema import IMAGE_SOURCES, Experiment
+from shardax.configs.data import IMAGE_SOURCES
+from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, use_rules
 from shardax.trainer import checkpoint as ckpt_lib  # noqa
 from shardax.trainer import distributed, goodput, jobdir, local_tier, model_setup, moe_drops

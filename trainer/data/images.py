@@ -22,10 +22,10 @@ import jax
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from shardax.configs.schema import IMAGE_SOURCES, DataConfig, spatial_shape
+from shardax.configs.data import IMAGE_SOURCES, DataConfig, spatial_shape
 from shardax.trainer.data import rows as rows_lib
 
-SOURCES = tuple(IMAGE_SOURCES)   # each one's sizes, classes and channels: configs/schema.py
+SOURCES = tuple(IMAGE_SOURCES)   # each one's sizes, classes and channels: configs/data.py
 SHAPES3D_EXAMPLES = {"train": 1 << 20, "validation": 512}
 SPLITS = ("train", "validation")
 

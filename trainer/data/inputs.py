@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from shardax.configs.schema import IMAGE_SOURCES, DataConfig
+from shardax.configs.data import IMAGE_SOURCES, DataConfig
 from shardax.trainer import distributed
 from shardax.trainer.data import images, packing, preparation, record, resume, streaming
 from shardax.trainer.data.layout import reader_layout
