@@ -120,8 +120,9 @@ class MoEConfig:
                     'drop') over one logging window above which training warns, once per
                     run, naming the worst layers and the field that changes it. Every window's
                     fraction goes to metrics.jsonl / TensorBoard as moe/dropped_copies (each
-                    layer's as moe/dropped_copies/layer_<i> when any dropped), on the progress
-                    line whenever it is not 0, and eval reports its own (eval_moe/dropped_copies).
+                    layer's as moe/dropped_copies/layer_<i> when any dropped, an MTP depth's
+                    block as moe/dropped_copies/mtp_<k>), on the progress line whenever it is
+                    not 0, and eval reports its own (eval_moe/dropped_copies).
   """
   num_experts: int = 8
   d_ff: int = 512

@@ -112,12 +112,17 @@ def depths(modules, cfg: TransformerConfig, h0: jax.Array, embed: Callable, batc
 
 
 def moe_terms(stats: list[dict]) -> dict:
-  """The MTP blocks' MoE terms, averaged over the depths: 'aux_loss', 'z_loss' and, where the
-  router's dispatch reports it, 'expert_buffer_overflow' (summed: a count); {} for dense blocks."""
+  """The MTP blocks' MoE terms: 'aux_loss' and 'z_loss' averaged over the depths, the token
+  copies each depth's block routed and dropped ('routed_copies_count', 'dropped_copies_count':
+  float32 [D], what the drop report lists after the stack's layers, trainer/moe_drops.py) and,
+  where the router's dispatch reports it, 'expert_buffer_overflow' (summed: a count); {} for
+  dense blocks."""
   if not stats or not stats[0]:
     return {}
   mean = lambda name: jnp.mean(jnp.stack([s[name] for s in stats]))
   out = {"aux_loss": mean("aux_loss"), "z_loss": mean("z_loss")}
+  for name in ("routed_copies_count", "dropped_copies_count"):
+    out[name] = jnp.stack([jnp.sum(s[name]).astype(jnp.float32) for s in stats])
   if "expert_buffer_overflow" in stats[0]:
     out["expert_buffer_overflow"] = sum(jnp.sum(s["expert_buffer_overflow"]) for s in stats)
   return out

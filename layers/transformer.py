@@ -380,6 +380,8 @@ class TransformerLM(nnx.Module):
         metrics.update({"mtp/aux_loss": terms["aux_loss"], "mtp/z_loss": terms["z_loss"]})
         if "expert_buffer_overflow" in terms:
           stats["expert_buffer_overflow"] = stats["expert_buffer_overflow"] + terms["expert_buffer_overflow"]
+        for k in COUNT_STATS:   # [stack's MoE layers, then the MTP depths]: trainer/moe_drops.py
+          stats[k] = jnp.concatenate([stats[k], terms[k]])
       mtp_lib.set_next_biases(self.mtp or [], mtp_stats)
       next_bias = stats.pop("next_bias", None)
       metrics.update({f"moe/{k}": v.astype(jnp.float32) for k, v in stats.items()})

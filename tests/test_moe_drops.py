@@ -122,3 +122,55 @@ def test_explain_and_the_dry_run_print_the_bet(tmp_path):
            "fair shares" in proc.stdout, proc.stdout[-3000:]
     saved = json.loads((tmp_path / mode / report).read_text())["balance_bet"]
     assert saved and "the no-overflow bound is 2" in saved
+
+
+# moe.deepseek_tiny (dropless, sigmoid top-k, a first dense layer) at 3 layers (MoE layers 1 and
+# 2) with one MTP depth, its experts split over 2 devices whose buffers hold half a fair share:
+# the stack's MoE layers and the MTP module's MoE block both drop copies past it.
+MTP_DROPPING = ["model.num_layers=3", "model.d_model=32", "model.num_heads=4", "model.d_ff=64",
+                "model.max_len=16", "data.seq_len=16", "train.global_batch=4", "data.source='synthetic'",
+                "model.moe.num_experts=8", "model.moe.top_k=2", "model.moe.d_ff=16",
+                "model.moe.expert_buffer=0.5", "model.moe.expert_overflow='drop'",
+                "model.mtp.depth=1", "model.mtp.loss_weight=0.3", "mesh.ici=(2, 1)"]
+
+
+def test_the_mtp_blocks_drops_are_reported_beside_the_layers():
+  """A DeepSeek-V3-like model whose MTP block routes through a too-small expert buffer: the
+  train step's counts list the stack's MoE layers, then the MTP block; the report names it
+  'mtp_1' beside 'layer_1' and 'layer_2', with the drops that the model without MTP (the same
+  main params: the MTP module is built last) does not have, out of every token's top-k
+  copies; the totals count them; the warning names the MTP block when it drops the most."""
+  import jax
+  from meshtools import loss_and_grads, setup_for
+  from shardax.trainer import state as state_lib
+
+  b, l, k = 4, 16, 2
+  counts = {}
+  for name, extra in (("on", []), ("off", ["model.mtp=None"])):
+    cfg = configs.get("moe.deepseek_tiny")
+    configs.apply_overrides(cfg, MTP_DROPPING + extra)
+    exp = configs.build(cfg)
+    setup = setup_for(exp, jax.devices()[:2])
+    params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+    batch = {"inputs": np.random.default_rng(0).integers(1, 256, (b, l)).astype(np.int32)}
+    batch["targets"] = np.roll(batch["inputs"], -1, axis=1)
+    (_, _, metrics), _ = loss_and_grads(setup, params, batch)
+    counts[name] = (exp.model, moe_drops.of_metrics([metrics]))
+  model, on = counts["on"]
+  off = counts["off"][1]
+  assert on.routed.shape == (3,) and off.routed.shape == (2,)
+  np.testing.assert_array_equal(on.routed[:2], off.routed)      # the stack routes what it did
+  np.testing.assert_array_equal(on.dropped[:2], off.dropped)
+  assert on.routed[2] == b * l * k                               # every position's top-k copies
+  mtp_dropped = on.dropped.sum() - off.dropped.sum()
+  assert mtp_dropped > 0
+  report = moe_drops.scalars(on, model)
+  per_layer = {key.split("/")[-1]: v for key, v in report.items() if key.startswith("moe/dropped_copies/")}
+  assert sorted(per_layer) == ["layer_1", "layer_2", "mtp_1"]
+  assert per_layer["mtp_1"] == mtp_dropped / (b * l * k)
+  assert report["moe/dropped_copies_count"] == on.dropped.sum()
+  assert report["moe/dropped_copies"] == on.dropped.sum() / on.routed.sum()
+  # evaluation runs no MTP: its counts name the stack's layers alone
+  assert sorted(moe_drops.names(model, 2)) == ["layer_1", "layer_2"]
+  worst = moe_drops.Drops(on.routed, np.array([0.0, 1.0, on.routed[2] / 2]))
+  assert moe_drops.worst_layers(worst, model).startswith("MTP depth 1 (model.mtp) (50.00% of its copies)")

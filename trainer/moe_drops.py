@@ -6,7 +6,8 @@ output (the residual alone carries the token through that layer): past an expert
 capacity C (`dispatch='capacity'`), or past a device's expert-parallel receive buffer with
 `expert_overflow='drop'` (`dispatch='dropless'`). Every MoE layer counts, per step, the
 copies it routed and those it dropped (`step.ROUTED`, `step.DROPPED`: [MoE layers] each,
-layers/moe.py). The loop fetches every step's metrics at its log point, so the sums here
+layers/moe.py; in training the multi-token prediction modules' MoE blocks follow the stack's
+layers, layers/mtp.py). The loop fetches every step's metrics at its log point, so the sums here
 cover each step of the window without a device sync per step, and the window's fraction is
 exact: dropped over routed, all steps and layers together.
 """
@@ -23,12 +24,15 @@ from shardax.sharding import rules as rules_lib
 from shardax.trainer.step import DROPPED, ROUTED
 
 FRACTION = "moe/dropped_copies"          # the window's dropped share, all layers
-PER_LAYER = "moe/dropped_copies/layer_"  # + the model layer (0-based), when any dropped
+# + each entry's name (`names`), when any dropped: 'layer_<i>' (the model layer, 0-based),
+# 'mtp_<k>' (multi-token prediction depth k's block, 1-based as its mtp/loss_<k>)
+PER_LAYER = "moe/dropped_copies/"
 
 
 @dataclasses.dataclass
 class Drops:
-  """Token copies routed and dropped, per MoE layer (in the stack's order)."""
+  """Token copies routed and dropped, per MoE layer (in the stack's order, then the MTP
+  depths' blocks when the counts come from training a model with `model.mtp`)."""
   routed: np.ndarray
   dropped: np.ndarray
 
@@ -49,18 +53,35 @@ def of_metrics(metrics: list[dict]) -> Drops | None:
 
 
 def layers(model) -> list[int]:
-  """The 0-based model layer of each MoE layer the statistics list."""
+  """The 0-based model layer of each MoE layer of the stack the statistics list."""
   return [unit_layer(model, u) for u in range(model.num_moe_layers)]
 
 
+def _entries(model, n: int) -> list[tuple[str, str]]:
+  """(metric name, words) of each of `n` counts: the stack's MoE layers, then, when the counts
+  come from training (evaluation runs no MTP), each multi-token prediction depth's block."""
+  stack = [(f"layer_{i}", f"layer {i}") for i in layers(model)]
+  depth = model.mtp.depth if getattr(model, "mtp", None) is not None else 0
+  if n not in (len(stack), len(stack) + depth):
+    raise ValueError(f"{n} MoE drop counts for a model of {len(stack)} MoE layers and {depth} "
+                     f"MTP depth(s): expected {len(stack)} (evaluation) or {len(stack) + depth} (training)")
+  return stack + [(f"mtp_{k}", f"MTP depth {k} (model.mtp)") for k in range(1, n - len(stack) + 1)]
+
+
+def names(model, n: int) -> list[str]:
+  """The metric name of each of `n` counts: 'layer_<i>' (the model layer, 0-based) for the
+  stack's MoE layers, then 'mtp_<k>' (1-based, as mtp/loss_<k>) for the MTP depths' blocks."""
+  return [name for name, _ in _entries(model, n)]
+
+
 def scalars(drops: Drops, model, prefix: str = "") -> dict[str, float]:
-  """What the metrics files get for a window: the fraction, both counts, and each layer's
-  fraction when anything dropped."""
+  """What the metrics files get for a window: the fraction, both counts, and each MoE
+  layer's (and MTP block's) fraction when anything dropped."""
   out = {prefix + FRACTION: drops.fraction, prefix + DROPPED: float(drops.dropped.sum()),
          prefix + ROUTED: float(drops.routed.sum())}
   if drops.dropped.sum() > 0:
-    for layer, d, r in zip(layers(model), drops.dropped, drops.routed):
-      out[f"{prefix}{PER_LAYER}{layer}"] = float(d / r) if r else 0.0
+    for name, d, r in zip(names(model, len(drops.routed)), drops.dropped, drops.routed):
+      out[f"{prefix}{PER_LAYER}{name}"] = float(d / r) if r else 0.0
   return out
 
 
@@ -86,8 +107,8 @@ def fields_to_change(moe) -> str:
 def worst_layers(drops: Drops, model, top: int = 3) -> str:
   shares = drops.dropped / np.maximum(drops.routed, 1)
   order = [i for i in np.argsort(-shares, kind="stable")[:top] if drops.dropped[i] > 0]
-  names = layers(model)
-  return ", ".join(f"layer {names[i]} ({percent(float(shares[i]))} of its copies)" for i in order)
+  words = [w for _, w in _entries(model, len(drops.routed))]
+  return ", ".join(f"{words[i]} ({percent(float(shares[i]))} of its copies)" for i in order)
 
 
 class OnceWarning:

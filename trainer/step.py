@@ -34,7 +34,8 @@ STATE_UPDATES = transformer.STATE_UPDATES
 # loss is NaN then): the loop raises `loop.expert_buffer_error` on it, in training and eval.
 OVERFLOW = "moe/expert_buffer_overflow"
 # Token copies each MoE layer routed to experts and those that got no expert output
-# ([moe layers] each, counts of the whole batch): trainer/moe_drops.py reports them.
+# ([moe layers (+ MTP depths in training)] each, counts of the whole batch): trainer/moe_drops.py
+# reports them.
 ROUTED = "moe/routed_copies_count"
 DROPPED = "moe/dropped_copies_count"
 COUNTS = (ROUTED, DROPPED)
