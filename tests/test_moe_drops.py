@@ -172,5 +172,7 @@ def test_the_mtp_blocks_drops_are_reported_beside_the_layers():
   assert report["moe/dropped_copies"] == on.dropped.sum() / on.routed.sum()
   # evaluation runs no MTP: its counts name the stack's layers alone
   assert sorted(moe_drops.names(model, 2)) == ["layer_1", "layer_2"]
+  with pytest.raises(ValueError, match=r"4 MoE drop counts .* expected 2 \(evaluation\) or 3 \(training\)"):
+    moe_drops.names(model, 4)
   worst = moe_drops.Drops(on.routed, np.array([0.0, 1.0, on.routed[2] / 2]))
-  assert moe_drops.worst_layers(worst, model).startswith("MTP depth 1 (model.mtp) (50.00% of its copies)")
+  assert moe_drops.worst_layers(worst, model).startswith("MTP depth 1 (50.00% of its copies), layer 2 (")

@@ -65,7 +65,7 @@ def _entries(model, n: int) -> list[tuple[str, str]]:
   if n not in (len(stack), len(stack) + depth):
     raise ValueError(f"{n} MoE drop counts for a model of {len(stack)} MoE layers and {depth} "
                      f"MTP depth(s): expected {len(stack)} (evaluation) or {len(stack) + depth} (training)")
-  return stack + [(f"mtp_{k}", f"MTP depth {k} (model.mtp)") for k in range(1, n - len(stack) + 1)]
+  return stack + [(f"mtp_{k}", f"MTP depth {k}") for k in range(1, n - len(stack) + 1)]
 
 
 def names(model, n: int) -> list[str]:
