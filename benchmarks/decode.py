@@ -63,7 +63,7 @@ def main():
   import numpy as np
   from shardax import configs
   from shardax.sharding import make_mesh
-  from shardax.trainer import decode
+  from shardax.trainer import decode, decode_cache
   from shardax.trainer import state as state_lib
 
   cfg = configs.get(args.exp)
@@ -95,16 +95,16 @@ def main():
         r = uncached.run(prompts, s)
         best_u = r if best_u is None or r.generate_s < best_u.generate_s else best_u
     tokens, _ = cached.padded(prompts, args.new_tokens)
-    per_device = decode.cache_bytes_per_device(cached.cache_spec(*tokens.shape),
-                                               cached.cache_shardings(*tokens.shape))
+    per_device = decode_cache.cache_bytes_per_device(cached.cache_spec(*tokens.shape),
+                                                     cached.cache_shardings(*tokens.shape))
     row = {"batch": b, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
            "steps": best_c.steps,
            "prefill_tok_s": b * args.prompt_len / best_c.prefill_s,
            "cached_gen_tok_s": b * best_c.steps / best_c.generate_s,
            "cached_ms_per_token": 1e3 * best_c.generate_s / best_c.steps,
            "cache_bytes_per_device": per_device}
-    row["cache_bytes_per_sequence"], row["full_cache_bytes_per_sequence"] = decode.cache_bytes_per_sequence(
-        cached._abstract_model, tokens.shape[1])
+    row["cache_bytes_per_sequence"], row["full_cache_bytes_per_sequence"] = decode_cache.cache_bytes_per_sequence(
+        cached.cache.model, tokens.shape[1])
     if best_u is not None:
       row.update({"uncached_gen_tok_s": b * best_u.steps / best_u.generate_s,
                   "uncached_ms_per_token": 1e3 * best_u.generate_s / best_u.steps})
@@ -125,12 +125,12 @@ def print_cache_bytes(cfg, args) -> None:
   it (rings on windowed / chunked layers) and with every layer caching every position."""
   from flax import nnx
   from shardax import configs, models
-  from shardax.trainer import decode
+  from shardax.trainer import decode_cache
   context = args.context or args.prompt_len + args.new_tokens
   configs.apply_overrides(cfg, [f"model.max_len={context}", *args.set])
   exp = configs.build(cfg)
-  model = nnx.eval_shape(lambda: models.build(decode.decode_config(exp.model), nnx.Rngs(0)))
-  ring, full = decode.cache_bytes_per_sequence(model, context)
+  model = nnx.eval_shape(lambda: models.build(decode_cache.decode_config(exp.model), nnx.Rngs(0)))
+  ring, full = decode_cache.cache_bytes_per_sequence(model, context)
   date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
   print(f"decode cache {date}: {args.exp} {' '.join(args.set)} at {context} positions, one sequence: "
         f"{ring:,} bytes ({ring / 2**30:.2f} GiB) with rings on the windowed/chunked layers, {full:,} "

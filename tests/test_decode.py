@@ -9,7 +9,7 @@ from jax.sharding import PartitionSpec
 
 from shardax import configs, models
 from shardax.sharding import make_mesh
-from shardax.trainer import decode
+from shardax.trainer import decode, decode_cache
 from shardax.trainer import state as state_lib
 
 PROMPT_LENGTHS = (3, 11, 1, 17, 6, 9, 2, 14)   # a batch of 8, different lengths
@@ -53,7 +53,7 @@ def assert_greedy_matches_full_forward(exp, params, batch, new_ids):
   """Each new id is the argmax of a full forward pass over the prompt and the ids before
   it: one teacher-forced pass over [prompt + new ids] (causal, so position i sees
   exactly the tokens <= i) gives all those passes' last logits at once."""
-  model_cfg = decode.decode_config(exp.model)
+  model_cfg = decode_cache.decode_config(exp.model)
   width = max(p.size for p in batch) + NEW
   seqs = np.zeros((len(batch), width), np.int32)
   for i, (p, new) in enumerate(zip(batch, new_ids)):
@@ -114,7 +114,7 @@ def test_gqa_on_2x4_matches_full_forward_and_its_cache_is_sharded_by_the_rules()
     assert a.shape == (L, rows, length, kv, d)
     assert a.sharding.spec == want, a.sharding
     assert a.addressable_shards[0].data.shape == (L, rows // 2, length, kv // 4, d)
-  assert decode.cache_bytes(gen.cache_spec(rows, length)) == 2 * L * rows * length * kv * d * 4
+  assert decode_cache.cache_bytes(gen.cache_spec(rows, length)) == 2 * L * rows * length * kv * d * 4
   per_device = sum(a.addressable_shards[0].data.nbytes for a in leaves)
   assert per_device == 2 * L * (rows // 2) * length * (kv // 4) * d * 4
 
@@ -193,7 +193,7 @@ def test_moe_decodes_without_dropping_tokens():
   batch = prompts()
   out = generator(exp, params).run(batch, decode.Sampling(max_new_tokens=NEW))
   assert_greedy_matches_full_forward(exp, params, batch, out.ids)
-  assert decode.decode_config(exp.model).moe.capacity(32) == 32   # capacity = group: no drops
+  assert decode_cache.decode_config(exp.model).moe.capacity(32) == 32   # capacity = group: no drops
 
 
 def test_prompts_file_jsonl_and_text(tmp_path):
@@ -213,7 +213,7 @@ def test_explain_line_reports_the_cache_bytes_per_device():
   exp = experiment(*SMALL, *GQA, "mesh.ici=(2, 4)", "sharding.preset='2d'")
   mesh = make_mesh(exp.mesh)
   from shardax.sharding import rules as rules_lib
-  line = decode.cache_summary(exp, mesh, rules_lib.resolve("2d"))
+  line = decode_cache.cache_summary(exp, mesh, rules_lib.resolve("2d"))
   total = 2 * 2 * 8 * 64 * 4 * 8 * 4            # k+v, layers, rows, max_len slots, kv heads, d, f32
   assert f"{total:,} bytes, {total // 8:,} per device" in line, line
   assert "P(None, 'data', None, 'model', None)" in line

@@ -20,7 +20,7 @@ from shardax.configs.attention import AttentionOptions
 from shardax.layers.attention import Attention, CacheSpec, kv_cache_spec
 from shardax.sharding import make_mesh
 from shardax.sharding import rules as rules_lib
-from shardax.trainer import decode
+from shardax.trainer import decode, decode_cache
 from test_decode import NEW, SMALL, assert_greedy_matches_full_forward, experiment, generator, params_of, prompts
 from test_layers import random_state
 
@@ -48,7 +48,7 @@ def stepped(call, spec, tokens, lengths):
 
   def run(tokens, lengths):
     cache = jax.tree.map(lambda c: jnp.zeros(c.shape, c.dtype), spec, is_leaf=is_leaf)
-    out, cache = call(tokens[:, :prompt], decode.prefill_positions((rows, prompt), lengths), cache)
+    out, cache = call(tokens[:, :prompt], decode_cache.prefill_positions((rows, prompt), lengths), cache)
 
     def step(cache, t):
       at = lengths + t
@@ -142,14 +142,14 @@ def test_local_layer_cache_is_window_sized_and_explain_says_the_bytes_per_sequen
   configs.apply_overrides(cfg, ["model.max_len=32768", "mesh.ici=(8, 1)", "mesh.topology=None",
                                 "train.global_batch=8"])
   exp = configs.build(cfg)
-  model = nnx.eval_shape(lambda: models.build(decode.decode_config(exp.model), nnx.Rngs(0)))
+  model = nnx.eval_shape(lambda: models.build(decode_cache.decode_config(exp.model), nnx.Rngs(0)))
   spec = model.cache_spec(1, 32768)
   layers = {}   # k and v arrays per slot count, stacked layers counted one by one
   for c in jax.tree.leaves(spec, is_leaf=is_leaf):
     if c.axes[-1] == "kv":
       layers[c.shape[-3]] = layers.get(c.shape[-3], 0) + (c.shape[0] if len(c.shape) == 5 else 1)
   assert layers == {1024: 2 * 52, 32768: 2 * 10}, layers
-  ring, full = decode.cache_bytes(spec), decode.cache_bytes(model.cache_spec(1, 32768, bounded=False))
+  ring, full = decode_cache.cache_bytes(spec), decode_cache.cache_bytes(model.cache_spec(1, 32768, bounded=False))
   assert ring < full / 4
-  line = decode.cache_summary(exp, make_mesh(exp.mesh), rules_lib.resolve("fsdp"))
+  line = decode_cache.cache_summary(exp, make_mesh(exp.mesh), rules_lib.resolve("fsdp"))
   assert f"per sequence {ring:,} bytes ({full:,} with 32768 slots on every layer)" in line, line

@@ -12,7 +12,7 @@ from flax import nnx
 
 from shardax import models
 from shardax.sharding import use_rules
-from shardax.trainer import decode
+from shardax.trainer import decode_cache
 from hf_helpers import imported, reference
 from test_decode_window import assert_within_rounding, is_leaf, ring_and_full
 
@@ -20,7 +20,7 @@ from test_decode_window import assert_within_rounding, is_leaf, ring_and_full
 @pytest.mark.parametrize("arch,span", [("gemma3", 6), ("gpt_oss", 6), ("llama4", 8)])
 def test_ring_decode_steps_equal_the_full_cache_and_transformers_greedy(arch, span):
   setup, params = imported(arch)
-  cfg = decode.decode_config(setup.exp.model)
+  cfg = decode_cache.decode_config(setup.exp.model)
   graphdef = nnx.split(nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(0))), nnx.Param, ...)[0]
   model = nnx.merge(graphdef, params)
   ref = reference(arch)

@@ -11,11 +11,11 @@
               emit a stop token, write each row's next cache slot at its own position;
               it ends at max_new_tokens or when every row has stopped
 
-The cache is a plain pytree whose leaves carry logical axes (`CacheSpec`), so the
-experiment's rules shard it like the params (batch over data, kv heads over model)
-and it is the jitted functions' output with that sharding. Without a cache
-(`Generator(..., use_cache=False)`: the benchmark's baseline and a check) each step
-reruns the model over the whole [b, P + max_new] window instead: same tokens,
+The cache (trainer/decode_cache.py: its shapes, ring slots, shardings and prefill
+positions) is a plain pytree whose leaves carry logical axes, so the experiment's rules
+shard it like the params and it is the jitted functions' output with that sharding.
+Without a cache (`Generator(..., use_cache=False)`: the benchmark's baseline and a check)
+each step reruns the model over the whole [b, P + max_new] window instead: same tokens,
 quadratic work.
 
 Sampling keys: row r, step t uses fold_in(fold_in(key(seed), r), t), so a row's
@@ -45,11 +45,10 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardax import models
-from shardax.layers.attention import CacheSpec, default_positions
 from shardax.layers.transformer import unit_layer
 from shardax.sharding import rules as rules_lib
-from shardax.sharding import shard
 from shardax.trainer.data import preparation, tokenizers
+from shardax.trainer.decode_cache import CacheLayout, decode_config, prefill_positions
 
 PAD_ID = 0
 
@@ -133,11 +132,6 @@ def next_tokens(logits: jax.Array, key: jax.Array, step: jax.Array, s: Sampling)
   return jax.vmap(jax.random.categorical)(keys, filtered).astype(jnp.int32)
 
 
-def decode_config(model_cfg):
-  """The model config as decoding runs it (MoE: no token dropping; see `for_decode`)."""
-  return model_cfg.for_decode() if hasattr(model_cfg, "for_decode") else model_cfg
-
-
 class DroppedCopiesError(ValueError):
   """A decode call's MoE dispatch gave some token copies no expert output."""
 
@@ -163,55 +157,6 @@ def check_dropped(model_cfg, dropped, phase: str) -> None:
       f"Generator builds unless that is overridden")
 
 
-def prefill_positions(shape: tuple[int, int], lengths: jax.Array) -> jax.Array:
-  """int32 [rows, P]: 0..P-1, and -1 past each row's `lengths` (padding: a ring cache never
-  keeps it; layers/attention.py `write_ring`)."""
-  positions = default_positions(*shape)
-  return jnp.where(positions < lengths[:, None], positions, -1)
-
-
-def cache_bytes(spec) -> int:
-  """Total bytes of a cache described by a tree of `CacheSpec`."""
-  leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, CacheSpec))
-  return sum(int(np.prod(c.shape)) * jnp.dtype(c.dtype).itemsize for c in leaves)
-
-
-def cache_bytes_per_device(spec, shardings) -> int:
-  """Bytes of the cache on one device: each array's shard shape under its sharding."""
-  leaves = jax.tree.leaves(spec, is_leaf=lambda x: isinstance(x, CacheSpec))
-  return sum(int(np.prod(sh.shard_shape(c.shape))) * jnp.dtype(c.dtype).itemsize
-             for c, sh in zip(leaves, jax.tree.leaves(shardings), strict=True))
-
-
-def cache_bytes_per_sequence(model, length: int) -> tuple[int, int]:
-  """(bytes of one sequence's decode cache for `length` positions as decoding builds it, the
-  same with `length` slots on every layer): the two differ where windowed or chunked layers
-  keep a ring (layers/attention.py). `model`: a built (or abstract) model with `cache_spec`."""
-  return (cache_bytes(model.cache_spec(1, length)), cache_bytes(model.cache_spec(1, length, bounded=False)))
-
-
-def cache_summary(exp, mesh, rules) -> str | None:
-  """One line for explain / dry-run reports: the decode cache for train.global_batch rows
-  of model.max_len slots, its split and bytes per device, and the bytes per sequence against
-  a full-length cache on every layer (None for models without one)."""
-  cfg = decode_config(exp.model)
-  model = nnx.eval_shape(lambda: models.build(cfg, nnx.Rngs(0)))
-  if not hasattr(model, "cache_spec"):
-    return None
-  rows, length = exp.train.global_batch, cfg.max_len
-  spec = model.cache_spec(rows, length)
-  ring, full = cache_bytes_per_sequence(model, length)
-  shape = dict(mesh.shape)
-  shardings = jax.tree.map(
-      lambda c: NamedSharding(mesh, rules_lib.logical_to_spec(c.axes, rules, shape, c.shape, "KV cache",
-                                                              exp.sharding.allow_uneven)),
-      spec, is_leaf=lambda x: isinstance(x, CacheSpec))
-  specs = sorted({str(s.spec) for s in jax.tree.leaves(shardings)})
-  return (f"decode KV cache ({rows} rows x {length} slots): {cache_bytes(spec):,} bytes, "
-          f"{cache_bytes_per_device(spec, shardings):,} per device, split {', '.join(specs)}; "
-          f"per sequence {ring:,} bytes ({full:,} with {length} slots on every layer)")
-
-
 class Generator:
   """Samples continuations of batches of prompts from a model's params.
 
@@ -233,6 +178,7 @@ class Generator:
     abstract = nnx.eval_shape(lambda: models.build(self.model_cfg, nnx.Rngs(0)))
     self.graphdef = nnx.split(abstract, nnx.Param, ...)[0]
     self._abstract_model = abstract
+    self.cache = CacheLayout(abstract, mesh, rules, allow_uneven, bounded_cache)
     self._compiled: dict = {}
 
   @classmethod
@@ -244,30 +190,15 @@ class Generator:
     kw.setdefault("tok", tokenizer(exp))
     return cls(exp.model, params, setup.mesh, setup.rules, exp.sharding.allow_uneven, **kw)
 
-  # --- shapes and shardings -------------------------------------------------------------
+  # --- shapes and shardings: trainer/decode_cache.py ---------------------------------------
 
   def cache_spec(self, batch: int, length: int):
     """Tree of `CacheSpec` for `batch` rows and `length` slots."""
-    return self._abstract_model.cache_spec(batch, length, self.bounded_cache)
-
-  def _spec(self, logical, shape, name):
-    return rules_lib.logical_to_spec(logical, self.rules, dict(self.mesh.shape), shape,
-                                     name=name, allow_uneven=self.allow_uneven)
+    return self.cache.spec(batch, length)
 
   def cache_shardings(self, batch: int, length: int):
     """NamedSharding of each cache array, from the rules (None without a mesh)."""
-    if self.mesh is None or self.rules is None:
-      return None
-    return jax.tree.map(lambda c: NamedSharding(self.mesh, self._spec(c.axes, c.shape, "KV cache")),
-                        self.cache_spec(batch, length), is_leaf=lambda x: isinstance(x, CacheSpec))
-
-  def row_multiple(self) -> int:
-    """Rows must split evenly over the batch's mesh axes: the data-parallel degree."""
-    if self.mesh is None or self.rules is None:
-      return 1
-    axes = self._spec(("cache_batch",), None, "KV cache")[0]
-    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-    return int(np.prod([self.mesh.shape[a] for a in axes]))
+    return self.cache.shardings(batch, length)
 
   def _context(self) -> contextlib.ExitStack:
     """The mesh and rules in force while tracing and running (nothing without a mesh)."""
@@ -280,11 +211,8 @@ class Generator:
   # --- the compiled phases --------------------------------------------------------------
 
   def _prefill_fn(self, batch: int, length: int):
-    spec = self.cache_spec(batch, length)
-
     def prefill(params, tokens, lengths):
-      cache = jax.tree.map(lambda c: shard(jnp.zeros(c.shape, c.dtype), c.axes), spec,
-                           is_leaf=lambda x: isinstance(x, CacheSpec))
+      cache = self.cache.zeros(batch, length)
       model = nnx.merge(self.graphdef, params)
       positions = prefill_positions(tokens.shape, lengths)
       logits, cache, dropped = model.cached(tokens, positions, cache)
@@ -371,7 +299,7 @@ class Generator:
       raise ValueError("no prompts to decode: give at least one (--prompt or --prompts_file)")
     ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     ids = [p if p.size else np.asarray([PAD_ID], np.int32) for p in ids]  # '' continues a document start
-    mult = self.row_multiple()
+    mult = self.cache.row_multiple()
     rows = -(-len(ids) // mult) * mult
     prompt_len = -(-max(p.size for p in ids) // 8) * 8
     width = prompt_len + max_new
@@ -392,7 +320,7 @@ class Generator:
   def _put(self, x: np.ndarray, logical) -> jax.Array:
     if self.mesh is None or self.rules is None:
       return jnp.asarray(x)
-    return jax.device_put(x, NamedSharding(self.mesh, self._spec(logical, x.shape, "prompt batch")))
+    return jax.device_put(x, NamedSharding(self.mesh, self.cache.partition(logical, x.shape, "prompt batch")))
 
   def prefill(self, tokens: np.ndarray, lengths: np.ndarray, max_new: int):
     """(cache, logits of each row's last prompt token) for padded `tokens` [rows, width]

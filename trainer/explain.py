@@ -27,7 +27,7 @@ from shardax.configs.schema import Experiment
 from shardax.sharding import report, use_rules
 from shardax.trainer import jobdir
 from shardax.perf import buffers as buffers_lib, dry_run
-from shardax.trainer import decode, moe_drops
+from shardax.trainer import decode_cache, moe_drops
 from shardax.trainer import step as step_lib
 
 _PACKAGE = os.path.dirname(os.path.abspath(shardax.__file__))
@@ -133,7 +133,7 @@ def explain(exp: Experiment, job_dir: str | None = None) -> str:
            "batch sharding: " + ", ".join(f"{k} {v.spec}" for k, v in setup.batch_sharding.items()),
            "memory per device: " + ", ".join(f"{k} {v:,}" for k, v in memory.items()),
            *filter(None, [bet]),
-           *filter(None, [decode.cache_summary(exp, mesh, setup.rules), latent_cache_line(exp.model),
+           *filter(None, [decode_cache.cache_summary(exp, mesh, setup.rules), latent_cache_line(exp.model),
                           mtp_line(exp.model, exp.data.seq_len)]),
            *buffers_lib.format_table(buffers),
            f"compiler FLOPs per device per step: {report.flops(compiled):.4g}", "",
