@@ -40,7 +40,7 @@ mask and the segment mask are combined, so attention never crosses a document bo
 Decoding (`Attention.cached`) keeps a KV cache per layer, logical axes (`cache_batch`,
 `cache_length`, `kv_heads`, `kv`), so the rules split it like any tensor (batch over data, kv
 heads over model). Prompts are right-padded; a prefill's positions are 0..l-1 on a row's
-prompt tokens and -1 on its padding (trainer/decode.py). Two layouts (`kv_cache_spec`):
+prompt tokens and -1 on its padding (trainer/decode_cache.py). Two layouts (`kv_cache_spec`):
   full   {'k', 'v'}: [b, S, k, d], S = the decode length; slot j holds position j. Prefill
          writes slots 0..l-1 (padding too: those slots are rewritten before any query sees
          them); a generate step (l = 1) writes each row's slot `positions[b]` and attends to
