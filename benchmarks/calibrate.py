@@ -2,7 +2,7 @@
 docs/results/calibration.md.
 
     PYTHONPATH=... python benchmarks/calibrate.py [--runs ../shared/published-runs/calibration.json]
-        [--rows ID,ID,...] [--compile] [--layers 3] [--write-docs]
+        [--rows ID,ID,...] [--compile] [--layers 3] [--write-docs] [--reread HLO_DIR]
 
 Each row of the published-runs table is rebuilt as a shardax experiment
 (experiments/calibration.py) and its train step compiled for the row's TPU topology
@@ -208,10 +208,12 @@ def by_family(rows: list[dict], results: dict) -> list[str]:
 
 
 def evaluate(rows: list[dict], compile: bool = False, layers: int = 3,
-             cache: str | None = None) -> tuple[dict, set, dict]:
+             cache: str | None = None, hlo_dir: str = "") -> tuple[dict, set, dict]:
   """(row id -> Prediction, or the text of its cell when refused, not expressible or not compiled;
   the multi-slice rows whose cache did not read DCN; row id -> notes on a stale cache) for the
-  cached rows of `rows`; `compile`: compile missing and stale caches first (`layers` deep)."""
+  cached rows of `rows`; `compile`: compile missing and stale caches first (`layers` deep);
+  `hlo_dir`: re-read the cached rows whose program CALIBRATE_HLO_DIR kept there (how programs
+  are read changed) before predicting, at the cached depth and flags."""
   from shardax.perf import stepmodel
   results, unread, stale = {}, set(), {}
   for row in rows:
@@ -221,6 +223,14 @@ def evaluate(rows: list[dict], compile: bool = False, layers: int = 3,
     except ValueError as e:   # calibration.Unexpressible: the row says what is missing
       results[row["id"]] = f"not expressible: {e}".replace("|", "/")
       continue
+    kept = os.path.join(hlo_dir, f"{row['id']}.txt.gz") if hlo_dir else ""
+    if kept and os.path.exists(kept) and os.path.exists(path):   # re-read the kept program, no compile
+      import gzip
+      was = json.load(open(path))
+      with gzip.open(kept, "rt") as f:
+        cache_entry(row, was["layers"], f.read(), (was["compile_seconds"], was["compile_cpu_seconds"]),
+                    cache, tuple(was.get("libtpu_flags", ())))
+      print(f"re-read {row['id']} from {kept}", flush=True)
     if not os.path.exists(path):
       if not compile:
         continue
@@ -256,6 +266,9 @@ def main():
   p.add_argument("--compile", action="store_true")
   p.add_argument("--layers", type=int, default=3)
   p.add_argument("--write-docs", action="store_true")
+  p.add_argument("--reread", default="", metavar="HLO_DIR",
+                 help="re-read the cached rows whose compiled program CALIBRATE_HLO_DIR kept in HLO_DIR "
+                      "(<row id>.txt.gz) into their cache first, no compile")
   p.add_argument("--cache", default=CACHE, help="folder of the cached compiles (default: benchmarks/calibration); "
                  "rows kept aside from the calibration: --runs benchmarks/heldout_runs.json "
                  "--cache benchmarks/calibration/heldout")
@@ -265,7 +278,7 @@ def main():
   if a.rows:
     order = a.rows.split(",")
     rows = sorted([r for r in rows if r["id"] in order], key=lambda r: order.index(r["id"]))
-  results, unread, stale = evaluate(rows, a.compile, a.layers, a.cache)
+  results, unread, stale = evaluate(rows, a.compile, a.layers, a.cache, a.reread)
   text, errors = table(rows, results, unread, stale)
   from shardax.perf import error_bar
   if not a.rows and a.runs == RUNS:   # the whole calibration table: the dry run's error bar reads it (perf/error_bar.py)

@@ -22,11 +22,20 @@ touches it. In HBM bytes, from the chip's side:
                                   layer's three 940 MB expert weight gathers on v6e-256
                                   came to 40.6 GB of the layer's count, 12.0 GB with the
                                   same gathers synchronous).
+  a fusion operand read through   the slices' bytes. XLA counts a fusion operand whole unless
+  slices                          a slice reads it directly; where the fusion pads, reshapes
+                                  or converts it first (the TPU compiler's windowed einsum
+                                  picks each chunk of the layer input as the larger of two
+                                  windows of a padded copy), it counts all of it, though the
+                                  chip reads only the windows (a 128B layer on v5e-256: 671 MB
+                                  counted a chunk, 168 MB read). The windows are counted whole,
+                                  padding included: an upper bound.
 
 `onchip_bytes` is the part of XLA's count that is not HBM traffic: for each instruction
 run in sequence (not inside a fusion or a reduction, whose bytes XLA does not count),
 XLA's own per-operand and per-output bytes (its cost analysis of that instruction alone)
-of the operands and outputs above. The step model prices `Piece.hbm_bytes` (bytes
+of the operands and outputs above, and of a sliced operand what XLA counts beyond its
+windows. The step model prices `Piece.hbm_bytes` (bytes
 accessed less these) at the HBM bandwidth. Only TPU programs are read this way (tiled
 layouts, `T(..)`): other backends use memory spaces for other things (a GPU's S(1) is
 collective memory, still HBM).
@@ -35,6 +44,7 @@ collective memory, still HBM).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Iterable
 
 import jax
@@ -131,6 +141,7 @@ def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
       counted = 4.0 * moved
     return max(0.0, counted - moved * sum(e in HBM for e in ends))
   role = _chain_role(mod, inst)
+  sliced = _sliced_reads(mod, inst)
   operands = {k for k, s in enumerate(operand_spaces) if s and all(x == ON_CHIP for x in s)}
   outputs = {j for j, s in enumerate(result_spaces) if s == ON_CHIP}
   if role == "start":     # allocates the destination; the collective writes it once, at the done
@@ -140,7 +151,7 @@ def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
   elif role == "carry":   # the in-flight buffers pass through in place
     alias_in, alias_out = inst.aliasing
     operands, outputs = operands | alias_in, outputs | alias_out
-  if not operands and not outputs:
+  if not operands and not outputs and not sliced:
     return 0.0
   try:
     counted = _xla_bytes(_alone(mod, inst))
@@ -149,9 +160,64 @@ def _instruction_onchip(mod: hlo.Module, inst: hlo.Instruction) -> float:
     counted.update({f"bytes accessedout{{{j}}}": float(a.nbytes) for j, a in enumerate(inst.results)})
     counted["bytes accessedout{}"] = float(inst.result_bytes)
   out = sum(counted.get(f"bytes accessed{k}{{}}", 0.0) for k in operands)
+  out += sum(max(0.0, counted.get(f"bytes accessed{k}{{}}", 0.0) - read) for k, read in sliced.items()
+             if k not in operands)
   if not inst.is_tuple:
     return out + (counted.get("bytes accessedout{}", 0.0) if outputs else 0.0)
   return out + sum(counted.get(f"bytes accessedout{{{j}}}", 0.0) for j in outputs)
+
+
+# Ops a fusion computes element by element from an index into their operand: a slice of their
+# result reads only the operand elements it maps to.
+_INDEXING = ("bitcast", "reshape", "transpose", "copy", "pad", "convert")
+_SLICES = ("dynamic-slice", "slice")
+
+
+def _elements_read(mod: hlo.Module, name: str) -> int | None:
+  """Elements of value `name` (a parameter of a fused computation, or an indexing op's
+  result on it) that the computation reads, when every use of it ends in slices: the slices'
+  element counts; None when some use reads it whole (an arithmetic op, the root, a slice's index)."""
+  inst = mod.instructions[name]
+  if inst.root:
+    return None
+  total = 0
+  for user in mod.users.get(name, ()):
+    if user.opcode in _SLICES and user.operands[:1] == (name,) and name not in user.operands[1:]:
+      total += math.prod(user.results[0].dims) if user.results else 0
+    elif user.opcode in _INDEXING and user.operands[:1] == (name,) and name not in user.operands[1:]:
+      n = _elements_read(mod, user.name)
+      if n is None:
+        return None
+      total += n
+    elif user.opcode == "fusion" and user.called:   # a nested fusion: follow its parameters
+      params = {int(i.operand_text): i.name for i in mod.computations[user.called[0]].instructions
+                if i.opcode == "parameter"}
+      for k in (k for k, o in enumerate(user.operands) if o == name):
+        n = _elements_read(mod, params[k])
+        if n is None:
+          return None
+        total += n
+    else:
+      return None
+  return total
+
+
+def _sliced_reads(mod: hlo.Module, inst: hlo.Instruction) -> dict[int, float]:
+  """{operand index: bytes read} of a fusion's operands that it reads only through slices
+  (module docstring), where that is less than the whole operand."""
+  if inst.opcode != "fusion" or not inst.called or inst.called[0] not in mod.computations:
+    return {}
+  comp = mod.computations[inst.called[0]]
+  params = {int(i.operand_text): i for i in comp.instructions if i.opcode == "parameter"}
+  out = {}
+  for k, param in params.items():
+    if len(param.results) != 1 or k >= len(inst.operands):
+      continue
+    n = _elements_read(mod, param.name)
+    whole = param.results[0]
+    if n is not None and n < math.prod(whole.dims):
+      out[k] = float(whole.nbytes) * n / math.prod(whole.dims)
+  return out
 
 
 def onchip_bytes(mod: hlo.Module, computations: Iterable[str]) -> float:

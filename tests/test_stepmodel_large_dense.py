@@ -1,6 +1,7 @@
 """What the largest dense rows showed mispriced (docs/results/dense_large_pricing.md), priced from
 the chips' physics: the splash kernel's matmuls on the MXU tile, host offload transfers on the
-host link, and the depth extrapolation of what lies outside the layer loop."""
+host link, the depth extrapolation of what lies outside the layer loop, and the HBM bytes of
+an operand a fusion reads through windows."""
 
 import copy
 import dataclasses
@@ -9,9 +10,9 @@ import json
 import os
 
 import pytest
-from test_moe_pricing import StubExperiment
+from test_moe_pricing import StubExperiment, needs_libtpu, one_chip
 
-from shardax.perf import hardware, mxu, ops, stepmodel
+from shardax.perf import costs, hardware, mxu, ops, stepmodel
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -153,3 +154,37 @@ def test_the_fixture_is_what_this_libtpu_compiles(tmp_path):
   subprocess.run([sys.executable, os.path.join(FIXTURES, "make.py"), "3", str(out)], check=True,
                  env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert sorted(w.trip_count for w in hlo.whiles(hlo.parse(out.read_text()))) == [2, 3]
+
+
+def _sliced_matmul(pad: bool) -> str:
+  """x[:, window] @ w on one v5e chip, the window at a traced offset; `pad`: picked as the
+  TPU compiler's windowed einsum picks a chunk of the layer input, the larger of two windows
+  of a copy of x padded with -inf."""
+  import jax
+  import jax.numpy as jnp
+  from jax.sharding import NamedSharding, PartitionSpec as P
+  mesh = one_chip("v5e:2x2")
+  spec = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d, sharding=NamedSharding(mesh, P()))
+
+  def f(x, w, i):
+    if not pad:
+      return jax.lax.dynamic_slice(x, (0, i), (4096, 512)) @ w
+    padded = jnp.pad(x[:, None, :], ((0, 0), (0, 1), (0, 0)), constant_values=-jnp.inf)
+    return jnp.max(jax.lax.dynamic_slice(padded, (0, 0, i), (4096, 2, 512)), axis=1) @ w
+  return jax.jit(f).lower(spec(4096, 4096), spec(512, 1024), spec(d=jnp.int32)).compile().as_text()
+
+
+@needs_libtpu
+def test_a_fusion_reads_only_the_windows_it_slices_out_of_an_operand():
+  """By hand, on one v5e chip: x (32 MiB) is read only through one [4096, 2, 512] window of its
+  padded copy (8 MiB, the pad's half included: an upper bound), w (1 MiB) is prefetched once and
+  the product (8 MiB) written once: 17 MiB of HBM traffic. XLA counts x whole when a pad sits
+  between the parameter and the slice (41 MiB): it made the 128B v5e row's windowed-einsum
+  bodies memory-bound. Taken straight from x, the window is what the compiler prefetches all of
+  x on chip for: x's 32 MiB are read, 41 MiB in all, as XLA counts."""
+  mib = 2**20
+  (windowed,) = costs.of_hlo_text(_sliced_matmul(pad=True)).pieces
+  assert windowed.bytes_accessed == pytest.approx(53 * mib, rel=1e-3)   # XLA's count
+  assert windowed.hbm_bytes == pytest.approx(17 * mib, rel=1e-3)
+  (direct,) = costs.of_hlo_text(_sliced_matmul(pad=False)).pieces
+  assert direct.hbm_bytes == pytest.approx(41 * mib, rel=1e-3)

@@ -193,6 +193,15 @@ class Module:
     """Every instruction by name (names are unique in a module)."""
     return {i.name: i for c in self.computations.values() for i in c.instructions}
 
+  @functools.cached_property
+  def users(self) -> dict[str, list[Instruction]]:
+    """name -> the instructions that take it as an operand (once each, in file order)."""
+    out: dict[str, list[Instruction]] = {}
+    for i in self:
+      for o in dict.fromkeys(i.operands):
+        out.setdefault(o, []).append(i)
+    return out
+
   def __iter__(self) -> Iterator[Instruction]:
     """Every instruction, computations in file order, each in schedule order."""
     for c in self.computations.values():
