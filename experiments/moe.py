@@ -101,7 +101,13 @@ def deepseek_v3():
       training FLOPs, instead of keeping 0.5 GB a layer per chip) and the dispatch exchange, but no
       expert matmul;
     * fp8 dispatch, as DeepSeek-V3: what travels to the experts goes in fp8, what comes back
-      in bf16."""
+      in bf16.
+  Memory: what the backward keeps is about 0.88 GiB per MoE layer and chip (the returned
+  outputs 0.44, the gate/up outputs 0.31, the layer input and output projection 0.11, MLA's
+  compact tensors 0.02), about 51 GiB over the 58 MoE layers; with the head's
+  whole-vocabulary gradients (main and MTP) the full compile asks 72.0 GiB of the 95.74 GiB a
+  v5p chip allows. `--shallow` overstates this model's memory (its 6- and 7-layer copies grow
+  1.45 GB a MoE layer): price it with the full compile (docs/results/moe_pods.md)."""
   moe = {**recipes.PADDED_EXCHANGE, "expert_exchange": "ragged", "expert_buffer": 1.25, "fp8_dispatch": True}
   return recipes.pod_moe(
       shapes.DEEPSEEK_V3, global_batch=1024, moe=moe,
