@@ -197,8 +197,9 @@ class LayerStack(nnx.Module):
     return {"first_dense": first, "units": units} if k else units
 
   def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object, jax.Array]:
-    """Decode through the stack: (x, the cache, `dropped` float32 [units]: the token copies
-    each unit's MoE layer routed to an expert that gave no output, 0 for dense units;
+    """Decode through the stack: (x, the cache, `dropped` float32 [MoE layers] (a dense
+    model's: [layers], zeros): the token copies each MoE layer routed to an expert that gave no
+    output (`unit_layer` names its layer);
     `Block.cached`). A pipelined stack runs its stages in order, on its weights unstacked
     to [L, ...] (one token per step leaves nothing to pipeline)."""
     if self.first_dense is not None:   # dense blocks: nothing to drop
@@ -222,12 +223,15 @@ class LayerStack(nnx.Module):
     return _cached_list(modules, x, positions, cache)
 
 
-def unit_layer(cfg: TransformerConfig, unit: int) -> int:
-  """The 0-based model layer of the stack's unit `unit`'s last block: a dense model's layer
-  `unit`; an MoE model's MoE layer (after its first dense layers and the unit's dense ones)."""
+def unit_layer(cfg: TransformerConfig, index: int) -> int:
+  """The 0-based model layer of entry `index` of the stack's per-layer statistics and decode
+  `dropped` counts: a dense model's layer `index`; an MoE model's `index`-th MoE layer, which
+  is layer first_dense + (index + 1) x moe.every - 1 with or without a layer pattern (the
+  entries are one per MoE block in layer order: a PatternUnit's several blocks are flattened,
+  its tail's follow the units'), scanned, a list or pipelined."""
   if cfg.moe is None:
-    return unit
-  return cfg.num_first_dense + unit * cfg.moe.every + cfg.moe.every - 1
+    return index
+  return cfg.num_first_dense + index * cfg.moe.every + cfg.moe.every - 1
 
 
 def batch_key(seed: int, tokens: jax.Array) -> jax.Array:
@@ -292,8 +296,8 @@ class TransformerLM(nnx.Module):
   def cached(self, tokens: jax.Array, positions: jax.Array, cache
              ) -> tuple[jax.Array, object, jax.Array]:
     """(logits float32[b, l, vocab], cache, dropped float32 [cfg.num_units]): a prefill or a
-    generate step (attention.py). `dropped`: per unit of the stack (`unit_layer` gives its
-    layer), the token copies its MoE layer routed to an expert that gave no output; 0
+    generate step (attention.py). `dropped`: per MoE layer (`unit_layer` gives its model
+    layer), the token copies it routed to an expert that gave no output; 0
     under `TransformerConfig.for_decode`, the config decoding builds (trainer/decode.py
     raises on anything else: the logits of such a call are not the model's)."""
     x = shard(self.embed(tokens), RESIDUAL)

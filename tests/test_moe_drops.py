@@ -176,3 +176,103 @@ def test_the_mtp_blocks_drops_are_reported_beside_the_layers():
     moe_drops.names(model, 4)
   worst = moe_drops.Drops(on.routed, np.array([0.0, 1.0, on.routed[2] / 2]))
   assert moe_drops.worst_layers(worst, model).startswith("MTP depth 1 (50.00% of its copies), layer 2 (")
+
+
+# Which layer a count is labelled with: moe.tiny shrunk (8 experts, top-2 'all', groups of one
+# 16-token sequence, C = ceil(3.75 x 2 x 16 / 8) = 15 slots): an expert overflows only when all 16
+# tokens of a sequence pick it, which none of these randomly initialized routers does (the test
+# checks that every other count is 0), but a layer whose router kernel is zero sends every token
+# to experts 0 and 1 (a tie: top-k takes the lowest index) and drops 16 - 15 copies at each, per
+# sequence. So exactly one count is non-zero: the zeroed layer's.
+LABELLED = ["model.d_model=32", "model.num_heads=4", "model.d_ff=64", "model.max_len=16", "data.seq_len=16",
+            "train.global_batch=4", "data.source='synthetic'", "model.moe.num_experts=8", "model.moe.d_ff=16",
+            "model.moe.capacity_factor=3.75", "model.moe.min_capacity=1", "model.moe.second_expert='all'"]
+LLAMA4_LIKE = "model.layer_pattern=({'chunk': 4}, {'chunk': 4}, {'chunk': 4}, {'rope': False})"
+TWO_KINDS = "model.layer_pattern=({'chunk': 4}, {'rope': False})"
+PIPELINED = ["model.pipeline.stages=2", "model.pipeline.microbatches=2", "sharding.preset='pp_dp'",
+             "mesh.ici=(2, 1)", "mesh.axes=('stage', 'data')"]
+
+
+def moe_routers(layers: dict, cfg) -> dict[int, tuple]:
+  """{0-based model layer: (its MoE block's router-kernel dict, the index into that kernel)} of a
+  model's `layers` params, found from the stack's structure (layers/transformer.py LayerStack):
+  a scanned unit's blocks are stacked on a leading units dim (a pipelined one's in the stage
+  layout, indexed here through `pipeline.to_stages` of the unit numbers)."""
+  from shardax import pipeline
+  first, per = cfg.num_first_dense, cfg.layers_per_unit
+  p = cfg.pipeline
+  unit_at = ((lambda u: tuple(int(i) for i in np.argwhere(np.asarray(pipeline.to_stages(
+      np.arange(cfg.num_stack_units), p.stages, p.circular_repeats)) == u)[0]))
+             if p.stages > 1 else (lambda u: (u,)))
+  out = {}
+  for u in range(cfg.num_stack_units):
+    blocks = (layers["blocks"]["blocks"] if cfg.layer_pattern
+              else {per - 1: layers["blocks"]["moe_block"]})      # a Unit: its dense blocks, then MoE
+    for i, block in blocks.items():
+      if "moe" in block:
+        out[first + u * per + i] = (block["moe"]["router"], unit_at(u))
+  tail = layers.get("tail") or {"blocks": {}}
+  for i, block in tail["blocks"].items():
+    if "moe" in block:
+      out[first + cfg.num_stack_units * per + i] = (block["moe"]["router"], ())
+  return out
+
+
+@pytest.mark.parametrize("sets,zeroed", [
+    # a Llama-4-like pattern (3 chunked layers, 1 NoPE), MoE every 2nd layer: 2 scanned units of 4 layers (2 MoE
+    # blocks each) and a tail of 2 (1 MoE block); MoE layers 1, 3, 5, 7, 9
+    ([LLAMA4_LIKE, "model.num_layers=10", "model.moe.every=2"], 5),
+    ([LLAMA4_LIKE, "model.num_layers=10", "model.moe.every=2"], 9),
+    # no pattern, a first dense layer, then units of (dense, MoE): MoE layers 2 and 4
+    (["model.num_layers=5", "model.moe.every=2", "model.moe.first_dense_layers=1"], 4),
+    # the pattern pipelined: 2 stages of one 4-layer unit (2 MoE blocks); MoE layers 1, 3, 5, 7
+    ([LLAMA4_LIKE, "model.num_layers=8", "model.moe.every=2", *PIPELINED], 5),
+    # a 2-kind pattern pipelined, 2 stages x 2 circular repeats of one 2-layer unit: layer 5 is
+    # unit 2, on stage 0 in its second repeat
+    ([TWO_KINDS, "model.num_layers=8", "model.moe.every=2", *PIPELINED, "model.pipeline.circular_repeats=2"], 5),
+])
+def test_each_count_is_labelled_with_the_layer_that_dropped(sets, zeroed):
+  """One MoE layer's router made to overflow (the rest drop nothing): in the train step's
+  per-layer counts, the one count that is not 0 is labelled with that layer, and the other
+  labels are the model's other MoE layers; decoding through the same weights names it too."""
+  import jax
+  from flax import nnx
+  from meshtools import loss_and_grads, setup_for
+  from shardax.layers.attention import CacheSpec, default_positions
+  from shardax.layers.transformer import TransformerLM
+  from shardax.trainer import decode, state as state_lib
+
+  cfg = configs.get("moe.tiny")
+  configs.apply_overrides(cfg, LABELLED + sets)
+  exp = configs.build(cfg)
+  model = exp.model
+  setup = setup_for(exp, jax.devices()[:2] if model.pipeline.stages > 1 else jax.devices()[:1])
+  params = jax.device_get(state_lib.init_fn(setup)(jax.random.key(0))["params"])
+  routers = moe_routers(params["layers"], model)
+  blocks = list(range(model.num_first_dense, model.num_layers))
+  assert sorted(routers) == [i for i in blocks if (i - model.num_first_dense) % model.moe.every == model.moe.every - 1]
+  router, at = routers[zeroed]
+  router["kernel"] = np.asarray(router["kernel"]).copy()
+  router["kernel"][at] = 0.0
+  b, l = 4, 16
+  batch = {"inputs": np.random.default_rng(0).integers(1, 256, (b, l)).astype(np.int32)}
+  batch["targets"] = np.roll(batch["inputs"], -1, axis=1)
+  (_, _, metrics), _ = loss_and_grads(setup, params, batch)
+  drops = moe_drops.of_metrics([metrics])
+  labels = moe_drops.names(model, len(drops.dropped))
+  assert labels == [f"layer_{i}" for i in sorted(routers)]
+  assert {name: d for name, d in zip(labels, drops.dropped) if d} == {f"layer_{zeroed}": 2 * b * (16 - 15)}
+  assert f"most in layer {zeroed} (" in moe_drops.OnceWarning(model).check(1, 1, drops)
+
+  # decode: a prefill of the batch through the same weights, with the training
+  # config's capacity (not `for_decode`'s), is refused naming that layer alone
+  with nnx.use_eager_sharding(False):
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: TransformerLM(model, rngs=nnx.Rngs(0))))
+  nnx.replace_by_pure_dict(state, params)
+  lm = nnx.merge(graphdef, state)
+  cache = jax.tree.map(lambda c: np.zeros(c.shape, c.dtype), lm.cache_spec(b, l),
+                       is_leaf=lambda c: isinstance(c, CacheSpec))
+  _, _, dropped = jax.jit(lambda t, p, c: lm.cached(t, p, c))(batch["inputs"], default_positions(b, l), cache)
+  named = rf"decode \(prefill\): MoE layer {zeroed} \({2 * b} copies\) routed"
+  with pytest.raises(decode.DroppedCopiesError, match=named):
+    decode.check_dropped(model, dropped, "prefill")

@@ -137,8 +137,9 @@ class DroppedCopiesError(ValueError):
 
 
 def check_dropped(model_cfg, dropped, phase: str) -> None:
-  """Raises `DroppedCopiesError` naming each layer whose count in `dropped` [units] (a
-  cached call's, `TransformerLM.cached`) is not 0, and the decode `phase`."""
+  """Raises `DroppedCopiesError` naming the model layer (`unit_layer`) of each MoE layer whose
+  count in `dropped` [MoE layers] (a cached call's, `TransformerLM.cached`) is not 0, and the
+  decode `phase`."""
   dropped = np.asarray(dropped)
   bad = np.flatnonzero(dropped > 0)
   if not bad.size:
