@@ -46,8 +46,12 @@ It can fail badly. The compiler's temporaries at a few layers need not be on the
 through the full depth's: on pod.lm_1t the copies of 3 and 4 layers extrapolate to
 82 GiB of temp per core where the full compile needs 9.8 GiB (their difference, about
 one layer's all-gathered weights, is not a per-layer cost of the deep program), while
-on pod.lm_16b the same recipe lands within 3%. The report keeps both copies' temp bytes
-(`shallow.temp_bytes`) so a reader can see the slope it used.
+on pod.lm_16b the same recipe lands within 3%; moe.deepseek_v3's 6- and 7-layer copies
+grow 1.45 GB a MoE layer where the full program keeps 0.94 GB, so the extrapolation asked
+109.9 GB a chip (does not fit) for a model that compiles whole in 72.0 GiB of 95.7. The
+report keeps both copies' temp bytes (`shallow.temp_bytes`) so a reader can see the slope
+it used; a shallow "does not fit" says it is an estimate to confirm without --shallow, and
+a temp that falls with depth is reported unknown (`_refuse_falling_temp`).
 
 Compile effort: `effort` (-1..1: jax 0.10's `exec_time_optimization_effort`, on jax 0.11
 `jax_optimization_level` O0 for -1, see `_optimization_level`) trades the
@@ -173,6 +177,8 @@ def _zero(v: Any) -> Any:
 
 LEVERS_NOT_RANKED = ("Levers not ranked: the buffer list is a shallow copy's; a dry run "
                      "without --shallow ranks them by the bytes each frees")
+SHALLOW_ESTIMATE = ("by the shallow copies' extrapolation, an estimate that can overstate temp "
+                    "by tens of GiB: confirm without --shallow before changing the layout. ")
 
 
 def _derive(out: dict, exp: Experiment) -> dict:
@@ -188,7 +194,7 @@ def _derive(out: dict, exp: Experiment) -> dict:
   # deeper shallow copy's, whose layer-stacked blocks have its depth, not the model's, and
   # whose bytes are not the full depth's.
   out["hint"] = None if out["fits"] is not False else (
-      dry_run_lib.hint(mem, hbm) + f". {LEVERS_NOT_RANKED}")
+      SHALLOW_ESTIMATE + dry_run_lib.hint(mem, hbm) + f". {LEVERS_NOT_RANKED}")
   chip, p = hardware.lookup(out["device_kind"]), out.get("predicted")
   if chip and p and p["step_seconds"]:
     step, n = p["step_seconds"], out["num_devices"]

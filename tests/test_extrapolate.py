@@ -163,6 +163,7 @@ def test_an_extrapolated_report_that_does_not_fit_ranks_no_levers_from_the_shall
          "buffers": [block((2, 2, seq, 128), 2**29), block((2, seq, exp.model.vocab_size), 2**28)]}
   hint = ex._derive(out, exp)["hint"]
   assert "GiB (" not in hint and "without --shallow" in hint, hint
+  assert hint.startswith("by the shallow copies' extrapolation, an estimate"), hint
 
 
 def test_temp_that_falls_with_depth_makes_memory_unknown_not_zero():
