@@ -86,6 +86,36 @@ def _count(ids: jax.Array, n: int) -> jax.Array:
   return jnp.zeros((n,), jnp.int32).at[ids].add(1, mode="drop")
 
 
+@jax.custom_vjp
+def permute(v: jax.Array, p: jax.Array, inverse: jax.Array) -> jax.Array:
+  """v[p]: v's rows reordered by the permutation p (every row of v used once), given
+  `inverse` = argsort(p). The backward gathers too: the transpose of v -> v[p] is
+  ct -> ct[inverse]. So both ways are one row gather, where autodiff of a gather writes a
+  scatter-add, and the scatter form `zeros.at[inverse].set(v)` (the same rows) is a
+  scatter forward plus a scatter of update ids for its JVP, each as large as v."""
+  return v[p]
+
+
+permute.defvjp(lambda v, p, inverse: (v[p], inverse),
+               lambda inverse, ct: (ct[inverse], None, None))   # the permutations: no cotangent
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def token_copies(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
+  """x[order // k] [T*k, m]: the k copies of each token x [T, m] in the order of `order`, a
+  permutation of the T*k (token, choice) assignments, `inverse` = argsort(order). The
+  backward takes each copy's gradient back to (token, choice) order by the gather
+  ct[inverse] and sums the k per token, where autodiff writes a scatter-add of T*k rows."""
+  return x[order // k]
+
+
+def _token_copies_bwd(k, inverse, ct):
+  return ct[inverse].reshape(-1, k, ct.shape[-1]).sum(1), None, None
+
+
+token_copies.defvjp(lambda x, order, inverse, k: (x[order // k], inverse), _token_copies_bwd)
+
+
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable,
                 impl: str = "ragged_dot", quantization: str = "none", bias: tuple | None = None) -> jax.Array:
   """The gated FFN of each expert on its contiguous rows of xs [R, m] (group g: the sizes[g]
@@ -181,8 +211,10 @@ def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tu
   e = weights[0].shape[0]
   flat = index.reshape(-1)
   order = jnp.argsort(flat, stable=True)
-  out = grouped_ffn(x[order // k], _count(flat, e), *weights[:3], act, impl, quantization, weights[3:] or None)
-  out = jnp.zeros_like(out).at[order].set(out)                       # back to (token, choice)
+  inverse = jnp.argsort(order)
+  out = grouped_ffn(token_copies(x, order, inverse, k), _count(flat, e), *weights[:3], act, impl,
+                    quantization, weights[3:] or None)
+  out = permute(out, inverse, order)                                 # back to (token, choice)
   return jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
 
 
@@ -300,8 +332,9 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   local = num_experts // n
   flat = index.reshape(-1)
   order = jnp.argsort(flat, stable=True)
+  inverse = jnp.argsort(order)
   expert = flat[order]
-  rows = x[order // k]
+  rows = token_copies(x, order, inverse, k)
   # Rows per destination: buffer x the fair share t*k/n, or (None) the most one device can
   # send one shard, t x min(k, local experts): no routing overflows it.
   per_dest = t * min(k, local) if buffer is None else max(1, math.ceil(buffer * t * k / n))
@@ -315,12 +348,14 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   to_experts = lambda v: send(v, route)
   recv = _fp8_send(rows, to_experts) if fp8_dispatch else to_experts(rows)
   ids = jnp.where(ids < 0, local, ids)                                # padding sorts last
-  order2 = jnp.argsort(ids, stable=True)
-  out = grouped_ffn(recv[order2], _count(ids, local), *weights[:3], act, impl, quantization, weights[3:] or None)
-  out = jnp.zeros_like(out).at[order2].set(out)
+  order2 = jnp.argsort(ids, stable=True)                               # a permutation of all received rows
+  inverse2 = jnp.argsort(order2)
+  out = grouped_ffn(permute(recv, order2, inverse2), _count(ids, local), *weights[:3], act, impl,
+                    quantization, weights[3:] or None)
+  out = permute(out, inverse2, order2)                                # padding rows: 0 from grouped_ffn
   out = checkpoint_name(_return_fp8_gradient(out, send, back, route) if fp8_dispatch else back(out, route),
                         EXPERT_RETURNED)
-  out = jnp.zeros_like(out).at[order].set(out)
+  out = permute(out, inverse, order)
   y = jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
   return y, overflow
 
