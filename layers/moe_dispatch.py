@@ -100,22 +100,6 @@ permute.defvjp(lambda v, p, inverse: (v[p], inverse),
                lambda inverse, ct: (ct[inverse], None, None))   # the permutations: no cotangent
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def token_copies(x: jax.Array, order: jax.Array, inverse: jax.Array, k: int) -> jax.Array:
-  """x[order // k] [T*k, m]: the k copies of each token x [T, m] in the order of `order`, a
-  permutation of the T*k (token, choice) assignments, `inverse` = argsort(order). The
-  backward takes each copy's gradient back to (token, choice) order by the gather
-  ct[inverse] and sums the k per token, where autodiff writes a scatter-add of T*k rows."""
-  return x[order // k]
-
-
-def _token_copies_bwd(k, inverse, ct):
-  return ct[inverse].reshape(-1, k, ct.shape[-1]).sum(1), None, None
-
-
-token_copies.defvjp(lambda x, order, inverse, k: (x[order // k], inverse), _token_copies_bwd)
-
-
 def grouped_ffn(xs: jax.Array, sizes: jax.Array, w_gate, w_up, wo, act: Callable,
                 impl: str = "ragged_dot", quantization: str = "none", bias: tuple | None = None) -> jax.Array:
   """The gated FFN of each expert on its contiguous rows of xs [R, m] (group g: the sizes[g]
@@ -212,8 +196,7 @@ def dropless_local(x: jax.Array, index: jax.Array, gates: jax.Array, weights: tu
   flat = index.reshape(-1)
   order = jnp.argsort(flat, stable=True)
   inverse = jnp.argsort(order)
-  out = grouped_ffn(token_copies(x, order, inverse, k), _count(flat, e), *weights[:3], act, impl,
-                    quantization, weights[3:] or None)
+  out = grouped_ffn(x[order // k], _count(flat, e), *weights[:3], act, impl, quantization, weights[3:] or None)
   out = permute(out, inverse, order)                                 # back to (token, choice)
   return jnp.einsum("tkm,tk->tm", out.reshape(t, k, -1), gates.astype(out.dtype))
 
@@ -334,7 +317,7 @@ def dropless_expert_parallel(x, index, gates, weights, act, *, axes, n: int, num
   order = jnp.argsort(flat, stable=True)
   inverse = jnp.argsort(order)
   expert = flat[order]
-  rows = token_copies(x, order, inverse, k)
+  rows = x[order // k]
   # Rows per destination: buffer x the fair share t*k/n, or (None) the most one device can
   # send one shard, t x min(k, local experts): no routing overflows it.
   per_dest = t * min(k, local) if buffer is None else max(1, math.ceil(buffer * t * k / n))
