@@ -275,8 +275,8 @@ class TransformerConfig:
 
   @property
   def num_units(self) -> int:
-    """Layers that report per-layer statistics: every layer (dense), else the MoE layers.
-    Without a layer pattern these are the stack's units; with one, `num_stack_units`."""
+    """Layers that report per-layer statistics: every layer (dense), else the MoE layers
+    (with a layer pattern too: one entry per MoE block, not per scanned unit)."""
     if self.moe is None:
       return self.num_layers
     return (self.num_layers - self.moe.first_dense_layers) // self.moe.every

@@ -105,7 +105,7 @@ def deepseek_v3():
   Memory: what the backward keeps is about 0.88 GiB per MoE layer and chip (the returned
   outputs 0.44, the gate/up outputs 0.31, the layer input and output projection 0.11, MLA's
   compact tensors 0.02), about 51 GiB over the 58 MoE layers; with the head's
-  whole-vocabulary gradients (main and MTP) the full compile asks 72.0 GiB of the 95.74 GiB a
+  whole-vocabulary gradients (main and MTP) the full compile asks 73.6 GiB of the 95.74 GiB a
   v5p chip allows. `--shallow` overstates this model's memory (its 6- and 7-layer copies grow
   1.45 GB a MoE layer): price it with the full compile (docs/results/moe_pods.md)."""
   moe = {**recipes.PADDED_EXCHANGE, "expert_exchange": "ragged", "expert_buffer": 1.25, "fp8_dispatch": True}

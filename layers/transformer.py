@@ -199,7 +199,7 @@ class LayerStack(nnx.Module):
   def cached(self, x: jax.Array, positions: jax.Array, cache) -> tuple[jax.Array, object, jax.Array]:
     """Decode through the stack: (x, the cache, `dropped` float32 [MoE layers] (a dense
     model's: [layers], zeros): the token copies each MoE layer routed to an expert that gave no
-    output (`unit_layer` names its layer);
+    output (`moe_layer` names its layer);
     `Block.cached`). A pipelined stack runs its stages in order, on its weights unstacked
     to [L, ...] (one token per step leaves nothing to pipeline)."""
     if self.first_dense is not None:   # dense blocks: nothing to drop
@@ -223,7 +223,7 @@ class LayerStack(nnx.Module):
     return _cached_list(modules, x, positions, cache)
 
 
-def unit_layer(cfg: TransformerConfig, index: int) -> int:
+def moe_layer(cfg: TransformerConfig, index: int) -> int:
   """The 0-based model layer of entry `index` of the stack's per-layer statistics and decode
   `dropped` counts: a dense model's layer `index`; an MoE model's `index`-th MoE layer, which
   is layer first_dense + (index + 1) x moe.every - 1 with or without a layer pattern (the
@@ -296,7 +296,7 @@ class TransformerLM(nnx.Module):
   def cached(self, tokens: jax.Array, positions: jax.Array, cache
              ) -> tuple[jax.Array, object, jax.Array]:
     """(logits float32[b, l, vocab], cache, dropped float32 [cfg.num_units]): a prefill or a
-    generate step (attention.py). `dropped`: per MoE layer (`unit_layer` gives its model
+    generate step (attention.py). `dropped`: per MoE layer (`moe_layer` gives its model
     layer), the token copies it routed to an expert that gave no output; 0
     under `TransformerConfig.for_decode`, the config decoding builds (trainer/decode.py
     raises on anything else: the logits of such a call are not the model's)."""

@@ -23,7 +23,7 @@ from shardax.configs.moe import MoEConfig
 from shardax.configs.schema import ConfigError, TransformerConfig
 from shardax.layers import attention as attn_lib
 from shardax.layers.blocks import Block
-from shardax.layers.transformer import STATE_UPDATES, TransformerLM, unit_layer
+from shardax.layers.transformer import STATE_UPDATES, TransformerLM, moe_layer
 from shardax.configs.pipeline import PipelineConfig
 from shardax.sharding import use_rules
 from meshtools import loss_and_grads, packed_batch, setup_for, tiny_lm
@@ -171,7 +171,7 @@ def test_scanned_and_remat_stacks_equal_the_list():
   stack = nnx.merge(graphdef, state).layers
   blocks = [b for unit in stack.blocks for b in unit.blocks] + list(stack.tail.blocks)
   moe_layers = [i for i, b in enumerate(blocks) if hasattr(b, "moe")]
-  assert moe_layers == [unit_layer(MOE_CFG, u) for u in range(7)] == [1, 3, 5, 7, 9, 11, 13]
+  assert moe_layers == [moe_layer(MOE_CFG, u) for u in range(7)] == [1, 3, 5, 7, 9, 11, 13]
   for remat in ("none", "full"):
     cfg = dataclasses.replace(MOE_CFG, scan_layers=True, remat=remat)
     g, s = nnx.split(nnx.eval_shape(lambda: TransformerLM(cfg, rngs=nnx.Rngs(0))))

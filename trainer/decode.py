@@ -45,7 +45,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from shardax import models
-from shardax.layers.transformer import unit_layer
+from shardax.layers.transformer import moe_layer
 from shardax.sharding import rules as rules_lib
 from shardax.trainer.data import preparation, tokenizers
 from shardax.trainer.decode_cache import CacheLayout, decode_config, prefill_positions
@@ -137,7 +137,7 @@ class DroppedCopiesError(ValueError):
 
 
 def check_dropped(model_cfg, dropped, phase: str) -> None:
-  """Raises `DroppedCopiesError` naming the model layer (`unit_layer`) of each MoE layer whose
+  """Raises `DroppedCopiesError` naming the model layer (`moe_layer`) of each MoE layer whose
   count in `dropped` [MoE layers] (a cached call's, `TransformerLM.cached`) is not 0, and the
   decode `phase`."""
   dropped = np.asarray(dropped)
@@ -145,7 +145,7 @@ def check_dropped(model_cfg, dropped, phase: str) -> None:
   if not bad.size:
     return
   moe = model_cfg.moe
-  layers = ", ".join(f"layer {unit_layer(model_cfg, int(u))} ({int(round(dropped[u]))} copies)"
+  layers = ", ".join(f"layer {moe_layer(model_cfg, int(u))} ({int(round(dropped[u]))} copies)"
                      for u in bad)
   fields = (f"expert_buffer={moe.expert_buffer}, expert_overflow={moe.expert_overflow!r}"
             if moe.dispatch == "dropless" else

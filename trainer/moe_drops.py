@@ -19,7 +19,7 @@ import dataclasses
 import numpy as np
 from absl import logging
 
-from shardax.layers.transformer import unit_layer
+from shardax.layers.transformer import moe_layer
 from shardax.sharding import rules as rules_lib
 from shardax.trainer.step import DROPPED, ROUTED
 
@@ -54,7 +54,7 @@ def of_metrics(metrics: list[dict]) -> Drops | None:
 
 def layers(model) -> list[int]:
   """The 0-based model layer of each MoE layer of the stack the statistics list."""
-  return [unit_layer(model, u) for u in range(model.num_moe_layers)]
+  return [moe_layer(model, u) for u in range(model.num_moe_layers)]
 
 
 def _entries(model, n: int) -> list[tuple[str, str]]:
