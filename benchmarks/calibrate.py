@@ -153,7 +153,10 @@ def compiled_as(row: dict, entry: dict) -> list[str]:
   """Notes for a cache compiled under an older mapping of the row's settings or read by an
   older reader: caches from before the kernel/remat mapping (no 'attention' key) were
   compiled with XLA attention and the remat then mapped (the same as now for every published
-  row: none offloads); caches from before perf/hbm.py price on-chip traffic at the HBM rate."""
+  row: none offloads); caches from before perf/hbm.py price on-chip traffic at the HBM rate;
+  before `Piece.stacked`, the entry's head and loss traffic grew with depth; before
+  `Piece.matmul_free_bytes`, a GPU row hid its elementwise kernels under its matmuls. A noted
+  cache is recompiled by `--compile` (or re-read with `--reread` from a kept program)."""
   from shardax.experiments import calibration
   exp = _build(row, None)
   notes = []
@@ -165,6 +168,10 @@ def compiled_as(row: dict, entry: dict) -> list[str]:
   pieces = entry.get("costs", {}).get("pieces", [])
   if pieces and "onchip_bytes" not in pieces[0] and not calibration.is_gpu(row):   # a stand-in keeps XLA's count
     notes.append("cached compile: on-chip buffers priced as HBM traffic, predates perf/hbm.py")
+  if pieces and "stacked" not in pieces[0]:
+    notes.append("cached compile: the entry's traffic deepened whole, predates its stacked share")
+  if pieces and "matmul_free_bytes" not in pieces[0] and calibration.is_gpu(row):
+    notes.append("cached compile: kernels without matmuls priced under the matmuls, predates perf/kernels.py")
   return notes
 
 

@@ -32,7 +32,7 @@ import functools
 import jax
 
 from shardax.sharding import report
-from shardax.perf import hbm, hlo, ops
+from shardax.perf import hbm, hlo, kernels, ops
 
 _KEYS = ("flops", "transcendentals", "bytes accessed")
 
@@ -70,6 +70,9 @@ class Piece:
   stacked: tuple = ()              # outside every loop: (L, traffic share, collective share), the shares
                                    # of its HBM traffic and collective bytes in ops on [L, ...] arrays a
                                    # layer loop carries (hbm.stacked_share); () in costs cached before
+  matmul_free_bytes: float = 0.0   # of bytes_accessed, the share in kernels that run no matmul
+                                   # (perf/kernels.py): a GPU pays it beside its matmuls; 0 in costs
+                                   # cached before it was read
 
   @property
   def hbm_bytes(self) -> float:
@@ -213,8 +216,9 @@ def of_hlo_text(hlo_text: str) -> Costs:
     host = hbm.host_bytes(mod.records, [c for c in mod.blocks if c in inside])
     stacked = () if trips else tuple((d, *hbm.stacked_share(mod.records, [c for c in mod.blocks if c in inside], d))
                                      for d in _layer_dims(mod))
+    free = own["bytes accessed"] * kernels.matmul_free_share(mod.records, [c for c in mod.blocks if c in inside])
     pieces.append(Piece(comp, runs, own["flops"] - sum(f for _, _, f in dots8), own["bytes accessed"],
-                        own["transcendentals"], trips, calls + dots8, around, onchip, *host, stacked))
+                        own["transcendentals"], trips, calls + dots8, around, onchip, *host, stacked, free))
     for c in inside:
       owner.setdefault(c, comp)
     for cond, body, trip in started:
@@ -339,7 +343,8 @@ def deepen(costs: Costs, shallow: int, deep: int, outside_scale: float) -> Costs
       pieces.append(dataclasses.replace(p, executions=round(p.executions * f)))
     elif not p.trips:  # outside every loop: per-parameter traffic scales, it still runs once
       pieces.append(dataclasses.replace(p, bytes_accessed=p.bytes_accessed * outside_scale,
-                                        onchip_bytes=p.onchip_bytes * outside_scale)
+                                        onchip_bytes=p.onchip_bytes * outside_scale,
+                                        matmul_free_bytes=p.matmul_free_bytes * outside_scale)
                     if shares(p) is None else _deepened_outside(p, shares(p)[0], deep / shallow))
     else:
       pieces.append(p)
@@ -368,9 +373,10 @@ def _deepened_outside(p: Piece, share: float, layers: float) -> Piece:
   """A piece outside every loop at `layers` times the depth: the share of its traffic in ops on the
   stack's [L, ...] arrays (the optimizer update of the stacked weights and moments, their
   gradients) grows with the depth; the rest (embedding, head and loss, a layer the compiler
-  peeled out of its loop) does not. Its HBM bytes (bytes accessed less on-chip) are split so."""
+  peeled out of its loop) does not. Its HBM bytes (bytes accessed less on-chip) are split so. The
+  grown part runs no matmul (an update, a copy into the stack): it adds to `matmul_free_bytes`."""
   grown = p.hbm_bytes * share * (layers - 1)
-  return dataclasses.replace(p, bytes_accessed=p.bytes_accessed + grown)
+  return dataclasses.replace(p, bytes_accessed=p.bytes_accessed + grown, matmul_free_bytes=p.matmul_free_bytes + grown)
 
 
 def to_json(costs: Costs) -> dict:

@@ -60,7 +60,7 @@ from shardax.configs.schema import Experiment
 from shardax.sharding import make_mesh, networks, report, use_rules
 from shardax.trainer import jobdir, moe_drops
 from shardax.perf import buffers as buffers_lib, hardware, costs as costs_lib, levers, measured_drops, mxu as mxu_lib
-from shardax.perf import stepmodel
+from shardax.perf import step_report, stepmodel
 from shardax.perf.flops import CONVENTION
 from shardax.trainer import state as state_lib
 from shardax.trainer import step as step_lib
@@ -282,7 +282,7 @@ def format_report(r: dict) -> str:
   fits = {True: "yes", False: "NO", None: "unknown (" + (
       "see below" if r.get("memory_unknown") else "no chip table entry") + ")"}[r["fits"]]
   stand_in = (r.get("predicted") or {}).get("stand_in_for")
-  lines = [stepmodel.stand_in_line(stepmodel.Prediction(**r["predicted"]))] if stand_in else []
+  lines = [step_report.stand_in_line(stepmodel.Prediction(**r["predicted"]))] if stand_in else []
   lines += [f"dry run of {r['experiment']} on {r['topology'] or 'local devices'} "
            f"({r['num_devices']} x {r['device_kind']}), mesh {r['mesh']}",
            f"  params {r['num_params']:,}, global batch {r['global_batch']} "
@@ -321,7 +321,7 @@ def format_report(r: dict) -> str:
   if refused := r.get("prediction_refused"):
     lines.append(f"  PREDICTION REFUSED: {refused['message']}")
   if p := r.get("predicted"):
-    lines.extend(stepmodel.format_prediction(stepmodel.Prediction(**p)))
+    lines.extend(step_report.format_prediction(stepmodel.Prediction(**p)))
     if kernel := p["breakdown"].get("flash_kernel_seconds"):
       lines.append(f"    flash attention kernel: {kernel:.4g} s of the step (its FLOPs priced from the model, "
                    f"XLA's costs count a Pallas call as 0; in HFU and the recompute factor)")

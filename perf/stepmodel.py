@@ -23,8 +23,12 @@ Assumptions
   2. Memory. A piece's bytes accessed (logical, from XLA) that cross HBM (perf/hbm.py: not
      the TPU's on-chip buffers, an async copy once per HBM end, an async collective's buffer
      once; a TPU program standing in for a GPU keeps XLA's count) at the HBM bandwidth. Within
-     a piece, compute and memory traffic overlap (fused matmuls stream their operands),
-     so a piece costs max(compute, memory), not the sum.
+     a piece, compute and memory traffic overlap (fused matmuls stream their operands, and
+     the TPU compiler prefetches the next fusions' operands under the current one's matmuls),
+     so on a TPU a piece costs max(compute, memory), not the sum. A GPU runs one kernel at a
+     time and a kernel's traffic overlaps only its own math: the traffic of kernels that run
+     no matmul (perf/kernels.py: norms, activations, the optimizer update) adds to it,
+     max(compute, the rest of memory) + that traffic.
   3. Collectives. Each collective's time comes from its bytes, its replica group and
      the links the group crosses (perf/links.py: TPU ICI torus dims with or
      without wraparound, TPU v3's shared chip links, DCN between slices, NVLink and the
@@ -38,7 +42,8 @@ Assumptions
      matmul work between the send and its done and between the recv and its done: a
      pipeline's stage shift under the next microbatch's layers, a weight gather under the
      layer before. Otherwise it is exposed: a gradient all-reduce at the end of the
-     backward pass, a shift the stage body waits for. One permute the runtime splits into
+     backward pass, a shift the stage body waits for. Priced as GPUs (a stand-in), every
+     cross-slice transfer is exposed (`_overlaps`). One permute the runtime splits into
      sends of one buffer from disjoint slices (a cyclic shift) is one transfer.
   4. Overlap. Asynchronous collectives (`-start`/`-done` pairs the latency-hiding
      scheduler placed, or the TPU compiler's async collective fusions: report.collectives)
@@ -50,7 +55,7 @@ Assumptions
      matmul: that overlap is why the loop exists, even where the program writes the
      permute as one synchronous op, as on v3). Other synchronous collectives sit on
      the critical path. So a piece costs
-        max(max(compute, memory), async collectives) + sync collectives.
+        max(own time (assumption 2), async collectives) + sync collectives.
   4b. Host transfers. The layer inputs and projections an offload remat policy parks in host
      memory (perf/hbm.py `host_bytes`: dynamic-update-slices into and dynamic-slices out of
      host buffers, host copies) cross the chip's host link at `host_bandwidth`, beside the
@@ -86,7 +91,6 @@ from shardax.pipeline import schedule
 from shardax.perf.hlo import groups as replica_groups
 from shardax.perf import hardware
 from shardax.perf import costs as costs_lib
-from shardax.perf import error_bar
 from shardax.perf import flops as flops_lib
 from shardax.perf import links
 from shardax.perf import mxu as mxu_lib
@@ -199,13 +203,13 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: hardware.Chip, mxu: dict
   spare = _spare_compute(costs, own, comm)
   pieces, totals = [], collections.Counter()
   eight_bit = collections.Counter()   # XLA's 8-bit dots (model.quantization): FLOPs by operand type
-  for p, (use, compute, memory) in zip(costs.pieces, own):
+  for p, (use, compute, memory, alone) in zip(costs.pieces, own):
     for kind, dtype, f in p.ops:
       if kind == "xla":
         eight_bit[dtype] += p.executions * f
     totals["mxu_flops"] += p.executions * p.flops
     totals["mxu_spent"] += p.executions * p.flops / use
-    local = max(compute, memory)
+    local = _local(compute, memory, alone)
     async_t, sync_t = comm["async"].get(p.computation, 0.0), comm["sync"].get(p.computation, 0.0)
     spans = comm["spanning"].get(p.computation, {})
     span_t = sum(spans.values())
@@ -284,7 +288,7 @@ def _collective_times(costs: costs_lib.Costs, mesh, chip: hardware.Chip) -> dict
     if c.kind == "collective-permute" and c.loops_between:
       out["spanning"][owner][c.loops_between] += t
     else:
-      out["async" if _overlaps(c) else "sync"][owner] += t
+      out["async" if _overlaps(c, chip) else "sync"][owner] += t
     out["by_kind"][c.kind] += t * c.executions
     axis = "dcn (slices)" if getattr(c, "link", "") == "dcn" else "+".join(r.axes) or "none"
     out["by_axis"][axis] += t * c.executions
@@ -328,13 +332,15 @@ def _mirrored(collectives, num_devices: int) -> set[str]:
   return riding
 
 
-def stand_in_line(pr: Prediction) -> str:
-  return (f"STAND-IN: this program was compiled for {pr.stand_in_for} and is priced as {pr.chip}; "
-          f"the partitioning and collectives are real, the fusion and scheduling are {pr.stand_in_for}'s")
-
-
-def _overlaps(c) -> bool:
-  """Whether a collective can run under its piece's compute (assumption 4)."""
+def _overlaps(c, chip: hardware.Chip) -> bool:
+  """Whether a collective can run under its piece's compute (assumption 4). A cross-slice
+  transfer a TPU program standing in for GPUs overlaps (assumption 3) does not count as hidden
+  there: on the TPU the runtime moves it from the host beside the TensorCores, which is what the
+  compiler's overlap relies on; a GPU runs it as a NCCL kernel on its own SMs, which the stand-in
+  says nothing about. Priced exposed, an upper bound (docs/scale.md: the A3 rows' step grows
+  with the VM count as a ring all-reduce's bytes do, 2(n-1)/n)."""
+  if getattr(c, "link", "") == "dcn" and ops.family(chip) != "tpu":
+    return False
   if c.kind == "collective-permute" and "windowed_dot_general" in c.computation:
     return True
   if c.kind == "collective-permute":  # only what the schedule puts between start and done
@@ -352,17 +358,26 @@ def _host_seconds(p: costs_lib.Piece, chip: hardware.Chip) -> tuple[float, float
   return p.host_bytes / chip.host_bandwidth, p.host_sync_bytes / chip.host_bandwidth
 
 
-def _own_seconds(p: costs_lib.Piece, chip: hardware.Chip, use: float = 1.0) -> tuple[float, float]:
-  """(compute, memory) seconds of one execution of a piece (assumptions 1 and 2); `use`: the
-  share of the MXU its dots fill (perf/mxu.py)."""
+def _own_seconds(p: costs_lib.Piece, chip: hardware.Chip, use: float = 1.0) -> tuple[float, float, float]:
+  """(compute, memory, alone) seconds of one execution of a piece (assumptions 1 and 2); `use`:
+  the share of the MXU its dots fill (perf/mxu.py); `alone`: of memory, what a GPU spends in
+  kernels that run no matmul (perf/kernels.py), 0 on a TPU (its compiler prefetches one
+  fusion's operands under another's matmuls)."""
   compute = ops.seconds("xla", "bf16", p.flops / use, chip) + sum(ops.seconds(*op, chip) for op in p.ops)
+  if ops.family(chip) == "tpu":
+    return compute, p.hbm_bytes / chip.hbm_bandwidth, 0.0
   # a TPU program timed as a GPU (a stand-in) keeps XLA's count: the GPU has no such on-chip buffers
-  nbytes = p.hbm_bytes if ops.family(chip) == "tpu" else p.bytes_accessed
-  return compute, nbytes / chip.hbm_bandwidth
+  return compute, p.bytes_accessed / chip.hbm_bandwidth, p.matmul_free_bytes / chip.hbm_bandwidth
 
 
-def _own_times(costs: costs_lib.Costs, chip: hardware.Chip, mxu: dict | None) -> list[tuple[float, float, float]]:
-  """(MXU use, compute seconds, memory seconds) of one execution of each piece, in
+def _local(compute: float, memory: float, alone: float) -> float:
+  """A piece's own time: its matmul kernels' compute and traffic overlap, max(compute, the rest
+  of memory); the traffic of kernels that run alone (`alone`) adds to it."""
+  return max(compute, memory - alone) + alone
+
+
+def _own_times(costs: costs_lib.Costs, chip: hardware.Chip, mxu: dict | None) -> list[tuple[float, ...]]:
+  """(MXU use, compute, memory, alone seconds: `_own_seconds`) of one execution of each piece, in
   `costs.pieces` order; `use`: its dots' share of the MXU tile (padding to the MXU side)."""
   out = []
   for p in costs.pieces:
@@ -371,16 +386,16 @@ def _own_times(costs: costs_lib.Costs, chip: hardware.Chip, mxu: dict | None) ->
   return out
 
 
-def _spare_compute(costs: costs_lib.Costs, own: list[tuple[float, float, float]], comm: dict) -> dict[tuple, float]:
+def _spare_compute(costs: costs_lib.Costs, own: list[tuple[float, ...]], comm: dict) -> dict[tuple, float]:
   """Per tuple of loop bodies that async permutes span: seconds per step of those loops'
   compute (every piece nested in them) left after hiding their own async collectives
   (`own`: `_own_times`)."""
   spare = {}
   for bodies in {b for spans in comm["spanning"].values() for b in spans}:
     seconds = 0.0
-    for p, (_, compute, memory) in zip(costs.pieces, own):
+    for p, (_, compute, memory, alone) in zip(costs.pieces, own):
       if set(bodies) & set(p.loops):
-        seconds += p.executions * max(0.0, max(compute, memory) - comm["async"].get(p.computation, 0.0))
+        seconds += p.executions * max(0.0, _local(compute, memory, alone) - comm["async"].get(p.computation, 0.0))
     spare[bodies] = seconds
   return spare
 
@@ -390,38 +405,6 @@ def _bubble_fraction(exp) -> float:
   if p is None or p.stages <= 1:
     return 0.0
   return schedule.bubble_fraction(p.stages, p.microbatches, p.circular_repeats, p.delay_shift)
-
-
-def format_prediction(pr: Prediction) -> list[str]:
-  """Lines for the dry run's printed report."""
-  b, c = pr.breakdown, pr.breakdown["collectives"]
-  lines = [stand_in_line(pr)] if pr.stand_in_for else []
-  lines += [f"  predicted step ({pr.chip}, matmuls at {b['matmul_efficiency']:.0%} of peak): "
-           f"{pr.step_seconds:.4g} s, {pr.tokens_per_second_per_device:,.1f} tokens/s/device",
-           "  " + error_bar.for_chip(hardware.CHIPS[pr.chip])["line"] if pr.chip in hardware.CHIPS else "",
-           f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
-           f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
-           f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
-           f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
-           f"bubble {b['bubble_seconds']:.4g} s"]
-  if (r := b.get("roofline")) and r["seconds"]:
-    lines.append(f"    roofline {r['seconds']:.4g} s (model FLOPs at peak {r['model_flops_seconds']:.4g} s, "
-                 f"HBM floor {r['hbm_floor_seconds']:.4g} s): the step is {pr.step_seconds / r['seconds']:.2f}x it")
-  lines = [l for l in lines if l]
-  if b.get("mxu_utilization", 1.0) < 0.995:
-    lines.append(f"    MXU tiles: the program's dot shapes use {b['mxu_utilization']:.0%} of the matrix units' "
-                 f"multiply-adds (padding to the MXU side; perf/mxu.py)")
-  for dtype, e in sorted(b.get("eight_bit_flops", {}).items()):
-    lines.append(f"    8-bit dots: {e['flops']:.4g} FLOPs per device on {dtype} operands, priced at "
-                 f"{e['peak'] / 1e12:,.0f} T/s peak")
-  if c["by_kind"]:
-    lines.append("    collectives by kind: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_kind"].items())))
-    lines.append("    collectives by mesh axis: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_axis"].items())))
-    dcn = (f" (DCN priced at {b['dcn_bandwidth'] / 1e9:g} GB/s one way per device)"
-           if c["by_link"].get("dcn") and b.get("dcn_bandwidth") else "")
-    lines.append("    collectives by link: " + ", ".join(f"{k} {v:.3g} s" for k, v in sorted(c["by_link"].items()))
-                 + dcn)
-  return lines
 
 
 def offload_seconds(host_bytes: int, compute_seconds: float, chip: hardware.Chip) -> dict[str, Any]:

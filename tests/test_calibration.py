@@ -203,6 +203,23 @@ def test_a_cache_compiled_before_the_kernel_mapping_is_named_in_the_table():
       "cached compile: remat offload, predates the full mapping"]
 
 
+def test_a_cache_read_before_the_newer_readings_is_named_so_compile_replaces_it():
+  """`--compile` recompiles what `compiled_as` names: a cache without the entry's stacked share, or
+  a GPU stand-in's without the traffic of its matmul-free kernels, priced as an older reader did."""
+  cal = _calibrate()
+  gpu_row, tpu_row = _row("maxtext-a3-llama2-7b-2vm"), _row()
+  piece = {"computation": "main", "onchip_bytes": 0.0, "stacked": [], "matmul_free_bytes": 0.0}
+  entry = lambda row, **drop: {"id": row["id"], "attention": cal._build(row, None).model.attention,
+                               "remat": cal._build(row, None).model.remat,
+                               "costs": {"pieces": [{k: v for k, v in piece.items() if k not in drop}]}}
+  assert cal.compiled_as(gpu_row, entry(gpu_row)) == [] and cal.compiled_as(tpu_row, entry(tpu_row)) == []
+  assert cal.compiled_as(tpu_row, entry(tpu_row, stacked=1)) == [
+      "cached compile: the entry's traffic deepened whole, predates its stacked share"]
+  assert cal.compiled_as(gpu_row, entry(gpu_row, matmul_free_bytes=1)) == [
+      "cached compile: kernels without matmuls priced under the matmuls, predates perf/kernels.py"]
+  assert cal.compiled_as(tpu_row, entry(tpu_row, matmul_free_bytes=1)) == []   # a TPU prices them as before
+
+
 @needs_libtpu
 def test_a_flash_compiled_cache_adds_the_kernel_time_its_costs_miss():
   cal = _calibrate()

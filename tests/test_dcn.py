@@ -220,6 +220,23 @@ def test_a_dcn_transfer_with_matmuls_between_its_sends_and_dones_is_hidden():
     assert bool(times["async"]["main"]) == hidden and bool(times["sync"]["main"]) != hidden, between
 
 
+def test_a_dcn_transfer_a_tpu_program_hides_is_exposed_when_the_program_stands_in_for_gpus():
+  """The TPU compiler overlaps a cross-slice transfer with the matmuls between its send and done
+  because the TPU runtime moves it beside the TensorCores; priced as H100s (a stand-in) the same
+  transfer is an NCCL all-reduce on the GPUs' own SMs, which the TPU schedule says nothing about:
+  exposed (an upper bound)."""
+  from shardax.perf import hardware, stepmodel
+  send, recv = _shift("1", "{{100000->200000},{200000->100000}}", "collective-permute.5_0")
+  dones = ["  %send-done.1 = token[] send-done(%send.1), is_host_transfer=true",
+           "  %recv-done.1 = (bf16[4,2048,3072]{2,1,0}, token[]) recv-done(%recv.1), is_host_transfer=true"]
+  [c] = [x for x in report.collectives(_program([send, recv, _DOT.format("dot.1")] + dones)) if x.link == "dcn"]
+  devices = np.array(topology.devices("v5p:2x2x1", 2) if topology.available() else [_Dev(i, 0) for i in range(8)])
+  mesh = _Mesh(devices.reshape(2, 4), ("stage", "data"))
+  for kind, hidden in (("TPU v5", True), ("NVIDIA H100 80GB HBM3", False)):
+    times = stepmodel._collective_times(_costs([c]), mesh, hardware.lookup(kind))
+    assert bool(times["async"]["main"]) == hidden and bool(times["sync"]["main"]) != hidden, kind
+
+
 def test_an_all_reduce_over_two_gpu_hosts_crosses_nvlink_and_the_network():
   """2 hosts x 8 GPUs (one process per GPU: a host is still the granule), one all-reduce of all 16."""
   from shardax.perf import hardware, links, stepmodel

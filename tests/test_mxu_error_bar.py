@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from shardax.sharding import topology
-from shardax.perf import hardware, costs, error_bar, mxu, stepmodel
+from shardax.perf import hardware, costs, error_bar, mxu, step_report, stepmodel
 from shardax.perf import hlo as perf_hlo
 from shardax.perf.hlo import matmuls
 from test_moe_pricing import StubExperiment, one_chip
@@ -103,7 +103,7 @@ def test_the_dry_runs_printed_prediction_carries_the_error_bar(tmp_path, monkeyp
                                 "recompute_factor": 1.0, "matmul_efficiency": 0.8,
                                 "collectives": {"by_kind": {}, "by_axis": {}, "by_link": {},
                                                 "exposed_seconds": 0.0, "hidden_seconds": 0.0}})
-  lines = stepmodel.format_prediction(pr)
+  lines = step_report.format_prediction(pr)
   lo, hi = error_bar.interval([1.2, 1.0, 1.1])
   assert "predicted step" in lines[0]
   assert "v6e: no calibrated runs; expect larger error" in lines[1] and "v5p: 3 runs, error median 1.10x" in lines[1]

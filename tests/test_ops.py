@@ -93,7 +93,7 @@ def test_a_kernel_the_cost_analysis_misses_is_priced_like_the_cudnn_calls_above(
 
 def test_a_program_priced_as_another_chip_says_so_first():
   """A TPU program timed as an H100 (the calibration's GPU rows): the first line says so."""
-  from shardax.perf import stepmodel
+  from shardax.perf import step_report, stepmodel
   import numpy as np
 
   class Dev:
@@ -111,6 +111,6 @@ def test_a_program_priced_as_another_chip_says_so_first():
   c = costs.of_hlo_text(GPU_HLO)
   p = stepmodel.from_costs(c, Mesh, Exp, hardware.lookup("NVIDIA H100 80GB HBM3"))
   assert p.stand_in_for == "TPU v5"
-  assert stepmodel.format_prediction(p)[0].startswith("STAND-IN: this program was compiled for TPU v5")
+  assert step_report.format_prediction(p)[0].startswith("STAND-IN: this program was compiled for TPU v5")
   same = stepmodel.from_costs(c, Mesh, Exp, hardware.lookup("TPU v5"))
-  assert same.stand_in_for == "" and not stepmodel.format_prediction(same)[0].startswith("STAND-IN")
+  assert same.stand_in_for == "" and not step_report.format_prediction(same)[0].startswith("STAND-IN")

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from shardax import configs
-from shardax.perf import hardware, costs, dry_run, stepmodel
+from shardax.perf import hardware, costs, dry_run, step_report, stepmodel
 
 V5E = hardware.lookup("TPU v5 lite")
 
@@ -88,7 +88,7 @@ def test_the_same_step_with_its_work_counted_is_priced(exp, mesh):
   pr = stepmodel.from_costs(full, mesh, exp, V5E)
   bound = pr.breakdown["roofline"]
   assert 0 < bound["seconds"] <= pr.step_seconds and pr.mfu < 1.0
-  assert any(line.strip().startswith("roofline ") for line in stepmodel.format_prediction(pr))
+  assert any(line.strip().startswith("roofline ") for line in step_report.format_prediction(pr))
 
 
 def test_a_step_faster_than_reading_and_writing_its_state_is_refused(exp, mesh):
