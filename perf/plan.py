@@ -16,9 +16,11 @@ before anything compiles), then for each one:
   4. ranks what is left by predicted step time (`_predicted_seconds`: the step-time model of
      perf/stepmodel.py), then by memory.
 It prints the best layouts with the exact `--set` line that selects each, and writes
-`plan.json` (every candidate, its status, reason and figures) into the job dir, after each
-candidate (libtpu can abort the process on a program it fails to compile: at effort -1 it
-did on a pipelined MoE, `moe.maverick_4slices_1m` at R=3, a CHECK in its all-reduce emitter).
+`plan.json` (every candidate, its status, reason and figures) into the job dir, before and
+after each candidate. libtpu can abort the process on a program it fails to compile (at effort
+-1 it did on pipelined MoEs, `moe.maverick_4slices` and `_1m`, a CHECK in its all-reduce
+emitter): run the same command again and the plan resumes, keeping the rows done and marking
+the candidate it died in as rejected, with the reason, instead of compiling it again.
 MoE experiments with an `expert` mesh axis have their own grid (`MOE_PODS`,
 `_moe_candidates`): the expert axis as the experiment has it or another size, the remat policy and, over
 several slices, data across them or a pipeline with its stages over them.
@@ -341,18 +343,64 @@ def plan(exp: configs.Experiment, base: Base, job_dir: str | None = None, *, gri
             "compiled": sum(1 for r in rows if "compile_path" in r),
             "wall_seconds": time.perf_counter() - start}
 
+  earlier, died_in = _earlier_run(job_dir, result(), log)
   for sets in candidates(cfg, int(mesh.size), grid, slices):
-    rows.append(evaluate(name, overrides, sets, effort=effort, shallow=shallow))
-    if job_dir:  # after each candidate: a compiler that aborts the process loses no row
-      jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps(result(), indent=2))
+    line, again = set_line(sets), ""
+    if line in earlier:
+      rows.append(earlier[line])
+      again = " (from the earlier run)"
+    elif line == died_in:
+      rows.append(died_row(sets))
+    else:
+      if job_dir:  # before and after each candidate: a compiler that aborts the process loses no
+        # row, and the rerun knows which candidate it died in
+        jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps({**result(), "compiling": line}, indent=2))
+      rows.append(evaluate(name, overrides, sets, effort=effort, shallow=shallow))
+      if job_dir:
+        jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps(result(), indent=2))
     r = rows[-1]
     log(f"  [{len(rows)}] {r['status']:<13} {_seconds(r['predicted_step_seconds']):>9}  "
-        f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}"
+        f"{_gib(r['bytes_per_device']):>10}  {r['set_line']}{again}"
         + (f"\n      {r['reason']}" if r["reason"] else ""))
   out = result()
   if job_dir:
     jobdir.write_text(jobdir.path(job_dir) / "plan.json", json.dumps(out, indent=2))
   return out
+
+
+_SAME_PLAN = ("experiment", "overrides", "topology", "num_devices", "device_kind", "effort", "shallow", "grid")
+
+
+def _earlier_run(job_dir: str | None, now: dict, log) -> tuple[dict[str, dict], str | None]:
+  """The rows an earlier `--mode=plan` of the same plan left in job_dir's plan.json (set line ->
+  row), and the candidate it was compiling when its process died (a libtpu CHECK failure
+  aborts it; so does a kill), or None. A plan.json of another plan is replaced."""
+  file = jobdir.path(job_dir) / "plan.json" if job_dir else None
+  if file is None or not file.exists():
+    return {}, None
+  try:
+    old = json.loads(jobdir.read_text(file))
+  except ValueError:
+    log(f"  {file} is not a plan (not JSON): replaced")
+    return {}, None
+  if any(old.get(k) != json.loads(json.dumps(now[k])) for k in _SAME_PLAN):
+    log(f"  {file} holds another plan (experiment, overrides, topology, effort or grid differ): replaced")
+    return {}, None
+  rows = {r["set_line"]: r for r in old.get("candidates", []) if "set_line" in r}
+  died = old.get("compiling")
+  log(f"  resuming {file} (to plan afresh, remove it or use another --job_dir): {len(rows)} candidates done"
+      + (f"; the process died compiling {died}" if died else ""))
+  return rows, died
+
+
+def died_row(sets: Sequence[str]) -> dict[str, Any]:
+  """The row of a candidate whose compile killed the planner's process in an earlier run: not
+  compiled again (it would abort this run too)."""
+  return {"sets": list(sets), "set_line": set_line(sets), "status": "rejected", "fits": None,
+          "predicted_step_seconds": None, "bytes_per_device": None, "seconds": 0.0,
+          "reason": "the planner's process died compiling this layout in an earlier run (a compiler "
+                    "abort, e.g. a libtpu CHECK failure, or a kill); not compiled again: try it alone "
+                    f"with --mode=dry_run {set_line(sets)} (at the default --compile_effort)"}
 
 
 def _seconds(s: float | None) -> str:

@@ -247,3 +247,40 @@ def test_an_moe_plan_over_two_slices_compiles_and_ranks_both_layouts(tmp_path):
   piped = next(r["sets"] for r in rows if _schedule(r["sets"])[0] == 2)
   row = plan.evaluate("moe.deepseek_tiny", sets + ["model.moe.grouped_matmul='ragged_dot'"], piped)
   assert row["status"] == "rejected" and "'ragged_dot' in a pipeline stage on a TPU" in row["reason"], row
+
+
+def test_a_plan_whose_process_died_resumes_and_rejects_the_candidate_it_died_in(tmp_path):
+  """libtpu aborts the process on some programs (a CHECK failure at effort -1); the planner
+  writes which candidate it is compiling before each one, so the same command run again keeps
+  the rows done, rejects that candidate with the reason and plans the rest. The first run is
+  a real `--mode=plan` process, killed while it works on a candidate."""
+  import os, signal, subprocess, sys, time
+  pytest.importorskip("libtpu")
+  sets = ["mesh.topology='v5e:2x2'", "data.source='synthetic'"]
+  cmd = [sys.executable, "-m", "shardax.main", "--exp=lm.tiny", f"--job_dir={tmp_path}", "--mode=plan"]
+  proc = subprocess.Popen(cmd + [w for s in sets for w in ("--set", s)], env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  file, deadline = tmp_path / "plan.json", time.time() + 600
+  while proc.poll() is None and time.time() < deadline:
+    try:
+      state = json.loads(file.read_text())
+    except (FileNotFoundError, ValueError):   # not written yet, or caught mid-write
+      state = {}
+    if "sharding.preset=fsdp" in state.get("compiling", ""):   # the one that compiles: seconds, not ms
+      proc.send_signal(signal.SIGKILL)
+      break
+    time.sleep(0.01)
+  assert proc.wait() == -signal.SIGKILL, "the plan ended before it could be killed"
+  died = json.loads(file.read_text())
+  assert died["compiling"], died
+  logs = []
+  p = _plan("lm.tiny", sets, str(tmp_path), log=logs.append)
+  rows = {r["set_line"]: r for r in p["candidates"]}
+  assert any("resuming" in line and "died compiling" in line for line in logs), logs
+  assert [rows[r["set_line"]] for r in died["candidates"]] == died["candidates"]   # kept, not redone
+  assert rows[died["compiling"]]["status"] == "rejected" and "died compiling" in rows[died["compiling"]]["reason"]
+  assert "compile_path" not in rows[died["compiling"]]
+  assert len(p["candidates"]) == 27 and "compiling" not in json.loads(file.read_text())
+  again = _plan("lm.tiny", ["data.source='synthetic'", "mesh.topology='v5e:2x2'"], str(tmp_path), log=logs.append)
+  assert any("holds another plan" in line for line in logs)   # other overrides: planned afresh
+  assert not any("died compiling" in (r["reason"] or "") for r in again["candidates"])
