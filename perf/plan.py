@@ -18,8 +18,8 @@ before anything compiles), then for each one:
 It prints the best layouts with the exact `--set` line that selects each, and writes
 `plan.json` (every candidate, its status, reason and figures) into the job dir, before and
 after each candidate. libtpu can abort the process on a program it fails to compile (at effort
--1 it did on pipelined MoEs, `moe.maverick_4slices` and `_1m`, a CHECK in its all-reduce
-emitter): run the same command again and the plan resumes, keeping the rows done and marking
+-1 it did on pipelined MoEs: a plan of `moe.maverick_4slices_1m` at R=3, dry runs of
+`moe.maverick_4slices` and `_1m`; a CHECK in its all-reduce emitter): run the same command again and the plan resumes, keeping the rows done and marking
 the candidate it died in as rejected, with the reason, instead of compiling it again.
 MoE experiments with an `expert` mesh axis have their own grid (`MOE_PODS`,
 `_moe_candidates`): the expert axis as the experiment has it or another size, the remat policy and, over
