@@ -21,7 +21,9 @@ def format_prediction(pr) -> list[str]:
            "  " + error_bar.for_chip(hardware.CHIPS[pr.chip])["line"] if pr.chip in hardware.CHIPS else "",
            f"    MFU {pr.mfu:.1%} (model FLOPs: {pr.flops_convention}); HFU {pr.hfu:.1%} "
            f"(compiled FLOPs, recompute x{b['recompute_factor'] or 0:.2f} of model)",
-           f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s, "
+           f"    compute {b['compute_seconds']:.4g} s, memory {b['memory_seconds']:.4g} s"
+           + (f" ({b['matmul_free_seconds']:.4g} s of it in kernels without a matmul, which a GPU runs alone)"
+              if b.get("matmul_free_seconds") else "") + ", "
            f"collectives exposed {c['exposed_seconds']:.4g} s / hidden {c['hidden_seconds']:.4g} s, "
            f"bubble {b['bubble_seconds']:.4g} s"]
   if (r := b.get("roofline")) and r["seconds"]:

@@ -220,7 +220,7 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: hardware.Chip, mxu: dict
     host_t, host_sync = _host_seconds(p, chip)
     busy = local + async_t - hidden
     t = max(busy, host_t) + sync_t + host_sync
-    for key, value in (("compute", compute), ("memory", memory), ("hidden", hidden),
+    for key, value in (("compute", compute), ("memory", memory), ("alone", alone), ("hidden", hidden),
                        ("exposed", async_t + sync_t - hidden), ("step", t), ("host", host_t + host_sync),
                        ("host_exposed", max(0.0, host_t - busy) + host_sync)):
       totals[key] += p.executions * value
@@ -233,6 +233,7 @@ def from_costs(costs: costs_lib.Costs, mesh, exp, chip: hardware.Chip, mxu: dict
   bubble = _bubble_fraction(exp) * (step - (pieces[0]["seconds_each"] if pieces else 0.0))
   breakdown = {
       "compute_seconds": totals["compute"], "memory_seconds": totals["memory"],
+      "matmul_free_seconds": totals["alone"],   # of memory, what a GPU's kernels without a matmul take alone
       "collectives": {"by_kind": dict(comm["by_kind"]), "by_axis": dict(comm["by_axis"]),
                       "by_link": dict(comm["by_link"]),
                       "exposed_seconds": totals["exposed"], "hidden_seconds": totals["hidden"]},

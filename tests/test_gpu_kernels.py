@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from shardax.perf import costs as costs_lib
-from shardax.perf import hardware, kernels, stepmodel
+from shardax.perf import hardware, kernels, step_report, stepmodel
 from shardax.perf import hlo as perf_hlo
 
 MIB = 2**20
@@ -59,6 +59,8 @@ def test_a_gpu_pays_an_elementwise_kernel_beside_its_matmuls_and_a_tpu_hides_it(
     costs = costs_lib.Costs(flops, 0.0, piece.bytes_accessed, (), (), flops, (piece,), {"main": "main"})
     pr = stepmodel.from_costs(costs, _mesh(), _Experiment, chip)
     assert pr.step_seconds == pytest.approx(want, rel=1e-3), chip.name
+    said = "(0.003 s of it in kernels without a matmul" in "\n".join(step_report.format_prediction(pr))
+    assert said == (chip is h100), chip.name   # the report says where the GPU's extra time went
 
 
 def test_a_deepened_entry_counts_its_grown_stack_traffic_as_kernels_without_matmuls():
