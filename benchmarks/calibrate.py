@@ -46,11 +46,12 @@ _LIBTPU_ARGS: list[str] = []   # LIBTPU_INIT_ARGS as this process's libtpu read 
 
 
 def _apply_libtpu_flags(row: dict) -> tuple[str, ...]:
-  """Sets the row's `training.libtpu_flags` (the published run's LIBTPU_INIT_ARGS, one flag an
-  entry) before libtpu loads; libtpu reads them once a process, so a row whose flags differ
+  """Sets the row's libtpu flags (`calibration.libtpu_flags`: the published run's LIBTPU_INIT_ARGS,
+  one flag an entry, and a GPU row's stand-in flags) before libtpu loads; libtpu reads them once a process, so a row whose flags differ
   from those the process already compiled with is refused (compile it alone: --rows ID)."""
+  from shardax.experiments import calibration
   from shardax.sharding import libtpu_flags
-  flags = tuple(row["training"].get("libtpu_flags") or ())
+  flags = calibration.libtpu_flags(row)
   args = libtpu_flags.apply(flags)
   if _LIBTPU_ARGS and _LIBTPU_ARGS[0] != args:
     raise ValueError(f"row {row['id']}: training.libtpu_flags differ from those libtpu was loaded with in this "
@@ -155,7 +156,9 @@ def compiled_as(row: dict, entry: dict) -> list[str]:
   compiled with XLA attention and the remat then mapped (the same as now for every published
   row: none offloads); caches from before perf/hbm.py price on-chip traffic at the HBM rate;
   before `Piece.stacked`, the entry's head and loss traffic grew with depth; before
-  `Piece.matmul_free_bytes`, a GPU row hid its elementwise kernels under its matmuls. A noted
+  `Piece.matmul_free_bytes`, a GPU row hid its elementwise kernels under its matmuls; a cache
+  compiled with other libtpu flags than `calibration.libtpu_flags` gives the row now (a GPU
+  row's stand-in before GPU_STAND_IN_LIBTPU_FLAGS: windowed einsums a GPU does not run). A noted
   cache is recompiled by `--compile` (or re-read with `--reread` from a kept program)."""
   from shardax.experiments import calibration
   exp = _build(row, None)
@@ -172,6 +175,9 @@ def compiled_as(row: dict, entry: dict) -> list[str]:
     notes.append("cached compile: the entry's traffic deepened whole, predates its stacked share")
   if pieces and "matmul_free_bytes" not in pieces[0] and calibration.is_gpu(row):
     notes.append("cached compile: kernels without matmuls priced under the matmuls, predates perf/kernels.py")
+  if pieces and tuple(entry.get("libtpu_flags", ())) != calibration.libtpu_flags(row):
+    notes.append("cached compile: libtpu flags other than the row's (" + " ".join(calibration.libtpu_flags(row))
+                 + "), predates them")
   return notes
 
 

@@ -72,6 +72,20 @@ def gpu_kind(row: dict) -> str:
   return chip.name
 
 
+# A GPU row's stand-in compile partitions its matmuls as XLA:GPU does by default: the TPU
+# compiler's windowed einsums (an FSDP gather split into chunks under a loop of partial matmuls)
+# off, a whole all-gather then one GEMM instead (XLA:GPU's own windowed einsum is off below
+# xla_gpu_threshold_for_windowed_einsum_mib, and no A3 row's script lowers it).
+GPU_STAND_IN_LIBTPU_FLAGS = ("--xla_tpu_enable_windowed_einsum_for_all_gather=false",
+                             "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false")
+
+
+def libtpu_flags(row: dict) -> tuple[str, ...]:
+  """The libtpu flags a row compiles with: the published run's (`training.libtpu_flags`), and a
+  GPU row's stand-in flags (GPU_STAND_IN_LIBTPU_FLAGS)."""
+  return tuple(row["training"].get("libtpu_flags") or ()) + (GPU_STAND_IN_LIBTPU_FLAGS if is_gpu(row) else ())
+
+
 # Words in a GPU row's hardware description -> the cluster network (hardware.NETWORKS), first match.
 _NETWORK_WORDS = (("mega", "a3-mega"), ("ultra", "a3-ultra"), ("a4", "a4"), ("infiniband", "infiniband-ndr"),
                   ("dgx", "infiniband-ndr"), ("a3", "a3-high"))

@@ -211,6 +211,7 @@ def test_a_cache_read_before_the_newer_readings_is_named_so_compile_replaces_it(
   piece = {"computation": "main", "onchip_bytes": 0.0, "stacked": [], "matmul_free_bytes": 0.0}
   entry = lambda row, **drop: {"id": row["id"], "attention": cal._build(row, None).model.attention,
                                "remat": cal._build(row, None).model.remat,
+                               "libtpu_flags": [] if "flags" in drop else list(calibration.libtpu_flags(row)),
                                "costs": {"pieces": [{k: v for k, v in piece.items() if k not in drop}]}}
   assert cal.compiled_as(gpu_row, entry(gpu_row)) == [] and cal.compiled_as(tpu_row, entry(tpu_row)) == []
   assert cal.compiled_as(tpu_row, entry(tpu_row, stacked=1)) == [
@@ -218,6 +219,11 @@ def test_a_cache_read_before_the_newer_readings_is_named_so_compile_replaces_it(
   assert cal.compiled_as(gpu_row, entry(gpu_row, matmul_free_bytes=1)) == [
       "cached compile: kernels without matmuls priced under the matmuls, predates perf/kernels.py"]
   assert cal.compiled_as(tpu_row, entry(tpu_row, matmul_free_bytes=1)) == []   # a TPU prices them as before
+  # a stand-in compiled with the TPU compiler's windowed einsums, which a GPU program does not run
+  assert cal.compiled_as(gpu_row, entry(gpu_row, flags=1)) == [
+      "cached compile: libtpu flags other than the row's (--xla_tpu_enable_windowed_einsum_for_all_gather=false "
+      "--xla_tpu_enable_windowed_einsum_for_reduce_scatter=false), predates them"]
+  assert cal.compiled_as(tpu_row, entry(tpu_row, flags=1)) == []   # a TPU row without published flags
 
 
 @needs_libtpu
