@@ -12,11 +12,10 @@ from shardax.configs.errors import require as _require
 # other one to what it means inside a stage). The pipeline's per-iteration checkpoint keeps
 # only each stage's input across iterations, so what a policy parks on the host beyond the
 # block input lives one iteration and its round trip buys nothing.
-REMAT_REFUSED_IN_PIPELINE = {
-    "offload_proj": "inside a pipeline each iteration's stage is recomputed from its saved input "
-                    "alone, so projections offloaded to host would only travel there and back "
-                    "within that one iteration's backward",
-}
+_PROJECTIONS_ON_HOST = ("inside a pipeline each iteration's stage is recomputed from its saved input "
+                       "alone, so projections offloaded to host would only travel there and back "
+                       "within that one iteration's backward")
+REMAT_REFUSED_IN_PIPELINE = {"offload_proj": _PROJECTIONS_ON_HOST, "offload_qkv": _PROJECTIONS_ON_HOST}
 
 
 def remat_refusal(remat: str, stages: int) -> str | None:

@@ -36,7 +36,8 @@ from shardax.sharding.mesh import MeshConfig
 
 # model.remat: recompute policies, and offload policies that move the saved tensors to host
 # memory (layers/transformer.py REMAT_POLICIES). model.attention: layers/attention.py.
-REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_proj", "moe_matmuls", "moe_returned")
+REMAT_CHOICES = ("none", "full", "dots", "dots_no_batch", "offload", "offload_proj", "offload_qkv", "moe_matmuls",
+                 "moe_returned")
 ATTENTION_CHOICES = attention_lib.IMPLEMENTATIONS
 # model.quantization: the projections' dots in 8 bits, forward and backward (layers/quantization.py).
 QUANTIZATION_CHOICES = ("none", "int8", "fp8", "fp8_delayed")
@@ -62,7 +63,7 @@ class TransformerConfig:
   dtype: str = "float32"              # compute dtype: "float32" | "bfloat16"
   param_dtype: str = "float32"
   scan_layers: bool = True
-  remat: str = "none"                 # "none" | "full" | "dots" | "dots_no_batch" | "offload" | "offload_proj" | "moe_matmuls" | "moe_returned"
+  remat: str = "none"                 # one of REMAT_CHOICES (layers/blocks.py says what each keeps)
   attention: str = "xla"              # "xla" (einsum) | "fused" (jax.nn.dot_product_attention) | "flash" | "auto"
   z_loss: float = 0.0                 # weight of mean(logsumexp(logits)^2) in the loss (PaLM: 1e-4); 0 = off
   # Logits and loss in chunks of this many positions of the sequence, each chunk's logits

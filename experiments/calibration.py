@@ -151,7 +151,10 @@ def remat(row: dict) -> str:
   policy = row["training"]["remat_policy"].split(" ")[0]
   if policy == "custom":   # MaxText's per-tensor policy: what training.remat_offloaded sends to the host
     names = set(row["training"].get("remat_offloaded") or ())
-    return ("offload_proj" if "decoder_layer_input" in names and names & {"query_proj", "key_proj", "value_proj"}
+    qkv = {"query_proj", "key_proj", "value_proj"}
+    if names == {"decoder_layer_input"} | qkv:
+      return "offload_qkv"
+    return ("offload_proj" if "decoder_layer_input" in names and names & qkv
             else "offload" if "decoder_layer_input" in names else "full")
   if policy in _REMAT:
     return _REMAT[policy]
@@ -353,7 +356,7 @@ def approximations(row: dict) -> list[str]:
   if "relative" in m["position_encoding"].lower():
     out.append("RoPE for relative bias")
   out += _attention_notes(row)
-  if remat(row) != t["remat_policy"].split(" ")[0]:
+  if remat(row) != t["remat_policy"].split(" ")[0] and remat(row) != "offload_qkv":   # offload_qkv: custom's exact set
     out.append(f"remat {remat(row)} for {t['remat_policy'].split(' (')[0]}")
   if "adafactor" in t["optimizer"].lower():
     out.append("AdamW for Adafactor")

@@ -87,7 +87,8 @@ StageFn = Callable[..., jax.Array]
 #   'moe_returned'        matmul is recomputed, but inside the recomputed iteration the
 #                         router and the dense MLPs would run a third time; keeping that one
 #                         iteration whole recomputes nothing twice;
-#   'offload_proj'        refused when the config is built (configs/pipeline.py).
+#   'offload_proj',       refused when the config is built (configs/pipeline.py).
+#   'offload_qkv'
 # A visit of one unit has no layer loop: there XLA merges the two recomputes of 'full' into
 # one and keeps all of that one layer's intermediates, i.e. 'none', which also spares the
 # elementwise recompute of 'dots' (8 simulated CPU devices, 8 layers, S=4, R=2, in-process

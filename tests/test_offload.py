@@ -28,12 +28,12 @@ def test_offload_policies_give_the_plain_gradients():
   exp = _build("model.num_layers=2", "data.seq_len=32", "model.max_len=32")
   tokens = jax.random.randint(jax.random.key(1), (2, 32), 0, exp.model.vocab_size)
   out = {}
-  for remat in ("none", "offload", "offload_proj"):
+  for remat in ("none", "offload", "offload_proj", "offload_qkv"):
     with nnx.use_eager_sharding(False):
       graphdef, state = nnx.split(models.build(dataclasses.replace(exp.model, remat=remat), nnx.Rngs(0)))
     loss = lambda s: nnx.merge(graphdef, s).loss_and_metrics({"inputs": tokens, "targets": tokens})[0]
     out[remat] = jax.jit(jax.value_and_grad(loss))(state)
-  for remat in ("offload", "offload_proj"):
+  for remat in ("offload", "offload_proj", "offload_qkv"):
     np.testing.assert_allclose(out[remat][0], out["none"][0], rtol=1e-6)
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), out[remat][1], out["none"][1])
 
@@ -100,6 +100,21 @@ def test_offload_proj_puts_the_named_tensors_in_host_memory():
                         + [("bf16", stack + (2, 64))] * 2), host
   assert sum(b.bytes for b in buffers if b.space == "host") == dry_run.host_temp_bytes(compiled)
   assert not [b for b in buffers if b.space == "device" and b.shape[:3] == stack]
+
+
+def test_offload_qkv_parks_the_layer_input_and_qkv_on_the_host_and_not_the_out_projection():
+  """MaxText's custom set (its Llama-3.1-70B 8k v6e recipe): per chip, the layer input [8, 2,
+  384, 256], q [.., 4 heads, 64], k and v [.., 2 kv heads, 64] in host memory (the host copy
+  keeps the TPU tiling: a 64-wide minor dim padded to 128), and nothing else: the out
+  projection, which 'offload_proj' parks too, is recomputed."""
+  pytest.importorskip("libtpu")
+  from shardax.perf import dry_run
+  _, setup = dry_run.prepare(_build(*TPU, "model.remat='offload_qkv'"))
+  compiled, buffers = dry_run.compile_with_buffers(setup, top=20)
+  host = sorted((b.dtype, b.shape) for b in buffers if b.space == "host")
+  stack = (LAYERS, 2, SEQ)
+  assert host == sorted([("bf16", stack + (WIDTH,)), ("bf16", stack + (4, 64))] + [("bf16", stack + (2, 64))] * 2), host
+  assert sum(b.bytes for b in buffers if b.space == "host") == dry_run.host_temp_bytes(compiled)
 
 
 def test_host_transfers_are_priced_at_the_host_link_and_hide_under_enough_compute():

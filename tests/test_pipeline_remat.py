@@ -66,14 +66,14 @@ def _on_host(aval) -> bool:
 
 def test_each_policy_is_mapped_or_refused_by_name():
   """Every model.remat choice builds a pipelined config, or is refused naming the field,
-  the stages and a policy that works there; 'offload_proj' is refused (its projections
-  would go to host and back within one iteration), 'offload' is mapped."""
+  the stages and a policy that works there; 'offload_proj' and 'offload_qkv' are refused (their
+  projections would go to host and back within one iteration), 'offload' is mapped."""
   refused = {r: _refusal(r) for r in REMAT_CHOICES}
   for remat, msg in refused.items():
     if msg is not None:
       assert f"model.remat={remat!r}" in msg and "model.pipeline.stages=4" in msg, msg
       assert "model.remat='offload'" in msg and "model.remat='full'" in msg, msg
-  assert [r for r, msg in refused.items() if msg] == ["offload_proj"]
+  assert [r for r, msg in refused.items() if msg] == ["offload_proj", "offload_qkv"]
   tiny_lm(LAYERS, BATCH, extra=["model.remat='offload_proj'"])   # unpipelined: still a choice
   with pytest.raises(pipeline.PipelineError, match="model.remat='offload_proj'"):
     pipeline.stage_remat("offload_proj", 2)
