@@ -147,3 +147,19 @@ def test_plan_splits_the_sequence_for_the_32k_experiment():
     cfg = configs.get("lm.llama3_8b_32k")
     configs.apply_overrides(cfg, c)
     assert configs.build(cfg).model.context_parallel == "allgather"
+
+
+def test_offload_qkv_on_a_2d_mesh_computes_what_one_device_computes(remat="offload_qkv"):
+  """Sharded (2 data x 4 model over 8 simulated devices) with the tensors the policy parks on
+  the host: the loss and every gradient equal one device's (the equality tests' tolerances)."""
+  from meshtools import loss_and_grads, setup_for, tiny_lm
+  tokens = np.random.default_rng(0).integers(1, 256, size=(8, 17)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:]}
+  one = setup_for(tiny_lm(2, 8, extra=[f"model.remat={remat!r}"]), jax.devices()[:1])
+  two_d = setup_for(tiny_lm(2, 8, ici=(2, 4), preset="2d", extra=[f"model.remat={remat!r}"]))
+  from shardax.trainer import state as state_lib
+  params = jax.device_get(state_lib.init_fn(one)(jax.random.key(0))["params"])
+  (loss1, grads1, _), _ = loss_and_grads(one, params, batch)
+  (loss8, grads8, _), _ = loss_and_grads(two_d, params, batch)
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=2e-6), grads8, grads1)
