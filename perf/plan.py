@@ -19,8 +19,9 @@ It prints the best layouts with the exact `--set` line that selects each, and wr
 `plan.json` (every candidate, its status, reason and figures) into the job dir, before and
 after each candidate. libtpu can abort the process on a program it fails to compile (at effort
 -1 it did on pipelined MoEs: a plan of `moe.maverick_4slices_1m` at R=3, dry runs of
-`moe.maverick_4slices` and `_1m`; a CHECK in its all-reduce emitter): run the same command again and the plan resumes, keeping the rows done and marking
-the candidate it died in as rejected, with the reason, instead of compiling it again.
+`moe.maverick_4slices` and `_1m`; a CHECK in its all-reduce emitter): run the same command
+again and the plan resumes, keeping the rows done and marking the candidate it died in as
+rejected, with the reason, instead of compiling it again.
 MoE experiments with an `expert` mesh axis have their own grid (`MOE_PODS`,
 `_moe_candidates`): the expert axis as the experiment has it or another size, the remat policy and, over
 several slices, data across them or a pipeline with its stages over them.
@@ -350,7 +351,7 @@ def plan(exp: configs.Experiment, base: Base, job_dir: str | None = None, *, gri
       rows.append(earlier[line])
       again = " (from the earlier run)"
     elif line == died_in:
-      rows.append(died_row(sets))
+      rows.append(_died_row(sets))
     else:
       if job_dir:  # before and after each candidate: a compiler that aborts the process loses no
         # row, and the rerun knows which candidate it died in
@@ -393,7 +394,7 @@ def _earlier_run(job_dir: str | None, now: dict, log) -> tuple[dict[str, dict], 
   return rows, died
 
 
-def died_row(sets: Sequence[str]) -> dict[str, Any]:
+def _died_row(sets: Sequence[str]) -> dict[str, Any]:
   """The row of a candidate whose compile killed the planner's process in an earlier run: not
   compiled again (it would abort this run too)."""
   return {"sets": list(sets), "set_line": set_line(sets), "status": "rejected", "fits": None,
