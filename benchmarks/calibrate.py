@@ -47,8 +47,9 @@ _LIBTPU_ARGS: list[str] = []   # LIBTPU_INIT_ARGS as this process's libtpu read 
 
 def _apply_libtpu_flags(row: dict) -> tuple[str, ...]:
   """Sets the row's libtpu flags (`calibration.libtpu_flags`: the published run's LIBTPU_INIT_ARGS,
-  one flag an entry, and a GPU row's stand-in flags) before libtpu loads; libtpu reads them once a process, so a row whose flags differ
-  from those the process already compiled with is refused (compile it alone: --rows ID)."""
+  one flag an entry, and a GPU row's stand-in flags) before libtpu loads; libtpu reads them once
+  a process, so a row whose flags differ from those the process already compiled with is refused
+  (compile it alone: --rows ID)."""
   from shardax.experiments import calibration
   from shardax.sharding import libtpu_flags
   flags = calibration.libtpu_flags(row)
