@@ -95,8 +95,8 @@ class Grid:
 # long_context.py) shard with FSDP over every chip; the choice is how to keep activations:
 # recompute ('full'), park the layer inputs (and projections) in host memory ('offload*'),
 # or split the batch into microbatches.
-_LONG_CONTEXT = dict(model_axis=(1,), presets=("fsdp",), remat=("full", "offload", "offload_proj"),
-                     fsdp=False, tp=False, pipeline_stages=())
+_LONG_CONTEXT = dict(model_axis=(1,), presets=("fsdp",), fsdp=False, tp=False, pipeline_stages=(),
+                     remat=("full", "offload", "offload_qkv", "offload_proj"))
 # Pipelined experiments: the schedule is the choice. Stages x model axis (data = the rest)
 # x microbatches x circular repeats, full remat (the pipeline's one recompute), the
 # experiment's own gradient accumulation; bubbles over 8% are not compiled.

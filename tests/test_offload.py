@@ -132,7 +132,7 @@ def test_plan_ranks_remat_and_offload_for_the_long_context_experiments():
   for name, micro in (("lm.llama3_8b_8k", "train.microbatches=3"), ("lm.llama3_70b_8k", None)):
     cands = plan.candidates(configs.get(name), 8, plan.GRIDS[name])
     remats = {s for c in cands for s in c if s.startswith("model.remat=")}
-    assert remats == {"model.remat=full", "model.remat=offload", "model.remat=offload_proj"}
+    assert remats == {"model.remat=full", "model.remat=offload", "model.remat=offload_qkv", "model.remat=offload_proj"}
     assert all("sharding.preset=fsdp" in c for c in cands)
     assert micro is None or any(micro in c for c in cands)
 
