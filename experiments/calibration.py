@@ -146,16 +146,26 @@ def _factors(n: int) -> list[int]:
   return sorted(out, reverse=True)
 
 
+def _custom(row: dict) -> tuple[str, bool]:
+  """(shardax policy, exact) for MaxText's per-tensor policy ('custom'): the offload policy whose
+  host set (layers/blocks.py OFFLOADED) is the one training.remat_offloaded names, exactly; else
+  the nearest: offload_proj for the layer input with some projections, offload for the layer
+  input with others, full when the layer input stays on device."""
+  from shardax.layers.blocks import LAYER_INPUT, OFFLOADED, PROJECTIONS
+  names = set(row["training"].get("remat_offloaded") or ())
+  exact = next((policy for policy, offloaded in OFFLOADED.items() if names == set(offloaded)), None)
+  if exact:
+    return exact, True
+  if LAYER_INPUT not in names:
+    return "full", False
+  return ("offload_proj" if names & set(PROJECTIONS) else "offload"), False
+
+
 def remat(row: dict) -> str:
   """The shardax `model.remat` for the row's published remat policy (module docstring)."""
   policy = row["training"]["remat_policy"].split(" ")[0]
-  if policy == "custom":   # MaxText's per-tensor policy: what training.remat_offloaded sends to the host
-    names = set(row["training"].get("remat_offloaded") or ())
-    qkv = {"query_proj", "key_proj", "value_proj"}
-    if names == {"decoder_layer_input"} | qkv:
-      return "offload_qkv"
-    return ("offload_proj" if "decoder_layer_input" in names and names & qkv
-            else "offload" if "decoder_layer_input" in names else "full")
+  if policy == "custom":
+    return _custom(row)[0]
   if policy in _REMAT:
     return _REMAT[policy]
   return "offload" if "offload" in policy.lower() else "full"
@@ -356,7 +366,8 @@ def approximations(row: dict) -> list[str]:
   if "relative" in m["position_encoding"].lower():
     out.append("RoPE for relative bias")
   out += _attention_notes(row)
-  if remat(row) != t["remat_policy"].split(" ")[0] and remat(row) != "offload_qkv":   # offload_qkv: custom's exact set
+  policy = t["remat_policy"].split(" ")[0]
+  if remat(row) != policy and not (policy == "custom" and _custom(row)[1]):
     out.append(f"remat {remat(row)} for {t['remat_policy'].split(' (')[0]}")
   if "adafactor" in t["optimizer"].lower():
     out.append("AdamW for Adafactor")

@@ -90,13 +90,16 @@ def _offload(*names: str):
       offload_src="device", offload_dst="pinned_host")
 
 
+# What each offload policy moves to host memory: one table for the policies below and for
+# readers of another framework's per-tensor policy (experiments/calibration.py: MaxText's custom).
+OFFLOADED = {"offload": (LAYER_INPUT,), "offload_qkv": (LAYER_INPUT, *PROJECTIONS[:3]),
+             "offload_proj": (LAYER_INPUT, *PROJECTIONS)}
+
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.checkpoint_dots,
     "dots_no_batch": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-    "offload": _offload(LAYER_INPUT),
-    "offload_proj": _offload(LAYER_INPUT, *PROJECTIONS),
-    "offload_qkv": _offload(LAYER_INPUT, *PROJECTIONS[:3]),
+    **{policy: _offload(*names) for policy, names in OFFLOADED.items()},
     "moe_matmuls": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS, EXPERT_MATMUL, EXPERT_DOWN),
     "moe_returned": jax.checkpoint_policies.save_only_these_names(*PROJECTIONS, EXPERT_MATMUL, EXPERT_RETURNED),
 }
