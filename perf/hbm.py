@@ -225,8 +225,7 @@ def onchip_bytes(mod: hlo.Module, computations: Iterable[str]) -> float:
   or a loop body and what it calls) that never crosses HBM; 0 for a program not for a TPU."""
   if not is_tpu(mod):
     return 0.0
-  inner = {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called}
-  inner = _reachable(mod, inner)
+  inner = mod.fused
   return sum(_instruction_onchip(mod, i) for c in computations if c not in inner and c in mod.computations
              for i in mod.computations[c].instructions)
 
@@ -260,7 +259,7 @@ def host_bytes(mod: hlo.Module, computations: Iterable[str]) -> tuple[float, flo
   host buffers in the forward pass and read back in the backward pass. Their time is on the
   chip's host link (hardware.Chip.host_bandwidth), not on HBM's; the `-start`/`-done` forms run
   beside the piece's compute (perf/stepmodel.py)."""
-  inner = _reachable(mod, {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called})
+  inner = mod.fused
   moved = [0.0, 0.0]
   for c in computations:
     for inst in mod.computations[c].instructions if c in mod.computations and c not in inner else ():
@@ -279,7 +278,7 @@ def stacked_share(mod: hlo.Module, computations: Iterable[str], depth: int) -> t
   the depth there, as opposed to the embedding, head and loss and a layer the compiler peeled
   out of its loop (perf/costs.py `deepen`). Traffic: operand and result leaves not in on-chip or
   host memory, logical bytes; collectives: each one's larger end."""
-  inner = _reachable(mod, {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called})
+  inner = mod.fused
   leaves = lambda shape: [a for a, s in zip(hlo.arrays(shape), hlo.memory_spaces(shape)) if s in HBM]
   stack, total = [0, 0], [0, 0]
   for c in computations:

@@ -38,12 +38,10 @@ def _runs_matmul(mod: hlo.Module, inst: hlo.Instruction) -> bool:
 def matmul_free_share(mod: hlo.Module, computations: Iterable[str]) -> float:
   """Of the bytes the kernels run in `computations` (a piece: see the module docstring) read and
   write, the share in kernels that run no matmul; 0 when they move nothing."""
-  fused = hbm._reachable(mod, {c for i in mod if i.opcode == "fusion" or "to_apply" in i.attributes
-                               for c in i.called})
   leaves = lambda shape: sum(a.nbytes for a, s in zip(hlo.arrays(shape), hlo.memory_spaces(shape)) if s in hbm.HBM)
   free = total = 0
   for c in computations:
-    for inst in mod.computations[c].instructions if c in mod.computations and c not in fused else ():
+    for inst in mod.computations[c].instructions if c in mod.computations and c not in mod.fused else ():
       op = inst.opcode
       if op in _NOT_KERNELS or op.endswith(("-start", "-done")) or op in ("send", "recv"):
         continue   # no kernel of its own, or a transfer (priced as a collective)

@@ -213,6 +213,21 @@ class Module:
     return int(m.group(1)) if m else None
 
   @functools.cached_property
+  def fused(self) -> frozenset[str]:
+    """Computations that run inside one instruction (fusion bodies, reductions' `to_apply`, and
+    what those call), as opposed to those run op by op (the entry, loop bodies, plain calls):
+    XLA prices their bytes as their caller's."""
+    seen: set[str] = set()
+    stack = [c for i in self if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called]
+    while stack:
+      c = stack.pop()
+      if c in seen or c not in self.computations:
+        continue
+      seen.add(c)
+      stack.extend(x for i in self.computations[c].instructions for x in i.called)
+    return frozenset(seen)
+
+  @functools.cached_property
   def async_done(self) -> dict[str, str]:
     """Async pairs: each `-start`'s name -> its `-done`'s name (a done's operand is its start)."""
     return {i.operands[0]: i.name for i in self if i.opcode.endswith("-done") and i.operands}
