@@ -1,5 +1,5 @@
 """The step model's H100 pricing against the one H100 step we measured ourselves: lm.1b
-(docs/performance.md "On one H100 GPU": 0.5175 s, 2026-11-23), compiled for one TPU v5p chip
+(docs/performance.md "On one H100 GPU", MEASURED_SECONDS), compiled for one TPU v5p chip
 (a stand-in: the GPU compiler is not here) and priced as the H100, with and without the
 traffic of matmul-free kernels counted apart (perf/kernels.py).
 
@@ -10,7 +10,7 @@ The stand-in runs the splash kernel where the GPU ran cuDNN flash attention (pri
 H100's measured flash rate, as the calibration's H100 rows are). `--terms` prices the cached
 H100 calibration rows (benchmarks/calibration/) with each GPU term switched off in turn: the
 matmul-free kernels' traffic (hidden under the matmuls) and the stand-in's cross-slice
-transfers (overlapped as the TPU schedule has them, the rule before 5f6953d)."""
+transfers (overlapped where the TPU schedule overlaps them: `stepmodel._overlaps` as for a TPU)."""
 
 from __future__ import annotations
 
@@ -49,24 +49,15 @@ def main():
       "flash_kernel_seconds": round(b.get("flash_kernel_seconds", 0.0), 4)}, indent=1))
 
 
-def _as_tpu_schedule(c, chip) -> bool:
-  """stepmodel._overlaps before 5f6953d: a stand-in's cross-slice transfer hides where the TPU
-  schedule runs matmuls between its send and done."""
-  if c.kind == "collective-permute" and "windowed_dot_general" in c.computation:
-    return True
-  if c.kind == "collective-permute":
-    return c.is_async and c.compute_between > 0
-  return c.is_async
-
-
 def terms():
   import os
   import sys
   sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
   import calibrate
-  from shardax.perf import stepmodel
+  from shardax.perf import hardware, stepmodel
   rows = [r for r in json.load(open(calibrate.RUNS)) if r["id"].startswith("maxtext-a3-")]
-  exposed = stepmodel._overlaps
+  exposed, tpu = stepmodel._overlaps, hardware.lookup("TPU v5")
+  as_tpu_schedule = lambda c, chip: exposed(c, tpu)   # the TPU schedule's overlap, on any chip
   print("| row | published | neither | matmul-free traffic only | cross-VM exposed only | both (now) |")
   print("|---|---:|---:|---:|---:|---:|")
   for row in rows:
@@ -76,7 +67,7 @@ def terms():
       e = json.loads(json.dumps(entry))
       for p in e["costs"]["pieces"] if not free else ():
         p["matmul_free_bytes"] = 0.0
-      stepmodel._overlaps = exposed if dcn else _as_tpu_schedule
+      stepmodel._overlaps = exposed if dcn else as_tpu_schedule
       try:
         step = calibrate.predict_row(row, e).step_seconds
       finally:
