@@ -258,6 +258,31 @@ def test_moe_returned_remat_cell_equals_one_device(monkeypatch):
   check_cell("moe", "expert", "int8")
 
 
+# model.remat='offload_qkv' (layers/blocks.py OFFLOADED) parks the block input and q/k/v in host
+# memory under their checkpoint names: on 8-bit projection outputs under ring attention beside
+# MoE layers, inside the expert-parallel shard_map, and on MLA's compact projections (its
+# query_proj and key_proj names). Each cell must equal the one-device run without remat; a
+# pipeline refuses the policy when the config is built. The first runs by default.
+OFFLOAD_CELLS = [("moe", "dp_cp_ring", "int8"), ("dense", "2d", "fp8_delayed"), ("moe", "expert", "none"),
+                 ("mla", "dp_cp_allgather", "none")]
+
+
+@pytest.mark.parametrize("model,layout,quant", [
+    c if i == 0 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(OFFLOAD_CELLS)])
+def test_offload_qkv_remat_cell_equals_one_device(model, layout, quant, monkeypatch):
+  ici, axes, preset, extra = LAYOUTS[layout]
+  monkeypatch.setitem(LAYOUTS, layout, (ici, axes, preset, [*extra, "model.remat='offload_qkv'"]))
+  check_cell(model, layout, quant)
+
+
+def test_offload_qkv_in_a_pipeline_cell_is_refused_by_name(monkeypatch):
+  ici, axes, preset, extra = LAYOUTS["pipeline_2"]
+  monkeypatch.setitem(LAYOUTS, "pipeline_2", (ici, axes, preset, [*extra, "model.remat='offload_qkv'"]))
+  monkeypatch.setitem(REFUSED, ("dense", "pipeline_2"),
+                      (ConfigError, r"model.remat='offload_qkv' with model.pipeline.stages=2"))
+  check_cell("dense", "pipeline_2", "none")
+
+
 # Greedy decode (prefill, then the cache one token at a time) on a (2, 4) mesh with the 2d rules
 # (cache rows over data, heads and MLP over model) gives the tokens of one device recomputing the
 # whole forward at each step (no cache): the sinks in every step's softmax, the window and chunk
