@@ -66,17 +66,6 @@ def is_tpu(mod: hlo.Module) -> bool:
   return any(":T(" in i.shape for i in mod)
 
 
-def _reachable(mod: hlo.Module, roots: Iterable[str]) -> set[str]:
-  seen, stack = set(), list(roots)
-  while stack:
-    c = stack.pop()
-    if c in seen or c not in mod.computations:
-      continue
-    seen.add(c)
-    stack.extend(x for i in mod.computations[c].instructions for x in i.called)
-  return seen
-
-
 def _alone(mod: hlo.Module, inst: hlo.Instruction, then: hlo.Instruction | None = None) -> str:
   """`inst` (and `then`, its async done, as root) as a module of its own: its operands as
   parameters, its callees beside it."""
@@ -85,7 +74,7 @@ def _alone(mod: hlo.Module, inst: hlo.Instruction, then: hlo.Instruction | None 
     if name not in seen:
       seen[name] = mod.instructions[name].shape
       params.append(f"  %{name} = {seen[name]} parameter({len(params)})")
-  callees = _reachable(mod, inst.called)
+  callees = mod.reachable(inst.called)
   blocks = ["\n".join(mod.computations[c].lines).replace("ENTRY ", "", 1)
             for c in mod.computations if c in callees]
   body = [inst.line.strip().removeprefix("ROOT ").strip()] + ([then.line.strip().removeprefix("ROOT ").strip()]
@@ -114,7 +103,7 @@ def _chain_role(mod: hlo.Module, inst: hlo.Instruction) -> str:
   repeats the collective with an `async_collective_fusion_config`: sharding/report.py), else ''."""
   if inst.opcode != "fusion":
     return ""
-  inner = [i for c in _reachable(mod, inst.called) for i in mod.computations[c].instructions]
+  inner = [i for c in mod.reachable(inst.called) for i in mod.computations[c].instructions]
   if not any(_ASYNC_FUSION in i.attr("backend_config") for i in inner):
     return ""
   targets = " ".join(i.attr("custom_call_target") for i in inner if i.opcode == "custom-call")

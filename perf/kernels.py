@@ -32,7 +32,7 @@ _NOT_KERNELS = hbm._SKIP + hbm._SEQUENCES + hbm._COLLECTIVES
 def _runs_matmul(mod: hlo.Module, inst: hlo.Instruction) -> bool:
   if inst.opcode in _MATMULS:
     return True
-  return any(i.opcode in _MATMULS for c in hbm._reachable(mod, inst.called) for i in mod.computations[c].instructions)
+  return any(i.opcode in _MATMULS for c in mod.reachable(inst.called) for i in mod.computations[c].instructions)
 
 
 def matmul_free_share(mod: hlo.Module, computations: Iterable[str]) -> float:

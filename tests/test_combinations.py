@@ -241,11 +241,16 @@ REMAT_CELLS = [("moe", "expert", "int8"), ("moe", "dp_cp_ring", "fp8_delayed"), 
                ("deepseek", "expert", "int8"), ("sinks_window", "dp_cp_ring", "int8")]
 
 
+def with_remat(monkeypatch, layout: str, remat: str) -> None:
+  """The layout's cells run with `model.remat=remat` (the one-device reference without it)."""
+  ici, axes, preset, extra = LAYOUTS[layout]
+  monkeypatch.setitem(LAYOUTS, layout, (ici, axes, preset, [*extra, f"model.remat={remat!r}"]))
+
+
 @pytest.mark.parametrize("model,layout,quant", [
     c if i == 0 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(REMAT_CELLS)])
 def test_moe_matmuls_remat_cell_equals_one_device(model, layout, quant, monkeypatch):
-  ici, axes, preset, extra = LAYOUTS[layout]
-  monkeypatch.setitem(LAYOUTS, layout, (ici, axes, preset, [*extra, "model.remat='moe_matmuls'"]))
+  with_remat(monkeypatch, layout, "moe_matmuls")
   check_cell(model, layout, quant)
 
 
@@ -253,8 +258,7 @@ def test_moe_matmuls_remat_cell_equals_one_device(model, layout, quant, monkeypa
 def test_moe_returned_remat_cell_equals_one_device(monkeypatch):
   """model.remat='moe_returned' saves the returned expert outputs inside the expert-parallel
   shard_map (one device has no exchange, so there it keeps the gate/up outputs only): equal."""
-  ici, axes, preset, extra = LAYOUTS["expert"]
-  monkeypatch.setitem(LAYOUTS, "expert", (ici, axes, preset, [*extra, "model.remat='moe_returned'"]))
+  with_remat(monkeypatch, "expert", "moe_returned")
   check_cell("moe", "expert", "int8")
 
 
@@ -270,14 +274,12 @@ OFFLOAD_CELLS = [("moe", "dp_cp_ring", "int8"), ("dense", "2d", "fp8_delayed"), 
 @pytest.mark.parametrize("model,layout,quant", [
     c if i == 0 else pytest.param(*c, marks=pytest.mark.slow) for i, c in enumerate(OFFLOAD_CELLS)])
 def test_offload_qkv_remat_cell_equals_one_device(model, layout, quant, monkeypatch):
-  ici, axes, preset, extra = LAYOUTS[layout]
-  monkeypatch.setitem(LAYOUTS, layout, (ici, axes, preset, [*extra, "model.remat='offload_qkv'"]))
+  with_remat(monkeypatch, layout, "offload_qkv")
   check_cell(model, layout, quant)
 
 
 def test_offload_qkv_in_a_pipeline_cell_is_refused_by_name(monkeypatch):
-  ici, axes, preset, extra = LAYOUTS["pipeline_2"]
-  monkeypatch.setitem(LAYOUTS, "pipeline_2", (ici, axes, preset, [*extra, "model.remat='offload_qkv'"]))
+  with_remat(monkeypatch, "pipeline_2", "offload_qkv")
   monkeypatch.setitem(REFUSED, ("dense", "pipeline_2"),
                       (ConfigError, r"model.remat='offload_qkv' with model.pipeline.stages=2"))
   check_cell("dense", "pipeline_2", "none")

@@ -212,20 +212,25 @@ class Module:
     m = _PARTITIONS.search(self.header)
     return int(m.group(1)) if m else None
 
-  @functools.cached_property
-  def fused(self) -> frozenset[str]:
-    """Computations that run inside one instruction (fusion bodies, reductions' `to_apply`, and
-    what those call), as opposed to those run op by op (the entry, loop bodies, plain calls):
-    XLA prices their bytes as their caller's."""
+  def reachable(self, roots) -> set[str]:
+    """The computations `roots` name and every computation they call, transitively."""
     seen: set[str] = set()
-    stack = [c for i in self if i.opcode == "fusion" or "to_apply" in i.attributes for c in i.called]
+    stack = list(roots)
     while stack:
       c = stack.pop()
       if c in seen or c not in self.computations:
         continue
       seen.add(c)
       stack.extend(x for i in self.computations[c].instructions for x in i.called)
-    return frozenset(seen)
+    return seen
+
+  @functools.cached_property
+  def fused(self) -> frozenset[str]:
+    """Computations that run inside one instruction (fusion bodies, reductions' `to_apply`, and
+    what those call), as opposed to those run op by op (the entry, loop bodies, plain calls):
+    XLA prices their bytes as their caller's."""
+    return frozenset(self.reachable(c for i in self if i.opcode == "fusion" or "to_apply" in i.attributes
+                                    for c in i.called))
 
   @functools.cached_property
   def async_done(self) -> dict[str, str]:
